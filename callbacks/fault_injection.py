@@ -1,0 +1,70 @@
+"""Worker side of fault injection: the victim announces that it reached its trigger point.
+
+Kills and stops are carried out by the controller (a process other than the victim), so a
+SIGKILL lands exactly at the announced step. Each fault fires once per job, claimed through an
+atomic counter in the store, so a replacement never inherits its predecessor's fate.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from lightning.pytorch.callbacks import Callback
+
+from runner import protocol
+
+RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank")
+
+
+class FaultTrigger(Callback):
+    def __init__(self, faults: list, comm, status, events, release_timeout_s: float) -> None:
+        self.faults = list(enumerate(faults))
+        self.comm, self.status, self.events = comm, status, events
+        self.release_timeout_s = release_timeout_s
+        self._t_start = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._t_start = time.monotonic()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step
+        for i, fault in self.faults:
+            if not self._targets_me(fault) or fault.during != "step":
+                continue
+            if fault.kind == "slow_rank":
+                if step >= max(fault.step, 0):
+                    time.sleep(fault.delay_s)  # the fault itself: a straggler
+                continue
+            if not self._due(fault, step) or self.comm.store.add(f"fault/claim/{i}", 1) != 1:
+                continue
+            self._fire(i, fault, step)
+
+    def on_recovery_start(self) -> None:
+        """Called by the worker's recovery loop: faults with ``during: recovery`` fire here."""
+        for i, fault in self.faults:
+            if fault.during == "recovery" and self._targets_me(fault) and self.comm.store.add(f"fault/claim/{i}", 1) == 1:
+                self._fire(i, fault, self.status.step)
+
+    def _targets_me(self, fault) -> bool:
+        if fault.kind in RANK_FAULTS:
+            return fault.rank == self.comm.logical_rank
+        if fault.kind == "kill_node":
+            return fault.node == self.status.node
+        return False
+
+    def _due(self, fault, step: int) -> bool:
+        if fault.step >= 0:
+            return step == fault.step
+        return fault.after_s >= 0 and time.monotonic() - self._t_start >= fault.after_s
+
+    def _fire(self, i: int, fault, step: int) -> None:
+        if fault.kind == "transient":
+            self.comm.inject_transient = True
+            self.events.emit("fault_injected", fault=fault.kind, index=i, victims=[self.comm.logical_rank])
+            return
+        protocol.set_json(self.comm.store, f"fault/hit/{i}", {"wid": self.comm.wid, "step": step, "t": time.time()})
+        try:  # the controller acts now; this wait ends only if it does not
+            self.comm.store.wait([f"fault/released/{i}"], timedelta(seconds=self.release_timeout_s))
+        except Exception:
+            self.events.emit("fault_not_carried_out", fault=fault.kind, index=i)

@@ -1,0 +1,61 @@
+"""Worker heartbeats, sent from a daemon thread so the training step never waits for them.
+
+Payload: sequence number, step, phase and RSS. The controller declares a worker dead after
+``misses`` silent intervals (SIGSTOP, a wedged process) and hung when the step stops advancing
+while heartbeats still arrive. If the store itself is gone (the controller died), the worker
+exits: no orphan keeps running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+from lightning.pytorch.callbacks import Callback
+
+from runner import protocol
+from runner.status import WorkerStatus
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class Heartbeat(Callback):
+    def __init__(self, host: str, port: int, status: WorkerStatus, interval_s: float, orphan_after_s: float) -> None:
+        self.host, self.port, self.status = host, port, status
+        self.interval_s, self.orphan_after_s = interval_s, orphan_after_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5 * self.interval_s + 1)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        store = protocol.connect(self.host, self.port, timeout_s=max(2.0, 2 * self.interval_s))
+        key = f"hb/{self.status.wid}"
+        seq = 0
+        last_ok = time.monotonic()
+        while not self._stop.is_set():
+            seq += 1
+            payload = {"seq": seq, "step": self.status.step, "phase": self.status.phase, "rss": rss_bytes(), "t": time.time()}
+            try:
+                store.set(key, json.dumps(payload))
+                last_ok = time.monotonic()
+            except Exception:
+                if time.monotonic() - last_ok > self.orphan_after_s:
+                    os._exit(70)  # the controller is gone: do not linger as an orphan
+            self._stop.wait(self.interval_s)

@@ -1,0 +1,55 @@
+"""Per-step metrics from the committed reduction: loss, step time, tokens/s and sample accounting.
+
+The all-reduce already carries, for every committed step, one count per logical rank whose
+micro-batch went in and the summed loss, so the metrics rank (logical 0) logs the global view
+without an extra collective.
+"""
+
+from __future__ import annotations
+
+import time
+
+from lightning.pytorch.callbacks import Callback
+
+from runner.events import EventLog, JsonLines
+
+
+class CommitMetrics(Callback):
+    def __init__(self, metrics: JsonLines, events: EventLog, strategy, tokens_per_sample: int, micro_batch: int,
+                 log_every_n_steps: int) -> None:
+        self.metrics, self.events, self.strategy = metrics, events, strategy
+        self.tokens_per_sample, self.micro_batch = tokens_per_sample, micro_batch
+        self.log_every = max(1, log_every_n_steps)
+        self._t_step = time.perf_counter()
+        self._last_gen = None
+        self.trainer = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.trainer = trainer
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._t_step = time.perf_counter()
+
+    def on_commit(self, step: int, extras, reduce_s: float) -> None:
+        gen = self.strategy.comm.gen
+        if self.strategy.logical_rank != 0:
+            self._last_gen = gen
+            return
+        dp = self.strategy.dp_size
+        counts = [int(c) for c in extras[:dp].tolist()]
+        contributors = max(1, sum(counts))
+        loss = float(extras[-2]) / contributors
+        step_time = time.perf_counter() - self._t_step
+        tokens = sum(counts) * self.micro_batch * self.tokens_per_sample
+        if self._last_gen is not None and gen != self._last_gen:
+            self.events.emit("step_committed_after_recovery", gen=gen, committed_step=step)
+        self._last_gen = gen
+        record = {"step": step, "t": time.time(), "loss": loss, "step_time_s": step_time, "reduce_s": reduce_s,
+                  "tokens_per_s": tokens / step_time if step_time > 0 else 0.0, "counts": counts,
+                  "misplaced": int(extras[-1]), "gen": gen}
+        self.metrics.write(record)
+        if self.trainer is not None and self.trainer.logger is not None and step % self.log_every == 0:
+            self.trainer.logger.log_metrics(
+                {"train/loss": loss, "train/step_time_s": step_time, "train/tokens_per_s": record["tokens_per_s"]},
+                step=step,
+            )

@@ -1,0 +1,80 @@
+"""Node agent: supervises the worker processes of one (simulated) node and reports exits at once.
+
+On a real cluster this is the per-node daemon (torchrun's elastic agent plays the part there);
+in the single-host simulation each agent is a thread of the launching process. A lost node is
+simulated by killing its workers and silencing its agent: nobody reports those exits, and the
+controller learns of the loss from the agent's missing heartbeat.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from multiprocessing.connection import wait
+from queue import Queue
+
+
+class NodeAgent:
+    def __init__(self, node: int, events: Queue, interval_s: float) -> None:
+        self.node, self.events, self.interval_s = node, events, interval_s
+        self.procs: dict[int, object] = {}  # wid -> multiprocessing.Process
+        self.lost = False
+        self.last_beat = time.monotonic()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        self._stop = False
+        self._thread = threading.Thread(target=self._watch, name=f"agent-{node}", daemon=True)
+        self._thread.start()
+
+    def add(self, wid: int, proc) -> None:
+        with self._lock:
+            self.procs[wid] = proc
+        os.write(self._wake_w, b"x")
+
+    def pids(self) -> dict[int, int]:
+        with self._lock:
+            return {wid: p.pid for wid, p in self.procs.items() if p.exitcode is None}
+
+    def signal(self, wid: int, sig: int) -> None:
+        with self._lock:
+            proc = self.procs.get(wid)
+        if proc is not None and proc.exitcode is None:
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def lose_node(self) -> list[int]:
+        """Simulate the node going down: every worker SIGKILLed, the agent silent from now on."""
+        self.lost = True
+        victims = list(self.pids())
+        for wid in victims:
+            self.signal(wid, signal.SIGKILL)
+        return victims
+
+    def stop(self) -> None:
+        self._stop = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _watch(self) -> None:
+        while not self._stop:
+            with self._lock:
+                live = {p.sentinel: wid for wid, p in self.procs.items() if p.exitcode is None}
+            ready = wait(list(live) + [self._wake_r], timeout=self.interval_s)
+            if not self.lost:
+                self.last_beat = time.monotonic()
+            for r in ready:
+                if r == self._wake_r:
+                    os.read(self._wake_r, 64)
+                    continue
+                wid = live[r]
+                with self._lock:
+                    proc = self.procs[wid]
+                proc.join(timeout=1)
+                if not self.lost:
+                    self.events.put(("exit", wid, proc.exitcode, time.time()))

@@ -1,0 +1,96 @@
+"""``python -m runner``: compose the Hydra config, validate it, plan, launch, summarise.
+
+Validation and planning happen here, in the launching process, before any worker starts; workers
+receive the resolved config as a dict and never run Hydra (so a multirun is never re-run by a
+child process).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from runner.config import ConfigError, register_all
+from runner.config.registry import CONF_DIR
+from runner.config.validate import validate
+from runner.plan import apply_smoke, make_plan, needs_gpus
+
+EXIT_CONFIG = 2
+EXIT_NEEDS_GPUS = 3
+EXIT_RUN_FAILED = 1
+
+register_all()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    single = HydraConfig.get().mode == RunMode.RUN
+    code = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    if code and single:
+        sys.exit(code)
+
+
+def run(cfg: DictConfig, run_dir: Path) -> int:
+    """Run one job; returns the process exit code (0 completed, 1 failed, 2 bad config, 3 needs GPUs)."""
+    try:
+        validate(cfg, for_training=False)
+        if cfg.runner.smoke:
+            for change in apply_smoke(cfg):
+                print(f"[runner] smoke: {change}", flush=True)
+        plan = make_plan(cfg)
+        print(plan.render(cfg), flush=True)
+        if needs_gpus(cfg, plan):
+            print(
+                f"[runner] {cfg.recipe_name} has {plan.params / 1e9:.1f} B parameters and needs {plan.world} GPUs "
+                f"with {plan.bytes_per_rank / 2**30:.0f} GiB each; this host has {plan.gpus_available}. Launch it under "
+                "torchrun or SLURM on a GPU cluster, or add runner.smoke=true to train the same recipe shrunk on CPU.",
+                file=sys.stderr, flush=True,
+            )
+            return EXIT_NEEDS_GPUS
+        validate(cfg, for_training=True)
+    except ConfigError as err:
+        print(f"[runner] {err}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    from runner.launcher import launch  # heavy imports only once the config is known to be good
+
+    summary = launch(cfg, run_dir)
+    print(render_summary(summary, run_dir), flush=True)
+    return 0 if summary["status"] == "completed" else EXIT_RUN_FAILED
+
+
+def render_summary(s: dict, run_dir: Path) -> str:
+    lines = [
+        "=" * 72,
+        f"run {s['status'].upper()}: {s['run_name']}  ({run_dir})",
+    ]
+    if s["status"] == "failed":
+        lines.append(f"  error        {s.get('error')}")
+    lines += [
+        f"  steps        {s['global_step']}  loss {s['initial_loss']} -> {s['final_loss']}",
+        f"  throughput   {s['steps_per_s']:.2f} steps/s, {s['tokens_per_s']:.0f} tokens/s, MFU {100 * s['mfu']:.2f}%",
+        f"  wall         {s['wall_s']:.1f}s (training {s['train_s']:.1f}s, ETTR {s['effective_training_time_ratio']:.3f})",
+        f"  samples      committed {s['samples_committed']}, lost {s['samples_lost']}, duplicated {s['samples_duplicated']}",
+        f"  checksum     {s['param_checksum']}",
+    ]
+    for r in s["recoveries"]:
+        lines.append(
+            f"  recovery {r['id']}   {r['fault']} of {r['victims']} at step {r['step']} -> {r['action']}: "
+            f"RTO {_fmt(r['rto_s'])} (detect {_fmt(r['detect_s'])}, decide {_fmt(r['decide_s'])}, replace "
+            f"{_fmt(r['replace_s'])}, rebuild {_fmt(r['rebuild_s'])}, restore {_fmt(r['restore_s'])}), RPO {r['rpo_steps']} steps"
+        )
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None else f"{v:.3f}s"
+
+
+if __name__ == "__main__":
+    main()

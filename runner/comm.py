@@ -1,0 +1,162 @@
+"""A worker's rebuildable communicator: its process group, generation and logical rank.
+
+The group is a ``ProcessGroupGloo``/``ProcessGroupNCCL`` created directly over a ``PrefixStore``
+named after the generation, so a new group can be built inside a live process (no
+``init_process_group``, no restart). On a failure the group is aborted, which makes every peer's
+pending collective fail at once instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore
+
+from runner import protocol
+from runner.protocol import Layout
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective failed (peer died, connection reset, timeout, injected error)."""
+
+
+class RunAborted(RuntimeError):
+    """The controller ended the run, or no usable generation came in time."""
+
+
+class Comm:
+    def __init__(self, store: TCPStore, wid: int, backend: str, device: torch.device, timeouts) -> None:
+        self.store, self.wid, self.backend, self.device = store, wid, backend, device
+        self.collective_timeout = timedelta(seconds=timeouts.collective_timeout_s)
+        self.rendezvous_timeout_s = timeouts.rendezvous_timeout_s
+        self.recovery_timeout_s = timeouts.recovery_timeout_s
+        self.pg: dist.ProcessGroup | None = None
+        self.layout: Layout | None = None
+        self.inject_transient = False  # set by the fault injector: the next collective fails once
+
+    # -- membership -----------------------------------------------------------------------------
+    @property
+    def gen(self) -> int:
+        return self.layout.gen if self.layout else -1
+
+    @property
+    def rank(self) -> int:
+        return self.layout.pg_rank(self.wid)
+
+    @property
+    def size(self) -> int:
+        return len(self.layout.members)
+
+    @property
+    def logical_rank(self) -> int:
+        return self.layout.logical[self.rank]
+
+    def await_layout(self, timeout_s: float, *, newer_than: int) -> Layout:
+        """Block until the controller publishes a generation newer than ``newer_than`` with this worker in it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if self.store.check(["abort"]):
+                raise RunAborted(self.store.get("abort").decode())
+            if remaining <= 0:
+                raise RunAborted(f"no new generation after gen {newer_than} within {timeout_s:.0f}s")
+            try:
+                self.store.wait([f"gen/{newer_than + 1}"], timedelta(seconds=min(remaining, 1.0)))
+            except Exception:  # the 1 s slice expired: look at 'abort' again
+                continue
+            layout = protocol.latest_layout(self.store)
+            if self.wid in layout.members:
+                return layout
+            newer_than = layout.gen
+
+    def join(self, layout: Layout, timeout_s: float | None = None) -> None:
+        """Build this generation's process group (a rendezvous of all its members)."""
+        self.abort()
+        self.layout = layout
+        prefix = PrefixStore(f"pg/{layout.gen}/", self.store)
+        wait = timedelta(seconds=timeout_s or self.rendezvous_timeout_s)
+        self._arrive(prefix, wait)
+        try:
+            if self.backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = self.collective_timeout
+                self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.size, opts)
+            else:
+                self.pg = _gloo_group(prefix, self.rank, self.size, wait, self.collective_timeout)
+        except Exception as err:  # a member died during the rendezvous
+            self.pg = None
+            raise CollectiveFailure(f"rendezvous of gen {layout.gen} failed: {err}") from err
+
+    def _arrive(self, prefix: PrefixStore, wait: timedelta) -> None:
+        """Wait in the store until every member arrived, so the group's constructor never blocks.
+
+        The constructor holds the GIL while it waits for peers, which would silence this process's
+        heartbeat thread; the store's wait releases it.
+        """
+        prefix.set(f"arrived/{self.rank}", "1")
+        try:
+            prefix.wait([f"arrived/{r}" for r in range(self.size)], wait)
+        except Exception as err:
+            raise CollectiveFailure(f"gen {self.layout.gen}: not every member arrived within {wait.total_seconds():.0f}s") from None
+
+    def abort(self) -> None:
+        """Drop this process's group: its sockets close, so peers' pending collectives fail immediately."""
+        if self.pg is not None:
+            if self.backend == "nccl":
+                self.pg.abort()  # NCCL: abort the communicator instead of waiting for its timeout
+            self.pg = None
+
+    # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
+    # No frame may keep a reference to the group or its work objects once a collective failed: the
+    # group's connections close only when the last reference goes, and closing them is what makes
+    # peers fail at once (gloo's abort()/shutdown() leave the sockets open).
+    def _run(self, ops) -> None:
+        """Run collectives one at a time: with nothing left in flight after an error, dropping the
+        group is immediate (gloo's destructor joins its worker threads while holding the GIL)."""
+        if self.pg is None:
+            raise CollectiveFailure("no process group (aborted)")
+        if self.inject_transient:
+            self.inject_transient = False
+            self.abort()
+            raise CollectiveFailure("injected transient connection error")
+        try:
+            for op in ops:
+                op(self.pg).wait()
+            return
+        except Exception as err:
+            message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        self.abort()
+        raise CollectiveFailure(message)
+
+    def allreduce(self, tensors: list[torch.Tensor], op=dist.ReduceOp.SUM) -> None:
+        opts = _opts(op)
+        self._run([lambda pg, t=t: pg.allreduce([t], opts) for t in tensors])
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._run([lambda pg: pg.allgather([out], [tensor])])
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self._run([lambda pg: pg.broadcast([tensor], opts)])
+
+    def barrier(self) -> None:
+        self.allreduce([torch.zeros(1, device=self.device)])
+
+
+def _opts(op) -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return opts
+
+
+def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta) -> dist.ProcessGroup:
+    """Gloo over loopback (or the host's interface); the rendezvous waits at most ``rendezvous``."""
+    pg = dist.ProcessGroupGloo(store, rank, size, rendezvous)
+    pg.set_timeout(timeout)
+    return pg

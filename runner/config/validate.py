@@ -1,0 +1,161 @@
+"""Cross-field validation: everything a dataclass type cannot express, checked before launch.
+
+Each problem becomes one sentence that says what to change; all of them are reported together in
+one ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.config.errors import ConfigError
+from runner.config.ft_schema import FT_SCHEMAS, IMPLEMENTED
+from runner.config.registry import recipe_names
+from runner.config.schema import FaultConfig
+
+FAULT_KINDS = ("none", "kill_rank", "kill_node", "hang_rank", "transient", "slow_rank")
+LOGGERS = ("wandb", "csv", "none")
+LAUNCHERS = ("auto", "local", "torchrun", "slurm")
+
+
+def world_size(cfg: DictConfig) -> int:
+    return int(cfg.parallel.nodes) * int(cfg.parallel.procs_per_node)
+
+
+def dp_size(cfg: DictConfig) -> int:
+    return world_size(cfg) // (int(cfg.parallel.tp) * int(cfg.parallel.pp))
+
+
+def ft_names(cfg: DictConfig) -> list[str]:
+    return list(cfg.ft.keys()) if cfg.ft else []
+
+
+def all_faults(cfg: DictConfig) -> list[DictConfig]:
+    """The main fault plus ``fault.extra`` entries, each a full FaultConfig."""
+    extra = [OmegaConf.merge(OmegaConf.structured(FaultConfig), e) for e in cfg.fault.extra]
+    return [cfg.fault] + extra
+
+
+def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
+    """Raise ConfigError listing every problem; ``for_training=False`` checks only what a plan needs."""
+    problems: list[str] = []
+    if "recipe" in cfg:
+        problems.append(
+            f"'recipe={cfg.recipe}' is not a known recipe; choose one with +recipe=NAME from: {', '.join(recipe_names())}."
+        )
+    if cfg.recipe_name == "none":
+        problems.append(f"No recipe chosen: add +recipe=NAME, one of: {', '.join(recipe_names())}.")
+    problems += _layout_problems(cfg, for_training)
+    problems += _ft_problems(cfg, for_training)
+    problems += _misc_problems(cfg)
+    if problems:
+        raise ConfigError("Invalid configuration: " + " ".join(problems))
+
+
+def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
+    p = cfg.parallel
+    out: list[str] = []
+    if p.nodes < 1 or p.procs_per_node < 1:
+        out.append(f"parallel.nodes ({p.nodes}) and parallel.procs_per_node ({p.procs_per_node}) must be >= 1.")
+        return out
+    if p.tp < 1 or p.pp < 1:
+        out.append(f"parallel.tp ({p.tp}) and parallel.pp ({p.pp}) must be >= 1.")
+        return out
+    world = world_size(cfg)
+    if world % (p.tp * p.pp):
+        out.append(
+            f"tp*pp = {p.tp}*{p.pp} = {p.tp * p.pp} does not divide the world size {world} "
+            f"(= parallel.nodes {p.nodes} x parallel.procs_per_node {p.procs_per_node}); "
+            "change tp/pp or the number of ranks so that tp*pp*dp equals the world size."
+        )
+        return out
+    dp = world // (p.tp * p.pp)
+    if p.dp_group_size < 0 or (p.dp_group_size and dp % p.dp_group_size):
+        out.append(
+            f"parallel.dp_group_size={p.dp_group_size} must be 0 (one group) or divide the data-parallel size {dp}."
+        )
+    if p.spares < 0:
+        out.append(f"parallel.spares={p.spares} is negative; use 0 or more hot spares.")
+    if p.zero not in (0, 1):
+        out.append(f"parallel.zero={p.zero} is not supported; use 0 (replicated) or 1 (ZeRO-1).")
+    if p.backend not in ("auto", "gloo", "nccl"):
+        out.append(f"parallel.backend={p.backend!r} is unknown; use auto, gloo or nccl.")
+    m = cfg.model
+    if m._target_ is None:
+        if m.n_head < 1 or m.d_model % m.n_head:
+            out.append(f"model.d_model={m.d_model} must be a multiple of model.n_head={m.n_head}.")
+        if m.n_head % p.tp:
+            out.append(f"parallel.tp={p.tp} must divide model.n_head={m.n_head}.")
+        if m.n_layer % p.pp:
+            out.append(f"parallel.pp={p.pp} must divide model.n_layer={m.n_layer}.")
+    gbs = cfg.trainer.global_batch_size
+    if gbs < dp:
+        out.append(
+            f"The recipe's trainer.global_batch_size={gbs} gives no sample to some of the {dp} data-parallel "
+            f"ranks: use at most {gbs} data-parallel ranks or raise the global batch size."
+        )
+    elif gbs % dp:
+        out.append(f"trainer.global_batch_size={gbs} must be divisible by the data-parallel size {dp}.")
+    if for_training and (p.tp > 1 or p.pp > 1):
+        out.append(
+            f"Training with tp={p.tp}/pp={p.pp} is not supported yet (only planning is); set parallel.tp=1 parallel.pp=1."
+        )
+    return out
+
+
+def _ft_problems(cfg: DictConfig, for_training: bool) -> list[str]:
+    out: list[str] = []
+    known = set(FT_SCHEMAS) | {"ndb"}
+    for name in ft_names(cfg):
+        if name not in known:
+            out.append(f"ft.{name} is not a fault-tolerance strategy; use any of {', '.join(sorted(known))}.")
+            continue
+        schema = FT_SCHEMAS.get(name)
+        if schema is not None:
+            try:
+                OmegaConf.merge(OmegaConf.structured(schema), cfg.ft[name])
+            except OmegaConfBaseException as err:
+                out.append(f"ft.{name}: {str(err).splitlines()[0]}; see conf/ft/{name}.yaml for the valid keys.")
+        if for_training and name not in IMPLEMENTED:
+            out.append(
+                f"ft={name} is not available in this version yet (available: {', '.join(IMPLEMENTED)}, or ft=[] for none)."
+            )
+    return out
+
+
+def _misc_problems(cfg: DictConfig) -> list[str]:
+    out: list[str] = []
+    hb = cfg.heartbeat
+    if hb.interval_s <= 0 or hb.misses < 1:
+        out.append(f"heartbeat.interval_s ({hb.interval_s}) must be > 0 and heartbeat.misses ({hb.misses}) >= 1.")
+    if hb.stall_timeout_s <= hb.interval_s:
+        out.append(f"heartbeat.stall_timeout_s ({hb.stall_timeout_s}) must exceed heartbeat.interval_s ({hb.interval_s}).")
+    f = cfg.fault
+    try:
+        faults = all_faults(cfg)
+    except OmegaConfBaseException as err:
+        return out + [f"fault.extra: {str(err).splitlines()[0]}; each entry takes the keys of recipes/fault/*.yaml."]
+    for i, one in enumerate(faults):
+        where = "fault" if i == 0 else f"fault.extra[{i - 1}]"
+        if one.kind not in FAULT_KINDS:
+            out.append(f"{where}.kind={one.kind!r} is unknown; use one of {', '.join(FAULT_KINDS)}.")
+        if one.kind in ("kill_rank", "hang_rank", "transient", "slow_rank") and not 0 <= one.rank < dp_size(cfg):
+            out.append(f"{where}.rank={one.rank} is not a rank of this {dp_size(cfg)}-rank job; use 0..{dp_size(cfg) - 1}.")
+        if one.kind == "kill_node" and not 0 <= one.node < cfg.parallel.nodes:
+            out.append(f"{where}.node={one.node} is not a node of this job; use 0..{cfg.parallel.nodes - 1}.")
+        if one.during not in ("step", "recovery"):
+            out.append(f"{where}.during={one.during!r} is unknown; use step or recovery.")
+        if one.during == "recovery" and one.kind not in ("kill_rank", "hang_rank"):
+            out.append(f"{where}: during=recovery is for kill_rank and hang_rank faults.")
+        if one.kind not in ("none", "slow_rank") and one.during == "step" and one.step < 0 and one.after_s < 0:
+            out.append(f"{where}: set fault.step (a step) or fault.after_s (seconds) to say when to inject.")
+        if one.step >= cfg.trainer.max_steps:
+            out.append(f"{where}.step={one.step} is not before trainer.max_steps={cfg.trainer.max_steps}; the fault would never fire.")
+    if cfg.logger.kind not in LOGGERS:
+        out.append(f"logger.kind={cfg.logger.kind!r} is unknown; use logger=wandb, logger=csv or logger=none.")
+    if cfg.launcher.kind not in LAUNCHERS:
+        out.append(f"launcher.kind={cfg.launcher.kind!r} is unknown; use one of {', '.join(LAUNCHERS)}.")
+    if cfg.trainer.max_steps < 1:
+        out.append(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1.")
+    return out

@@ -1,0 +1,405 @@
+"""The controller: membership, generations, detection, decisions and the end of the run.
+
+It hosts the job's TCPStore, starts workers through the node agents, watches exits (at once),
+heartbeats (hangs and silent deaths) and workers' reports (collective errors), classifies each
+fault, carries out the action the fault-tolerance mix allows, and publishes generations. It is
+never on the training path: healthy steps cost it nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from queue import Empty, Queue
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed import TCPStore
+
+from runner import protocol
+from runner.agent import NodeAgent
+from runner.config.validate import all_faults, dp_size, ft_names
+from runner.decision import Decision, decide
+from runner.events import EventLog
+from runner.protocol import Layout
+from runner.summary import write_summary
+
+FORKSERVER_PRELOAD = ["runner.worker"]
+
+
+@dataclass
+class Recovery:
+    """What the controller knows of one recovery; worker events fill in the rest at the end."""
+
+    id: int
+    t_detect: float
+    t_detect_mono: float
+    symptoms: list = field(default_factory=list)
+    fault: str = ""
+    victims: list = field(default_factory=list)
+    step: int = -1
+    action: str = ""
+    reason: str = ""
+    t_fault: Optional[float] = None
+    t_decide: Optional[float] = None
+    t_ready: Optional[float] = None
+    survivors_gen: Optional[int] = None
+    full_gen: Optional[int] = None
+
+
+@dataclass
+class Worker:
+    wid: int
+    node: int
+    local_rank: int
+    logical: int
+    role: str
+    t_spawn: float
+    ready: bool = False
+    done: bool = False
+    dead: bool = False
+    killed_for: str = ""  # set when the controller itself killed it (hang)
+    hb_seq: int = -1
+    hb_change: float = 0.0
+    hb_step: int = -1
+    hb_step_change: float = 0.0
+    hb_phase: str = ""
+
+
+class Controller:
+    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.dp = dp_size(cfg)
+        self.ft = ft_names(cfg)
+        self.hb = cfg.heartbeat
+        self.queue: Queue = Queue()
+        self.workers: dict[int, Worker] = {}
+        self.assigned: dict[int, int] = {}  # logical rank -> wid
+        self.gen = -1
+        self.recoveries: list[Recovery] = []
+        self.active: Optional[Recovery] = None
+        self.decide_at: Optional[float] = None
+        self.restarts = 0
+        self.reports_seen = 0
+        self.status, self.error = "running", ""
+        self.faults = [f for f in all_faults(cfg) if f.kind != "none"]
+        self.fault_hits: dict[int, dict] = {}
+        self.silent_reported: set[int] = set()
+        self._last_hb_poll = time.monotonic()
+        self.t_start = time.time()
+        self.events = EventLog(self.run_dir / "events.jsonl", rank=lambda: "controller", step=lambda: -1,
+                               echo=self._echo if cfg.runner.console_events else None)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def run(self) -> dict:
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=self.cfg.launcher.start_timeout_s))
+        self.host, self.port = "127.0.0.1", self.store.port
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        self.cfg_dict = OmegaConf.to_container(self.cfg, resolve=True)
+        nodes = self.cfg.parallel.nodes
+        self.agents = [NodeAgent(n, self.queue, self.hb.interval_s) for n in range(nodes)]
+        self.events.emit("run_start", world_size=self.dp, nodes=nodes, ft=self.ft, recipe=self.cfg.recipe_name,
+                         store_port=self.port)
+        try:
+            for lrank in range(self.dp):
+                node, local = divmod(lrank, self.cfg.parallel.procs_per_node)
+                self._spawn(lrank, node, local, role="initial", first_gen=0)
+            for w in self.workers.values():
+                w.ready = True
+            self._publish()
+            self._loop()
+        except KeyboardInterrupt:
+            self._fail("interrupted by the user (Ctrl-C)")
+        finally:
+            self._shutdown()
+        summary = write_summary(self)
+        return summary
+
+    def _loop(self) -> None:
+        deadline = time.monotonic() + self.cfg.launcher.run_timeout_s
+        poll = min(self.hb.interval_s, 0.05)
+        next_hb = time.monotonic()
+        while self.status == "running":
+            try:
+                item = self.queue.get(timeout=poll)
+                self._on_event(item)
+            except Empty:
+                pass
+            now = time.monotonic()
+            self._poll_reports()
+            self._poll_faults()
+            if now >= next_hb:
+                self._poll_heartbeats()
+                next_hb = now + self.hb.interval_s
+            self._poll_ready()
+            if self.decide_at is not None and now >= self.decide_at:
+                self._decide()
+            if self._all_done():
+                self.status = "completed"
+            elif now > deadline:
+                self._fail(f"the run exceeded launcher.run_timeout_s={self.cfg.launcher.run_timeout_s:.0f}s")
+
+    # -- processes ------------------------------------------------------------------------------
+    def _spawn(self, lrank: int, node: int, local: int, role: str, first_gen: int) -> Worker:
+        from runner.worker import WorkerSpec, main  # imported lazily: the launcher process stays light
+
+        wid = len(self.workers)
+        spec = WorkerSpec(str(self.run_dir), wid, node, local, lrank, role, first_gen, self.host, self.port)
+        proc = self.ctx.Process(target=main, args=(spec, self.cfg_dict), name=f"worker-{wid}", daemon=False)
+        proc.start()
+        worker = Worker(wid, node, local, lrank, role, t_spawn=time.monotonic())
+        self.workers[wid] = worker
+        self.assigned[lrank] = wid
+        self.agents[node].add(wid, proc)
+        return worker
+
+    def _live(self) -> list[Worker]:
+        return [w for w in self.workers.values() if not w.dead and self.assigned.get(w.logical) == w.wid]
+
+    # -- generations ----------------------------------------------------------------------------
+    def _publish(self, recovery: Optional[Recovery] = None) -> Layout:
+        """Publish the next generation: every ready assigned worker; the rest of the logical ranks pending."""
+        self.gen += 1
+        members = sorted((w for w in self._live() if w.ready), key=lambda w: w.logical)
+        layout = Layout(
+            gen=self.gen, members=[w.wid for w in members], logical=[w.logical for w in members], dp=self.dp,
+            pending=sorted(set(range(self.dp)) - {w.logical for w in members}),
+            joiners=[w.wid for w in members if w.role == "joiner"],
+            recovery=recovery.id if recovery else -1,
+        )
+        self.store.set(f"gen/{self.gen}", layout.to_json())
+        self.store.set("gen", str(self.gen))
+        self.events.emit("generation", gen=self.gen, members=layout.members, pending=layout.pending,
+                         recovery=layout.recovery)
+        return layout
+
+    # -- detection --------------------------------------------------------------------------------
+    def _on_event(self, item) -> None:
+        kind = item[0]
+        if kind == "exit":
+            _, wid, code, t = item
+            w = self.workers[wid]
+            if w.dead or (code == 0 and self.store.check([f"done/{wid}"])):
+                return  # already handled, or a normal end
+            self._symptom("exit", wid=wid, code=code, t=t)
+
+    def _poll_reports(self) -> None:
+        n = self.store.add("reports", 0)
+        while self.reports_seen < n:
+            key = f"report/{self.reports_seen + 1}"
+            try:
+                self.store.wait([key], timedelta(seconds=1))
+            except Exception:
+                return  # written in a moment; read it next round
+            self.reports_seen += 1
+            rep = protocol.get_json(self.store, key)
+            if rep.get("fatal"):
+                self._fail(f"worker {rep['wid']} failed: {rep['reason']}")
+                return
+            if rep.get("gen", self.gen) < self.gen:
+                continue  # about a generation already replaced: nothing new
+            self._symptom("report", **rep)
+
+    def _poll_heartbeats(self) -> None:
+        now = time.monotonic()
+        interval, misses = self.hb.interval_s, self.hb.misses
+        # If this loop itself was late, what looks like silence may be ours: refresh, judge next round.
+        judging = now - self._last_hb_poll < 2 * interval
+        self._last_hb_poll = now
+        for node, agent in enumerate(self.agents):
+            if judging and node not in self.silent_reported and now - agent.last_beat > interval * misses:
+                self.silent_reported.add(node)
+                self._symptom("node_silent", node=node, t=time.time())
+        for w in self._live():
+            if w.done or w.node in self.silent_reported:
+                continue
+            key = f"hb/{w.wid}"
+            if not self.store.check([key]):
+                if now - w.t_spawn > self.cfg.launcher.start_timeout_s:
+                    self._kill_hung(w, f"no heartbeat within launcher.start_timeout_s={self.cfg.launcher.start_timeout_s}")
+                continue
+            hb = json.loads(self.store.get(key))
+            if hb["seq"] != w.hb_seq:
+                w.hb_seq, w.hb_change = hb["seq"], now
+            if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:
+                w.hb_step, w.hb_phase, w.hb_step_change = hb["step"], hb["phase"], now
+            if not judging:
+                continue
+            if now - w.hb_change > interval * misses:
+                self._kill_hung(w, f"{misses} heartbeats missed ({interval}s interval; last phase {w.hb_phase})")
+            elif w.hb_phase == "compute" and now - w.hb_step_change > self.hb.stall_timeout_s:
+                self._kill_hung(w, f"step {w.hb_step} not advancing for {self.hb.stall_timeout_s}s")
+
+    def _kill_hung(self, w: Worker, why: str) -> None:
+        if w.killed_for:
+            return
+        w.killed_for = why
+        self._symptom("hang", wid=w.wid, why=why, t=time.time())
+        self.agents[w.node].signal(w.wid, signal.SIGKILL)
+
+    def _poll_ready(self) -> None:
+        changed = False
+        for w in self._live():
+            if not w.ready and self.store.check([f"ready/{w.wid}"]):
+                w.ready = True
+                changed = True
+                self.events.emit("replacement_ready", wid=w.wid, logical=w.logical,
+                                 startup_s=time.monotonic() - w.t_spawn)
+        if changed and self.active is not None and self.decide_at is None:
+            self._after_change()
+        for w in self._live():
+            if not w.done and self.store.check([f"done/{w.wid}"]):
+                w.done = True
+
+    def _symptom(self, kind: str, **details) -> None:
+        if self.status != "running":
+            return
+        now = time.time()
+        if self.active is None:
+            self.active = Recovery(id=len(self.recoveries), t_detect=now, t_detect_mono=time.monotonic())
+            self.recoveries.append(self.active)
+            self.events.emit("fault_detected", recovery=self.active.id, symptom=kind, **_short(details))
+        self.active.symptoms.append({"kind": kind, **details})
+        if self.decide_at is None:
+            self.decide_at = time.monotonic() + self.hb.decide_window_s
+
+    def _poll_faults(self) -> None:
+        for i, fault in enumerate(self.faults):
+            if i in self.fault_hits or fault.kind in ("transient", "slow_rank"):
+                continue
+            key = f"fault/hit/{i}"
+            if not self.store.check([key]):
+                continue
+            hit = protocol.get_json(self.store, key)
+            self.fault_hits[i] = hit
+            self._inject(i, fault, hit)
+
+    def _inject(self, i: int, fault, hit: dict) -> None:
+        """Carry out a fault the victim announced: the kill comes from this process, not the victim."""
+        w = self.workers[hit["wid"]]
+        t = time.time()
+        if fault.kind == "kill_rank":
+            self.agents[w.node].signal(w.wid, signal.SIGKILL)
+            victims = [w.logical]
+        elif fault.kind == "hang_rank":
+            self.agents[w.node].signal(w.wid, signal.SIGSTOP)
+            victims = [w.logical]
+        else:  # kill_node
+            victims = [self.workers[v].logical for v in self.agents[fault.node].lose_node()]
+        self.store.set(f"fault/released/{i}", "1")
+        self.events.emit("fault_injected", fault=fault.kind, index=i, victims=victims, at_step=hit["step"], t_fault=t)
+
+    # -- decision and action ------------------------------------------------------------------------
+    def _decide(self) -> None:
+        rec = self.active
+        now = time.monotonic()
+        dead = self._collect_dead()
+        lost_nodes = self._silent_nodes(now)
+        hung = any(s["kind"] == "hang" for s in rec.symptoms)
+        if not dead and not lost_nodes and not self._all_proved_alive(rec.t_detect_mono):
+            self.decide_at = now + min(self.hb.interval_s, 0.05)  # a transient needs proof of life from everyone
+            return
+        self.decide_at = None
+        lost_ranks = [w.logical for w in self._live() if w.node in lost_nodes]
+        decision: Decision = decide(
+            ft=self.ft, cfg=self.cfg, dead=[self.workers[w].logical for w in dead], hung=hung, lost_nodes=lost_nodes,
+            lost_ranks=lost_ranks, survivors=[w.logical for w in self._live() if w.wid not in dead and w.node not in lost_nodes],
+            restarts_left=self._restarts_left(),
+        )
+        rec.fault = rec.fault or decision.fault
+        rec.victims = sorted(set(rec.victims) | set(decision.victims))
+        rec.action, rec.reason = decision.action, decision.reason
+        rec.t_decide = time.time()
+        self.events.emit("recovery_decided", recovery=rec.id, fault=decision.fault, action=decision.action,
+                         victims=decision.victims, reason=decision.reason)
+        if decision.action == "fail":
+            self._fail(decision.reason)
+            return
+        for wid in dead:
+            self.workers[wid].dead = True
+        if decision.action == "restart_rank":
+            for lrank in decision.victims:
+                old = self.workers[self.assigned[lrank]]
+                self.restarts += 1
+                self._spawn(lrank, old.node, old.local_rank, role="joiner", first_gen=self.gen + 1)
+        self._after_change()
+
+    def _all_proved_alive(self, since: float) -> bool:
+        """Every live worker and agent has beaten since the first symptom, or the miss window has passed."""
+        now = time.monotonic()
+        if now - since > self.hb.interval_s * self.hb.misses:
+            return True  # whoever is still silent is caught by the heartbeat rules now
+        agents_ok = all(a.last_beat > since for a in self.agents)
+        return agents_ok and all(w.hb_change > since for w in self._live() if w.ready and not w.done)
+
+    def _silent_nodes(self, now: float) -> list[int]:
+        limit = self.hb.interval_s * self.hb.misses
+        return [a.node for a in self.agents if now - a.last_beat > limit]
+
+    def _after_change(self) -> None:
+        """Publish survivors-only or complete generations as replacements become ready."""
+        rec = self.active
+        layout = self._publish(rec)
+        if layout.complete:
+            rec.t_ready = rec.t_ready or time.time()
+            rec.full_gen = layout.gen
+            self.active = None
+        elif rec.survivors_gen is None:
+            rec.survivors_gen = layout.gen
+
+    def _collect_dead(self) -> list[int]:
+        dead = {s["wid"] for s in self.active.symptoms if s["kind"] in ("exit", "hang") and "wid" in s}
+        return sorted(w for w in dead if not self.workers[w].dead)
+
+    def _restarts_left(self) -> int:
+        limit = self.cfg.ft.flashrecovery.max_restarts if "flashrecovery" in self.ft else 0
+        return limit - self.restarts
+
+    def _all_done(self) -> bool:
+        live = self._live()
+        return self.active is None and len(live) == self.dp and all(w.done for w in live)
+
+    # -- the end ------------------------------------------------------------------------------------
+    def _fail(self, reason: str) -> None:
+        if self.status != "running":
+            return
+        self.status, self.error = "failed", reason
+        self.store.set("abort", reason)
+        self.events.emit("run_failed", error=reason)
+
+    def _shutdown(self) -> None:
+        """Every worker ends (or is killed); every agent stops; nothing is left behind."""
+        grace = time.monotonic() + (5.0 if self.status == "completed" else 2.0)
+        for agent in self.agents:
+            for wid, pid in agent.pids().items():
+                if self.status != "completed":
+                    agent.signal(wid, signal.SIGKILL)
+        for agent in self.agents:
+            for wid in list(agent.pids()):
+                proc = agent.procs[wid]
+                proc.join(timeout=max(0.0, grace - time.monotonic()))
+                if proc.exitcode is None:
+                    agent.signal(wid, signal.SIGCONT)
+                    agent.signal(wid, signal.SIGKILL)
+                    proc.join(timeout=5)
+            agent.stop()
+        self.events.emit("run_end", status=self.status, error=self.error)
+
+    def _echo(self, record: dict) -> None:
+        kind = record["kind"]
+        if kind in ("run_start", "generation") and record.get("recovery", -1) == -1:
+            return
+        details = {k: v for k, v in record.items() if k not in ("t", "step", "rank", "kind")}
+        print(f"[runner {time.time() - self.t_start:7.2f}s] {kind}: {json.dumps(details, default=str)}", flush=True)
+
+
+def _short(details: dict) -> dict:
+    return {k: v for k, v in details.items() if k in ("wid", "code", "node", "why", "reason")}

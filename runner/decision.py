@@ -1,0 +1,46 @@
+"""Fault classification and the action the configured fault-tolerance mix allows.
+
+A pure function of what the controller observed, so the tree is unit-tested without processes:
+transient error -> retry in a rebuilt group, nobody restarts; process crash or hang -> restart
+that process in place (FlashRecovery), state from a surviving replica; node loss -> needs a spare
+or another strategy; anything the mix cannot handle -> fail with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Decision:
+    fault: str  # transient | process_crash | hang | node_loss
+    action: str  # retry | restart_rank | fail
+    victims: list[int] = field(default_factory=list)  # logical ranks
+    reason: str = ""
+
+
+def decide(*, ft: list[str], cfg, dead: list[int], hung: bool, lost_nodes: list[int], lost_ranks: list[int],
+           survivors: list[int], restarts_left: int) -> Decision:
+    if lost_nodes:
+        victims = sorted(set(lost_ranks) | set(dead))
+        return Decision("node_loss", "fail", victims,
+                        f"node(s) {lost_nodes} lost with logical ranks {victims}; a process restart in place needs "
+                        "the node, and no strategy in ft handles node loss: add hot spares (parallel.spares with "
+                        "ft=deadpool) or a takeover strategy (ft=ndb)")
+    if dead:
+        fault = "hang" if hung else "process_crash"
+        if "flashrecovery" not in ft:
+            return Decision(fault, "fail", dead, f"logical rank(s) {dead} failed ({fault}) and ft={ft or '[]'} has no "
+                            "strategy for it; add ft=flashrecovery to restart the failed rank in place")
+        if not survivors:
+            return Decision(fault, "fail", dead, "every data-parallel replica of the model and optimizer state was "
+                            f"lost (logical ranks {dead}); FlashRecovery rebuilds from a surviving replica, so there "
+                            "is nothing to restore from: add ft=flash_ckpt for a snapshot to fall back on")
+        if restarts_left < len(dead):
+            return Decision(fault, "fail", dead, f"restart budget spent (ft.flashrecovery.max_restarts="
+                            f"{cfg.ft.flashrecovery.max_restarts}); raise it if failures are expected this often")
+        return Decision(fault, "restart_rank", dead,
+                        f"{fault} of logical rank(s) {dead}: restart in place, state from a surviving replica")
+    if "flashrecovery" in ft and cfg.ft.flashrecovery.retry_transient:
+        return Decision("transient", "retry", [], "collective error with every process alive: rebuild the group and retry the step")
+    return Decision("transient", "fail", [], f"a collective failed and ft={ft or '[]'} does not retry transient errors")

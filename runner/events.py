@@ -1,0 +1,52 @@
+"""Append-only JSON-lines logs shared by the controller and every worker.
+
+Each record is written with one ``os.write`` on an ``O_APPEND`` descriptor, so lines from
+different processes never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+class JsonLines:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, record: dict[str, Any]) -> None:
+        os.write(self.fd, (json.dumps(record, default=_jsonable) + "\n").encode())
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class EventLog(JsonLines):
+    """events.jsonl: one object per line with t, step, rank, kind and details."""
+
+    def __init__(self, path: Path, rank: Callable[[], Any], step: Callable[[], int], echo: Optional[Callable[[dict], None]] = None) -> None:
+        super().__init__(path)
+        self.rank, self.step, self.echo = rank, step, echo
+
+    def emit(self, kind: str, **details: Any) -> dict[str, Any]:
+        record = {"t": time.time(), "step": self.step(), "rank": self.rank(), "kind": kind, **details}
+        self.write(record)
+        if self.echo is not None:
+            self.echo(record)
+        return record
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not Path(path).exists():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)

@@ -1,0 +1,56 @@
+"""The LightningModule that trains ``runner.model.GPT`` and the DataModule for step-indexed sources."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+
+from runner.data import BatchSource, StepLoader
+from runner.model import GPT, GPTConfig, flops_per_token
+
+
+class GPTModule(pl.LightningModule):
+    def __init__(self, model_cfg: GPTConfig, lr: float, min_lr: float, warmup_steps: int, max_steps: int,
+                 weight_decay: float, betas: tuple[float, float]) -> None:
+        super().__init__()
+        self.model_cfg = model_cfg
+        self.model = GPT(model_cfg)
+        self.lr, self.min_lr, self.warmup_steps, self.max_steps = lr, min_lr, warmup_steps, max_steps
+        self.weight_decay, self.betas = weight_decay, tuple(betas)
+        self.tokens_per_sample = model_cfg.seq_len
+        self.flops_per_token = flops_per_token(model_cfg)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model.loss(batch["idx"], batch["targets"])
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.lr, betas=self.betas,
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self._lr_factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to min_lr (as a factor of the peak)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
+        floor = self.min_lr / self.lr
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class StepDataModule(pl.LightningDataModule):
+    """Serves a step-indexed source at the trainer's committed position for the current logical rank."""
+
+    def __init__(self, source: BatchSource) -> None:
+        super().__init__()
+        self.source = source
+
+    def train_dataloader(self) -> StepLoader:
+        trainer = self.trainer
+        return StepLoader(self.source, lambda: trainer.global_step, lambda: trainer.strategy.logical_rank)

@@ -1,0 +1,146 @@
+"""A GPT in one module: config, pre-LN blocks, parameter count, FLOPs and MFU.
+
+Attention and FFN are separate sub-modules (``Block.attn`` and ``Block.ffn``) because the
+recovery techniques treat them differently (NDB skips the attention backward and recomputes the
+FFN for a taken-over micro-batch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    """Shape of the network; the recipes in ``recipes/`` fill it."""
+
+    vocab_size: int = 256
+    seq_len: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    d_model: int = 64
+    ffn_mult: int = 4
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}: "
+                "pick a head count that divides the model width."
+            )
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention (the branch NDB may run without backward)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class FeedForward(nn.Module):
+    """Two-layer MLP (the branch NDB recomputes and gives low-rank weight gradients)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        hidden = cfg.ffn_mult * cfg.d_model
+        self.fc = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.out = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.out(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln1(x)), then x + ffn(ln2(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.ffn(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer with tied input/output embeddings."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("out.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(idx)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def count_params(cfg: GPTConfig) -> int:
+    """Parameter count computed from the shape alone (no allocation), embeddings tied."""
+    d, h, L = cfg.d_model, cfg.ffn_mult * cfg.d_model, cfg.n_layer
+    b = 1 if cfg.bias else 0
+    ln = 2 * d if cfg.bias else d
+    attn = d * 3 * d + 3 * d * b + d * d + d * b
+    ffn = d * h + h * b + h * d + d * b
+    per_block = attn + ffn + 2 * ln
+    return cfg.vocab_size * d + cfg.seq_len * d + L * per_block + ln
+
+
+def flops_per_token(cfg: GPTConfig) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus 12*L*d*T for attention (PaLM appendix B)."""
+    n = count_params(cfg) - cfg.seq_len * cfg.d_model
+    return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+
+def mfu(cfg: GPTConfig, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved training FLOP/s over the hardware peak (all ranks)."""
+    if peak_flops <= 0:
+        return 0.0
+    return flops_per_token(cfg) * tokens_per_s / peak_flops

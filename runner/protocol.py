@@ -1,0 +1,72 @@
+"""The control-plane protocol between the controller and the workers, carried by a TCPStore.
+
+Keys (all under the job's store):
+  gen                 latest generation number (decimal string)
+  gen/<g>             the Layout of generation g (JSON)
+  assign/<wid>        what worker <wid> is: its logical rank and role (JSON)
+  ready/<wid>         a replacement or spare finished its start-up and can join
+  hb/<wid>            heartbeat payload (JSON: seq, step, phase, rss, t)
+  report/<n>          the n-th symptom a worker reported (JSON); counter 'reports'
+  fault/hit/<i>       fault i's victim reached its trigger point (JSON)
+  done/<wid>          a worker finished training (JSON: step, checksum, final loss)
+  abort               the run is over (controller to all): the reason
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+
+@dataclass
+class Layout:
+    """One generation's membership: member i of the process group computes logical rank logical[i]."""
+
+    gen: int
+    members: list[int]  # worker ids, in process-group rank order
+    logical: list[int]  # logical DP rank computed by each member
+    dp: int  # logical data-parallel size
+    pending: list[int] = field(default_factory=list)  # logical ranks nobody computes yet (survivors-only stage)
+    joiners: list[int] = field(default_factory=list)  # worker ids that need state from a replica
+    recovery: int = -1  # id of the recovery this generation belongs to (-1: start-up)
+
+    @property
+    def complete(self) -> bool:
+        return not self.pending
+
+    def pg_rank(self, wid: int) -> int:
+        return self.members.index(wid)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(raw: bytes | str) -> "Layout":
+        return Layout(**json.loads(raw))
+
+
+def connect(host: str, port: int, timeout_s: float) -> TCPStore:
+    """A client connection to the job's store (one per thread that uses it)."""
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def get_json(store: TCPStore, key: str) -> dict:
+    return json.loads(store.get(key))
+
+
+def set_json(store: TCPStore, key: str, value: dict) -> None:
+    store.set(key, json.dumps(value))
+
+
+def latest_layout(store: TCPStore) -> Layout:
+    gen = int(store.get("gen"))
+    return Layout.from_json(store.get(f"gen/{gen}"))
+
+
+def report(store: TCPStore, payload: dict) -> None:
+    """Append a symptom for the controller (atomic counter, then the record)."""
+    n = store.add("reports", 1)
+    set_json(store, f"report/{n}", payload)

@@ -1,0 +1,99 @@
+"""Worker side of a recovery: abandon the step, regroup, reconcile, hand state over, retry.
+
+Called by the strategy when a collective fails (healthy ranks never restart) and by a
+replacement process when it restores (``reason == "join"``). The loop runs until this worker is
+in a complete generation whose members all hold the same committed state:
+
+1. abort the broken group (peers' pending collectives fail at once) and report the symptom;
+2. wait at the controller for the next generation that includes this worker;
+3. build that generation's group (a rendezvous with a timeout);
+4. reconcile: every member shares (committed steps, needs state). A member that committed one
+   step fewer than the others (the failure hit while some ranks had finished the reduction) is
+   a laggard; replacements are joiners. The lowest-ranked member holding the newest committed
+   state broadcasts its full Lightning checkpoint; joiners restore from it, laggards adopt its
+   model and optimizer state and skip their own update;
+5. a survivors-only generation (replacement still starting) waits for the next one.
+Any failure on the way goes back to step 1; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from runner import protocol
+from runner.comm import CollectiveFailure, Comm
+from runner.events import EventLog
+from runner.status import WorkerStatus
+
+
+class ReplicaRecovery:
+    def __init__(self, comm: Comm, events: EventLog, status: WorkerStatus, recovery_timeout_s: float) -> None:
+        self.comm, self.events, self.status = comm, events, status
+        self.recovery_timeout_s = recovery_timeout_s
+        self.on_start = lambda: None  # the fault injector's hook for faults that strike during a recovery
+
+    def __call__(self, strategy, reason: str) -> Optional[dict]:
+        joining = reason == "join"
+        need_new_group = not joining
+        if not joining:
+            self._abandon(strategy, reason)
+            self.on_start()
+        while True:
+            try:
+                if need_new_group:
+                    layout = self.comm.await_layout(self.recovery_timeout_s, newer_than=self.comm.gen)
+                    t0 = time.time()
+                    self.comm.join(layout)
+                    self._emit_once("group_formed", gen=layout.gen, members=len(layout.members),
+                                    complete=layout.complete, rebuild_s=time.time() - t0, recovery=layout.recovery)
+                ckpt = self._reconcile(strategy, joining)
+                if self.comm.layout.complete:
+                    return ckpt
+                need_new_group = True  # survivors-only: wait for the replacement's generation
+            except CollectiveFailure as err:
+                self._abandon(strategy, f"during recovery: {err}")
+                need_new_group = True
+
+    def _abandon(self, strategy, reason: str) -> None:
+        self.comm.abort()
+        self.status.phase = "recovering"
+        protocol.report(self.comm.store, {
+            "wid": self.comm.wid, "gen": self.comm.gen, "reason": reason, "t": time.time(),
+            "step": strategy.lightning_module.trainer.global_step if strategy.lightning_module else -1,
+        })
+
+    def _reconcile(self, strategy, joining: bool) -> Optional[dict]:
+        committed = -1 if joining else strategy.lightning_module.trainer.global_step
+        mine = torch.tensor([committed, int(joining)], dtype=torch.int64)
+        table = [t.tolist() for t in self.comm.allgather(mine)]
+        holders = [(c, r) for r, (c, j) in enumerate(table) if not j]
+        if not holders:
+            raise RunFailedError("no surviving data-parallel replica holds the model and optimizer state")
+        newest = max(c for c, _ in holders)
+        source = min(r for c, r in holders if c == newest)
+        receivers = [r for r, (c, j) in enumerate(table) if j or c < newest]
+        if not receivers:
+            return None
+        t0 = time.time()
+        me = self.comm.rank
+        ckpt = strategy.send_or_receive_state(source, receive=me in receivers)
+        if me == source:
+            self.events.emit("state_sent", gen=self.comm.gen, receivers=len(receivers), step=newest)
+        if me in receivers:
+            self.events.emit("state_restored", gen=self.comm.gen, restore_s=time.time() - t0,
+                             role="joiner" if joining else "laggard", step=newest)
+            if not joining:
+                strategy.adopt_committed_state(ckpt)
+                return None
+        return ckpt
+
+    def _emit_once(self, kind: str, **details) -> None:
+        if self.comm.rank == 0:
+            self.events.emit(kind, **details)
+
+
+class RunFailedError(RuntimeError):
+    """Recovery cannot succeed; the worker reports it and the run ends 'failed'."""

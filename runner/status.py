@@ -1,0 +1,19 @@
+"""What a worker is doing right now, shared between the training thread and the heartbeat thread.
+
+Plain attribute writes: the training thread never blocks on the heartbeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerStatus:
+    wid: int
+    node: int
+    local_rank: int
+    logical_rank: int
+    dp: int
+    step: int = 0
+    phase: str = "starting"  # starting | rendezvous | compute | reduce | recovering | done

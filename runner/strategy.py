@@ -1,0 +1,337 @@
+"""The runner's Lightning Strategy: it owns the process group and the gradient all-reduce.
+
+Why not DDP: DDP's reducer lives in hooks on a process group fixed at construction. Here the
+reduction is an explicit, bucketed all-reduce inside ``optimizer_step`` so that a failed
+collective can be abandoned, the group rebuilt for the next generation, state handed to newcomers,
+and the very same step retried. ``optimizer_step`` returns only once the step is committed, so
+Lightning's ``global_step``, schedulers and loop counters count each committed step exactly once.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+
+from runner.comm import Comm, CollectiveFailure
+from runner.data import IndexedDatasetSource, StepLoader, derive_seed
+from runner.environment import RunnerEnvironment
+from runner.events import EventLog
+from runner.status import WorkerStatus
+
+PEER_CKPT = "peer://replica"  # ckpt_path a replacement passes to fit(): state comes from a live replica
+
+
+class ResilientStrategy(ParallelStrategy):
+    strategy_name = "resilient"
+
+    def __init__(
+        self,
+        comm: Comm,
+        *,
+        seed: int,
+        micro_batch: int,
+        bucket_mb: float,
+        events: EventLog,
+        status: WorkerStatus,
+        recover: Callable[["ResilientStrategy", str], None] | None = None,
+        on_commit: Callable[[int, Tensor, float], None] | None = None,
+        joining: bool = False,
+        first_gen: int = 0,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        super().__init__(
+            accelerator=None,
+            parallel_devices=[comm.device],
+            cluster_environment=RunnerEnvironment(comm, status),
+            checkpoint_io=None,
+            precision_plugin=None,
+        )
+        self.comm = comm
+        self.seed = seed
+        self.micro_batch = micro_batch
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.events = events
+        self.status = status
+        self._recover_hook = recover
+        self._on_commit = on_commit
+        self.joining = joining  # a replacement: Lightning's setup collectives stay local until it is in sync
+        self.first_gen = first_gen  # the first generation this worker may belong to
+        self.start_timeout_s = start_timeout_s
+        self._skip_update = False
+        self._buckets: list[tuple[Tensor, list[Tensor]]] = []
+        self._batch_sample: Optional[Tensor] = None
+        self._batch_loss: Optional[float] = None
+
+    # -- identity -------------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        return self.comm.device
+
+    @property
+    def logical_rank(self) -> int:
+        return self.comm.logical_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.comm.layout.dp
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.comm.logical_rank == 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.dp_size, "rank": self.logical_rank}
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- set-up: the group of the current generation --------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        rank_zero_only.rank = self.status.logical_rank  # Lightning's rank-zero prints follow the logical rank
+        self.status.phase = "rendezvous"
+        if self.joining:
+            self.comm.store.set(f"ready/{self.comm.wid}", str(time.time()))
+        newer_than = self.first_gen - 1
+        while True:  # a replacement whose generation broke before it formed waits for the next one
+            layout = self.comm.await_layout(self.start_timeout_s, newer_than=newer_than)
+            try:
+                self.comm.join(layout, timeout_s=None if self.joining else self.start_timeout_s)
+                break
+            except CollectiveFailure:
+                if not self.joining or self._recover_hook is None:
+                    raise
+                newer_than = layout.gen
+        self.events.emit("group_formed", gen=layout.gen, members=len(layout.members), joining=self.joining)
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        for opt in self.optimizers:
+            _gate_optimizer_step(opt, self)
+
+    # -- per-step seeding and the committed, failure-aware reduction ----------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        step = self.lightning_module.trainer.global_step
+        torch.manual_seed(derive_seed(self.seed, step, self.logical_rank, 1))
+        batch = args[0] if args else kwargs.get("batch")
+        self._batch_sample = batch.get("sample") if isinstance(batch, dict) else None
+        self.status.phase = "compute"
+        out = super().training_step(*args, **kwargs)
+        loss = out["loss"] if isinstance(out, dict) else out
+        self._batch_loss = float(loss.detach()) if isinstance(loss, Tensor) else None
+        return out
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def reduced_closure() -> Any:
+            loss = closure()
+            self._commit_step()
+            return loss
+
+        return super().optimizer_step(optimizer, reduced_closure, model, **kwargs)
+
+    def _commit_step(self) -> None:
+        """All-reduce this step's gradients; on a failure recover and retry until committed."""
+        trainer = self.lightning_module.trainer
+        step = trainer.global_step
+        t0 = time.perf_counter()
+        while True:
+            self.status.phase = "reduce"
+            try:
+                flats, extras = self._flatten(step)
+                self.comm.allreduce(flats + [extras])
+                break
+            except CollectiveFailure as err:
+                self.status.phase = "recovering"
+                self.events.emit("collective_failed", gen=self.comm.gen, error=str(err))
+                if self._recover_hook is None:
+                    raise
+                self._recover_hook(self, str(err))
+                if self._skip_update:
+                    return  # a lagging survivor received the committed state of this step
+        self.joining = False
+        self._unflatten(flats)
+        self.status.step = step + 1
+        self.status.phase = "compute"
+        if self._on_commit is not None:
+            self._on_commit(step, extras, time.perf_counter() - t0)
+
+    def _flatten(self, step: int) -> tuple[list[Tensor], Tensor]:
+        """Copy local gradients into the buckets (local .grad stays intact for a retry)."""
+        if not self._buckets:
+            self._buckets = _make_buckets(self.lightning_module, self.bucket_bytes)
+        flats = []
+        for flat, params in self._buckets:
+            offset = 0
+            for p in params:
+                n = p.numel()
+                if p.grad is None:
+                    flat[offset : offset + n].zero_()
+                else:
+                    flat[offset : offset + n].copy_(p.grad.reshape(-1))
+                offset += n
+            flats.append(flat)
+        # accounting rides along: one count per logical rank, then loss sum and a position check
+        extras = torch.zeros(self.dp_size + 2, dtype=torch.float64, device=self.root_device)
+        sample_step, sample_rank = (step, self.logical_rank)
+        if self._batch_sample is not None:
+            sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())
+        extras[sample_rank] += 1
+        extras[-2] = self._batch_loss if self._batch_loss is not None else float("nan")
+        extras[-1] = float(sample_step != step)
+        return flats, extras
+
+    def _unflatten(self, flats: list[Tensor]) -> None:
+        for flat, (_, params) in zip(flats, self._buckets):
+            flat.div_(self.dp_size)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                chunk = flat[offset : offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = chunk.clone()
+                else:
+                    p.grad.copy_(chunk)
+                offset += n
+
+    # -- state transfer between replicas --------------------------------------------------------
+    def send_or_receive_state(self, src_pg_rank: int, *, receive: bool) -> Optional[dict]:
+        """Broadcast the source replica's full Lightning checkpoint over the current group."""
+        size = torch.zeros(1, dtype=torch.int64)
+        payload = None
+        if not receive and self.comm.rank == src_pg_rank:
+            ckpt = self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            buf = io.BytesIO()
+            torch.save(ckpt, buf)
+            payload = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+            size[0] = payload.numel()
+        self.comm.broadcast(size, src_pg_rank)
+        if payload is None:
+            payload = torch.empty(int(size[0]), dtype=torch.uint8)
+        self.comm.broadcast(payload, src_pg_rank)
+        if not receive:
+            return None
+        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False, map_location="cpu")
+
+    def adopt_committed_state(self, ckpt: dict) -> None:
+        """A lagging survivor takes the replica's post-step model and optimizer state, skips its own update."""
+        self.lightning_module.load_state_dict(ckpt["state_dict"])
+        for opt, state in zip(self.optimizers, ckpt["optimizer_states"]):
+            opt.load_state_dict(state)
+        self._skip_update = True
+
+    def consume_skip(self) -> bool:
+        skip, self._skip_update = self._skip_update, False
+        return skip
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if checkpoint_path == PEER_CKPT:
+            assert self._recover_hook is not None
+            return self._recover_hook(self, "join")  # type: ignore[return-value]
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    # -- data: every loader follows the (seed, step, logical rank) contract ---------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        if isinstance(dataloader, StepLoader):
+            return dataloader
+        dataset = getattr(dataloader, "dataset", None)
+        if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise TypeError(
+                "The training dataloader is not map-style (no dataset with __len__/__getitem__), so the runner "
+                "cannot give each (step, logical rank) a fixed batch; return a DataLoader over a map-style dataset "
+                "or a runner.data.StepLoader from train_dataloader()."
+            )
+        trainer = self.lightning_module.trainer
+        collate = getattr(dataloader, "collate_fn", None) or torch.utils.data.default_collate
+        source = IndexedDatasetSource(dataset, self.micro_batch, self.dp_size, collate)
+        return StepLoader(source, lambda: trainer.global_step, lambda: self.logical_rank)
+
+    # -- Lightning's own collectives (logging, barriers) ---------------------------------------
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not self.joining:
+            self.comm.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self.joining:
+            return obj
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        self.comm.allreduce([size], op=torch.distributed.ReduceOp.MAX)
+        padded = torch.zeros(int(size[0]), dtype=torch.uint8)
+        if self.comm.rank == src:
+            padded[: data.numel()] = data
+        self.comm.broadcast(padded, src)
+        return torch.load(io.BytesIO(padded.numpy().tobytes()), weights_only=False)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or self.joining:
+            return tensor
+        out = tensor.detach().clone().float()
+        self.comm.allreduce([out])
+        if reduce_op in ("mean", "avg") or str(reduce_op).lower().endswith("mean"):
+            out /= self.comm.size
+        return out
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        if self.joining:
+            return tensor.unsqueeze(0)
+        return torch.stack(self.comm.allgather(tensor.detach().contiguous()))
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self.joining:
+            return decision
+        t = torch.tensor([int(decision)], dtype=torch.float32)
+        self.comm.allreduce([t])
+        return bool(t.item() == self.comm.size) if all else bool(t.item() > 0)
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.comm.abort()
+
+
+def _make_buckets(module: torch.nn.Module, bucket_bytes: int) -> list[tuple[Tensor, list[Tensor]]]:
+    """Group trainable parameters (in a fixed order) into flat buffers of about ``bucket_bytes``."""
+    buckets: list[tuple[Tensor, list[Tensor]]] = []
+    current: list[Tensor] = []
+    size = 0
+    seen: set[int] = set()
+    params = [p for p in module.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+
+    def close() -> None:
+        if current:
+            n = sum(p.numel() for p in current)
+            buckets.append((torch.zeros(n, dtype=current[0].dtype, device=current[0].device), list(current)))
+
+    for p in params:
+        if current and (p.dtype != current[0].dtype or size + p.numel() * p.element_size() > bucket_bytes):
+            close()
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+    close()
+    return buckets
+
+
+def _gate_optimizer_step(optimizer: torch.optim.Optimizer, strategy: ResilientStrategy) -> None:
+    """Make ``optimizer.step`` skip the update when the step's committed state was adopted instead."""
+    inner = optimizer.step
+
+    def step(closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = closure() if closure is not None else None
+        if strategy.consume_skip():
+            return loss
+        inner()
+        return loss
+
+    # The gate calls the scheduler-wrapped step, so torch's "step before scheduler" bookkeeping holds.
+    step._wrapped_by_lr_sched = getattr(inner, "_wrapped_by_lr_sched", True)  # type: ignore[attr-defined]
+    optimizer.step = step  # type: ignore[method-assign]

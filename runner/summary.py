@@ -1,0 +1,145 @@
+"""summary.json: the run's contract with users, tools and later issues (docs/outputs.md).
+
+Built at the end from what the controller knows, events.jsonl and metrics.jsonl, so a
+recovery's phases come from timestamps recorded where they happened.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from runner import protocol
+from runner.events import read_jsonl
+from runner.loggers import run_name
+from runner.model import GPTConfig, mfu
+
+
+def write_summary(ctl) -> dict:
+    cfg, run_dir = ctl.cfg, Path(ctl.run_dir)
+    events = read_jsonl(run_dir / "events.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    done = _done_records(ctl)
+    checksums = sorted({d["checksum"] for d in done.values()})
+    status, error = ctl.status, ctl.error
+    if status == "completed" and len(checksums) != 1:
+        status, error = "failed", f"replicas ended with different parameters: {len(checksums)} distinct checksums"
+    wall = time.time() - ctl.t_start
+    recoveries = [_recovery_entry(r, events, metrics) for r in ctl.recoveries if r.action]
+    accounting = _accounting(metrics, cfg, ctl.dp)
+    steps_in_metrics = len({m["step"] for m in metrics})
+    train_s = _train_seconds(metrics)
+    tokens_per_s = accounting["tokens_committed"] / train_s if train_s > 0 else 0.0
+    summary = {
+        "status": status,
+        **({"error": error} if status == "failed" else {}),
+        "recipe": cfg.recipe_name,
+        "run_name": run_name(cfg),
+        "ft": list(ctl.ft),
+        "fault": cfg.fault.kind,
+        "world_size": ctl.dp,
+        "nodes": cfg.parallel.nodes,
+        "global_step": max((d["global_step"] for d in done.values()), default=steps_in_metrics),
+        "initial_loss": metrics[0]["loss"] if metrics else None,
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+        "tokens_per_s": tokens_per_s,
+        "steps_per_s": steps_in_metrics / train_s if train_s > 0 else 0.0,
+        "mfu": _mfu(cfg, tokens_per_s, ctl.dp),
+        "wall_s": wall,
+        "train_s": train_s,
+        "param_checksum": checksums[0] if len(checksums) == 1 else None,
+        "recoveries": recoveries,
+        **accounting,
+    }
+    summary["effective_training_time_ratio"] = _ettr(train_s, recoveries)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _done_records(ctl) -> dict:
+    out = {}
+    for w in ctl.workers.values():
+        key = f"done/{w.wid}"
+        if ctl.assigned.get(w.logical) == w.wid and ctl.store.check([key]):
+            out[w.wid] = protocol.get_json(ctl.store, key)
+    return out
+
+
+def _accounting(metrics: list[dict], cfg, dp: int) -> dict:
+    """Token accounting from the per-step counts that rode along each committed reduction."""
+    micro = cfg.trainer.global_batch_size // dp
+    seen: dict[tuple[int, int], int] = {}
+    misplaced = 0
+    for m in metrics:
+        misplaced += m.get("misplaced", 0)
+        for rank, count in enumerate(m["counts"]):
+            seen[(m["step"], rank)] = seen.get((m["step"], rank), 0) + count
+    expected = {(s, r) for s in range(cfg.trainer.max_steps) for r in range(dp)}
+    present = {k for k, c in seen.items() if c > 0}
+    duplicated = sum(c - 1 for c in seen.values() if c > 1)
+    return {
+        "samples_committed": sum(seen.values()) * micro,
+        "samples_lost": len(expected - present) * micro,
+        "samples_duplicated": duplicated * micro,
+        "samples_misplaced": misplaced * micro,
+        "tokens_committed": sum(seen.values()) * micro * (cfg.model.seq_len if cfg.model._target_ is None else 1),
+    }
+
+
+def _train_seconds(metrics: list[dict]) -> float:
+    if len(metrics) < 2:
+        return sum(m["step_time_s"] for m in metrics)
+    return metrics[-1]["t"] - metrics[0]["t"] + metrics[0]["step_time_s"]
+
+
+def _mfu(cfg, tokens_per_s: float, ranks: int) -> float:
+    if cfg.model._target_ is not None:
+        return 0.0
+    m = cfg.model
+    gpt = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.ffn_mult, m.dropout, m.bias)
+    return mfu(gpt, tokens_per_s, cfg.runner.peak_flops_per_rank * ranks)
+
+
+def _ettr(train_s: float, recoveries: list[dict]) -> float:
+    """Effective training time ratio: the share of the training span not spent recovering."""
+    if train_s <= 0:
+        return 0.0
+    lost = sum(r["rto_s"] or 0.0 for r in recoveries)
+    return max(0.0, (train_s - lost) / train_s)
+
+
+def _recovery_entry(rec, events: list[dict], metrics: list[dict]) -> dict:
+    injected = [e for e in events if e["kind"] == "fault_injected" and e.get("t", 0) <= rec.t_detect + 1e-3]
+    t_fault = injected[-1].get("t_fault", injected[-1]["t"]) if injected else rec.t_detect
+    fault_step = injected[-1].get("at_step", injected[-1]["step"]) if injected else -1
+    formed = [e for e in events if e["kind"] == "group_formed" and e.get("gen") == rec.full_gen]
+    t_formed = min((e["t"] for e in formed), default=None)
+    survivors = [e for e in events if e["kind"] == "group_formed" and e.get("gen") == rec.survivors_gen]
+    after = [m for m in metrics if rec.full_gen is not None and m["gen"] >= rec.full_gen]
+    t_commit = after[0]["t"] if after else None
+    t_decide, t_ready = rec.t_decide or rec.t_detect, rec.t_ready or rec.t_decide or rec.t_detect
+    t_formed = t_formed or t_ready
+    entry = {
+        "id": rec.id,
+        "fault": rec.fault,
+        "victims": rec.victims,
+        "step": fault_step,
+        "action": rec.action,
+        "reason": rec.reason,
+        "rpo_steps": (fault_step - after[0]["step"]) if after and fault_step >= 0 else None,
+        "rto_s": (t_commit - t_fault) if t_commit else None,
+        "detect_s": rec.t_detect - t_fault,
+        "decide_s": t_decide - rec.t_detect,
+        "replace_s": max(0.0, t_ready - t_decide),
+        "rebuild_s": max(0.0, t_formed - t_ready),
+        "restore_s": (t_commit - t_formed) if t_commit else None,
+        "survivors_ready_s": (min(e["t"] for e in survivors) - t_fault) if survivors else None,
+        "t_fault": t_fault,
+        "t_detect": rec.t_detect,
+        "t_decide": t_decide,
+        "t_replacement_ready": t_ready,
+        "t_group_formed": t_formed,
+        "t_first_commit": t_commit,
+    }
+    return entry

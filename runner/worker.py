@@ -1,0 +1,173 @@
+"""One training process: builds the module, data and Trainer from the resolved config and fits.
+
+Workers never run Hydra: the controller resolves the config once and hands it over as a plain
+dict. Heavy imports happen at module import so that the launcher's fork server pays them once and
+replacements start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.util
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl  # noqa: F401  (preloaded by the fork server)
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from callbacks.fault_injection import FaultTrigger
+from callbacks.heartbeat import Heartbeat
+from callbacks.metrics import CommitMetrics
+from runner import protocol
+from runner.checksum import param_checksum
+from runner.comm import Comm, RunAborted
+from runner.config.validate import all_faults, dp_size
+from runner.data import MemmapTokens, SyntheticTokens
+from runner.events import EventLog, JsonLines
+from runner.lightning_module import GPTModule, StepDataModule
+from runner.loggers import build_logger
+from runner.model import GPTConfig
+from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
+from runner.status import WorkerStatus
+from runner.strategy import PEER_CKPT, ResilientStrategy
+
+EXIT_ABORTED = 3  # the controller ended the run
+EXIT_FAILED = 4  # recovery impossible
+
+
+@dataclass
+class WorkerSpec:
+    run_dir: str
+    wid: int
+    node: int
+    local_rank: int
+    logical_rank: int
+    role: str  # initial | joiner
+    first_gen: int
+    host: str
+    port: int
+
+
+def main(spec: WorkerSpec, cfg_dict: dict) -> None:
+    """Process entry point (run by the fork server); exits with a code the controller understands."""
+    cfg = OmegaConf.create(cfg_dict)
+    code = 0
+    try:
+        run(spec, cfg)
+    except RunAborted:
+        code = EXIT_ABORTED
+    except RunFailedError as err:
+        _report_fatal(spec, cfg, str(err))
+        code = EXIT_FAILED
+    except BaseException as err:  # any other crash: the controller sees the exit code and the report
+        traceback.print_exc()
+        _report_fatal(spec, cfg, f"{type(err).__name__}: {err}")
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    multiprocessing.util._exit_function()  # release semaphores (tqdm's lock) as a normal exit would
+    os._exit(code)  # no waiting on logger threads: the controller already has the result
+
+
+def run(spec: WorkerSpec, cfg: DictConfig) -> None:
+    dp = dp_size(cfg)
+    torch.set_num_threads(_threads(cfg, dp))
+    store = protocol.connect(spec.host, spec.port, cfg.launcher.start_timeout_s)
+    status = WorkerStatus(spec.wid, spec.node, spec.local_rank, spec.logical_rank, dp)
+    run_dir = Path(spec.run_dir)
+    device = torch.device("cpu")
+    comm = Comm(store, spec.wid, "gloo", device, cfg.launcher)
+    events = EventLog(run_dir / "events.jsonl", rank=lambda: comm.logical_rank if comm.layout else spec.logical_rank,
+                      step=lambda: status.step)
+    heartbeat = Heartbeat(spec.host, spec.port, status, cfg.heartbeat.interval_s,
+                          orphan_after_s=max(5.0, cfg.heartbeat.interval_s * cfg.heartbeat.misses * 4))
+    heartbeat.start()
+    events.emit("worker_started", wid=spec.wid, node=spec.node, role=spec.role, pid=os.getpid())
+
+    micro_batch = cfg.trainer.global_batch_size // dp
+    module, datamodule = build_module_and_data(cfg, micro_batch)
+    recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s) if cfg.ft else None
+    joining = spec.role == "joiner"
+    strategy = ResilientStrategy(
+        comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
+        recover=recovery, joining=joining, first_gen=spec.first_gen, start_timeout_s=cfg.launcher.start_timeout_s,
+    )
+    metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, strategy,
+                            tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
+                            log_every_n_steps=cfg.trainer.log_every_n_steps)
+    strategy._on_commit = metrics.on_commit
+    faults = FaultTrigger([f for f in all_faults(cfg) if f.kind != "none"], comm, status, events,
+                          release_timeout_s=cfg.launcher.recovery_timeout_s)
+    if recovery is not None:
+        recovery.on_start = faults.on_recovery_start
+    is_rank0 = spec.logical_rank == 0
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=cfg.trainer.max_steps,
+        precision=cfg.trainer.precision,
+        gradient_clip_val=cfg.trainer.grad_clip or None,
+        logger=build_logger(cfg, run_dir) if is_rank0 and not joining else False,
+        callbacks=[heartbeat, faults, metrics],
+        enable_checkpointing=False,
+        enable_progress_bar=bool(cfg.trainer.progress_bar and is_rank0 and not joining),
+        enable_model_summary=is_rank0 and not joining,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        default_root_dir=str(run_dir),
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=PEER_CKPT if joining else None)
+    status.phase = "done"
+    final = _final_record(trainer, module, strategy)
+    protocol.set_json(store, f"done/{spec.wid}", final)
+    events.emit("worker_done", wid=spec.wid, **{k: v for k, v in final.items() if k != "checksum"})
+    heartbeat.stop()
+
+
+def build_module_and_data(cfg: DictConfig, micro_batch: int):
+    """Our GPT with a step-indexed source, or a user's LightningModule / DataModule via ``_target_``."""
+    if cfg.model._target_:
+        module = instantiate({"_target_": cfg.model._target_, **cfg.model.kwargs})
+    else:
+        m = cfg.model
+        gpt_cfg = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.ffn_mult, m.dropout, m.bias)
+        t = cfg.trainer
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank (and in every replacement)
+        module = GPTModule(gpt_cfg, t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.weight_decay, tuple(t.betas))
+    if cfg.data._target_:
+        return module, instantiate({"_target_": cfg.data._target_, **cfg.data.kwargs})
+    if cfg.model._target_:
+        return module, None  # the user's module brings its own train_dataloader()
+    m = cfg.model
+    if cfg.data.kind == "memmap":
+        source = MemmapTokens(cfg.data.path, cfg.seed, m.seq_len, micro_batch, m.vocab_size)
+    else:
+        source = SyntheticTokens(cfg.seed, m.vocab_size, m.seq_len, micro_batch)
+    return module, StepDataModule(source)
+
+
+def _final_record(trainer, module, strategy) -> dict:
+    return {"global_step": trainer.global_step, "checksum": param_checksum(module),
+            "logical_rank": strategy.logical_rank, "t": time.time()}
+
+
+def _threads(cfg: DictConfig, ranks: int) -> int:
+    if cfg.launcher.threads_per_rank > 0:
+        return cfg.launcher.threads_per_rank
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
+
+
+def _report_fatal(spec: WorkerSpec, cfg: DictConfig, reason: str) -> None:
+    try:
+        store = protocol.connect(spec.host, spec.port, 5.0)
+        protocol.report(store, {"wid": spec.wid, "fatal": True, "reason": reason, "t": time.time()})
+    except Exception:  # the controller is gone; the exit code still tells
+        pass

@@ -1,0 +1,77 @@
+"""Shared helpers: run the real CLI in a subprocess and read its outputs; check nothing leaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = ["logger=none", "trainer.progress_bar=false", "runner.console_events=true"]
+
+
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess, run_dir: Path) -> None:
+        self.proc, self.dir = proc, run_dir
+        self.returncode = proc.returncode
+        self.output = proc.stdout + proc.stderr
+
+    @property
+    def summary(self) -> dict:
+        path = self.dir / "summary.json"
+        assert path.exists(), f"no summary.json; output tail:\n{self.output[-3000:]}"
+        return json.loads(path.read_text())
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        lines = (self.dir / "events.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+        return [r for r in records if kind is None or r["kind"] == kind]
+
+    def metrics(self) -> list[dict]:
+        return [json.loads(x) for x in (self.dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _forkservers() -> set[int]:
+    out = set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "multiprocessing.forkserver" in cmd:
+            out.add(p.info["pid"])
+    return out
+
+
+def run_cli(*overrides: str, run_dir: Path, timeout: float = 240, quiet: bool = True, cwd: Path = ROOT) -> Run:
+    """``python -m runner`` with overrides; asserts afterwards that no process or port is left behind."""
+    before = _forkservers()
+    args = [sys.executable, "-m", "runner", *overrides, f"hydra.run.dir={run_dir}", *(QUIET if quiet else [])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    run = Run(proc, Path(run_dir))
+    assert_nothing_left(before, run)
+    return run
+
+
+def assert_nothing_left(before: set[int], run: Run) -> None:
+    deadline = time.monotonic() + 10
+    while (left := _forkservers() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the fork server exits when it sees its parent gone
+    assert not left, f"processes left behind: {left}"
+    if (run.dir / "events.jsonl").exists():
+        starts = run.events("run_start")
+        if starts:
+            port = starts[0]["store_port"]
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", port))  # fails if the store still listens
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"

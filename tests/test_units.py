@@ -1,0 +1,66 @@
+"""Model, data contract and the fault decision tree, without processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from runner.data import IndexedDatasetSource, MemmapTokens, SyntheticTokens
+from runner.decision import decide
+from runner.model import GPT, GPTConfig, count_params, flops_per_token, mfu
+
+
+def test_param_count_matches_the_module():
+    for cfg in (GPTConfig(), GPTConfig(n_layer=3, d_model=96, n_head=4, bias=False, vocab_size=100)):
+        assert count_params(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def test_flops_and_mfu():
+    cfg = GPTConfig()
+    assert flops_per_token(cfg) > 6 * (count_params(cfg) - cfg.seq_len * cfg.d_model)
+    assert mfu(cfg, tokens_per_s=1000.0, peak_flops=flops_per_token(cfg) * 2000.0) == 0.5
+
+
+def test_attention_and_ffn_are_separate_submodules():
+    block = GPT(GPTConfig()).blocks[0]
+    assert {"attn", "ffn"} <= {n for n, _ in block.named_children()}
+
+
+def test_batch_is_a_pure_function_of_seed_step_and_rank():
+    a, b = SyntheticTokens(1, 256, 16, 4), SyntheticTokens(1, 256, 16, 4)
+    assert torch.equal(a.batch(7, 2)["idx"], b.batch(7, 2)["idx"])
+    assert not torch.equal(a.batch(7, 2)["idx"], a.batch(7, 3)["idx"])
+    assert not torch.equal(a.batch(7, 2)["idx"], a.batch(8, 2)["idx"])
+    assert a.batch(7, 2)["sample"].tolist() == [7, 2]
+    assert torch.equal(a.batch(7, 2)["targets"][:, :-1], a.batch(7, 2)["idx"][:, 1:])
+
+
+def test_memmap_source(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    src = MemmapTokens(str(path), seed=0, seq_len=8, micro_batch=2, vocab_size=1000)
+    batch = src.batch(3, 1)
+    assert batch["idx"].shape == (2, 8)
+    assert torch.equal(batch["targets"], batch["idx"] + 1)  # consecutive tokens
+    assert torch.equal(batch["idx"], src.batch(3, 1)["idx"])
+
+
+def test_indexed_dataset_source_partitions_steps_and_ranks():
+    src = IndexedDatasetSource(list(range(100)), micro_batch=2, dp_size=3, collate=list)
+    assert src.batch(0, 0) == [0, 1] and src.batch(0, 2) == [4, 5] and src.batch(1, 0) == [6, 7]
+
+
+CFG = OmegaConf.create({"ft": {"flashrecovery": {"max_restarts": 2, "retry_transient": True}}})
+
+
+def test_decision_tree():
+    kw = dict(cfg=CFG, hung=False, lost_nodes=[], lost_ranks=[], survivors=[0, 1, 3], restarts_left=2)
+    assert decide(ft=["flashrecovery"], dead=[2], **kw).action == "restart_rank"
+    assert decide(ft=["flashrecovery"], dead=[], **kw).action == "retry"
+    assert decide(ft=[], dead=[2], **kw).action == "fail"
+    assert decide(ft=["flashrecovery"], dead=[2], **{**kw, "hung": True}).fault == "hang"
+    assert decide(ft=["flashrecovery"], dead=[0, 1], **{**kw, "survivors": []}).reason.startswith("every data-parallel")
+    assert decide(ft=["flashrecovery"], dead=[2, 3, 1], **kw).action == "fail"  # restart budget
+    node = decide(ft=["flashrecovery"], dead=[], **{**kw, "lost_nodes": [1], "lost_ranks": [2, 3]})
+    assert (node.fault, node.action, node.victims) == ("node_loss", "fail", [2, 3])
