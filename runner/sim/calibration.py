@@ -1,0 +1,63 @@
+"""Optional calibration from our own bench results (a JSON file).
+
+Format (both sections optional):
+
+    {"costs":  {"process_start_s": 7.5, "heartbeat_s": 1.0},
+     "phases": {"flashrecovery": {"detect_s": 3.2, "rebuild_s": 2.4}}}
+
+`costs` replaces component costs (names as in `costs.*`), so the N-dependence
+of every strategy built on them is kept. `phases` replaces one strategy's
+modelled phase with a measured constant at every N; use it for phases that are
+flat in N or were measured at the target scale. Unknown names are errors, so a
+typo cannot silently leave a paper default in place.
+"""
+import json
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Dict, Mapping, Tuple
+
+from runner.sim.costs import PHASES
+from runner.sim.errors import ConfigError
+from runner.sim.strategies import RESTART, STRATEGY_NAMES
+
+PhaseOverrides = Mapping[str, Mapping[str, float]]
+
+
+def _check_keys(section: object, allowed, where: str) -> dict:
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where} must be a JSON object")
+    unknown = sorted(set(section) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid: {sorted(allowed)}")
+    return section
+
+
+def _numbers(section: object, allowed, where: str) -> Dict[str, float]:
+    section = _check_keys(section, allowed, where)
+    bad = [k for k, v in section.items() if not isinstance(v, (int, float)) or v < 0]
+    if bad:
+        raise ConfigError(f"{where}: {bad} must be non-negative numbers")
+    return {k: float(v) for k, v in section.items()}
+
+
+def load(path: str, costs) -> Tuple[object, PhaseOverrides]:
+    """Return (costs with overrides applied, per-strategy phase overrides)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"calibration file {path}: {exc}") from exc
+    data = _check_keys(data, ("costs", "phases"), f"calibration file {path}")
+    measured = _numbers(data.get("costs", {}), [f.name for f in fields(costs)], "calibration.costs")
+    typed = {k: type(getattr(costs, k))(v) for k, v in measured.items()}
+    strategies = _check_keys(
+        data.get("phases", {}), (*STRATEGY_NAMES, RESTART), "calibration.phases"
+    )
+    phase_keys = [f"{p}_s" for p in PHASES]
+    overrides = {
+        name: {
+            key[: -len("_s")]: value
+            for key, value in _numbers(per, phase_keys, f"calibration.phases.{name}").items()
+        }
+        for name, per in strategies.items()
+    }
+    return replace(costs, **typed), overrides

@@ -1,0 +1,46 @@
+"""Hydra entry point: compose the config, run the sweep, print and save results.
+
+Config problems that types cannot catch (strategy names, GPU counts, the
+calibration file) end the run with one readable paragraph and exit status 2.
+"""
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import to_absolute_path
+from omegaconf import DictConfig, OmegaConf
+
+from runner.sim import calibration, report, schema
+from runner.sim.errors import ConfigError
+from runner.sim.sweep import simulate
+
+schema.register()
+# An absolute path: the package-relative form would need conf/ to be a module.
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def main(dcfg: DictConfig) -> None:
+    cfg = OmegaConf.to_object(dcfg)
+    try:
+        overrides = {}
+        if cfg.calibration:
+            cfg.costs, overrides = calibration.load(to_absolute_path(cfg.calibration), cfg.costs)
+        sweep = simulate(cfg, overrides)
+        summary = report.summarize(sweep, cfg)
+    except ConfigError as exc:
+        print(f"runner.sim: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    out = Path(HydraConfig.get().runtime.output_dir) / "sim.json"
+    payload = {
+        "config": OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True),
+        "costs_used": asdict(cfg.costs),
+        "phase_overrides": overrides,
+        **summary,
+    }
+    out.write_text(json.dumps(payload, indent=1))
+    print(report.format_text(summary, cfg))
+    print(f"\nwrote {out}")

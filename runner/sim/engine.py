@@ -1,0 +1,269 @@
+"""Discrete-event simulation of one long job under one strategy mix.
+
+Time advances from event to event (failure, checkpoint, snapshot, a node or
+spare coming back, end of job). Every wall-clock second lands in exactly one
+bucket (useful progress, rework, downtime, checkpoint stall or degraded-speed
+loss), so ETTR = progress / wall time is an accounting identity, not a formula.
+
+Assumptions (documented in docs/simulator.md): failures strike only while the
+job runs (the failure clock stops during a recovery); a failed node is replaced
+from the cluster pool unless DeadPool uses a spare or NDB covers it; a full
+restart brings in fresh nodes, which ends any NDB takeover.
+"""
+import heapq
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from runner.sim.costs import CostModel, Phases
+from runner.sim.failures import FailureModel
+from runner.sim.strategies import Rollback, Strategy, choose
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Everything about the job that does not change while it runs."""
+
+    gpus: int
+    gpus_per_node: int
+    model_parallel_nodes: int
+    spares: int
+    end_s: float
+    step_s: float
+    checkpoint_interval_s: float
+    checkpoint_stall_s: float
+    snapshot_interval_s: Optional[float]  # None: no in-memory snapshots
+    snapshot_stall_s: float
+    degraded_speed: float
+    repair_s: float
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.gpus_per_node
+
+
+def make_plan(cfg, model: CostModel, failures: FailureModel, gpus: int, mix) -> JobPlan:
+    """Resolve the checkpoint policy for this size and mix. With in-memory
+    snapshots in the mix the disk copy is persisted from a snapshot in the
+    background, so only the snapshot's device-to-host copy stalls training."""
+    save_s = model.storage_io(gpus)
+    interval_min = cfg.job.checkpoint_interval_min
+    interval_s = (
+        model.young_interval_s(save_s, failures.job_mtbf_s(gpus))
+        if interval_min is None
+        else interval_min * 60.0
+    )
+    snapshots = any(s.keeps_snapshots for s in mix)
+    return JobPlan(
+        gpus=gpus,
+        gpus_per_node=cfg.cluster.gpus_per_node,
+        model_parallel_nodes=cfg.cluster.model_parallel_nodes,
+        spares=cfg.cluster.spares_nodes,
+        end_s=cfg.job.days * 86400.0,
+        step_s=cfg.job.step_s,
+        checkpoint_interval_s=interval_s,
+        checkpoint_stall_s=0.0 if snapshots else save_s,
+        snapshot_interval_s=cfg.job.snapshot_interval_min * 60.0 if snapshots else None,
+        snapshot_stall_s=cfg.costs.snapshot_block_s,
+        degraded_speed=1.0 - cfg.costs.ndb_throughput_loss,
+        repair_s=model.repair_s,
+    )
+
+
+@dataclass(frozen=True)
+class Event:
+    t_s: float
+    cause: str
+    fault: str
+    strategy: str
+    phases: Phases
+    lost_work_s: float
+
+
+@dataclass
+class RunResult:
+    wall_s: float = 0.0
+    progress_s: float = 0.0
+    rework_s: float = 0.0
+    downtime_s: float = 0.0
+    checkpoint_s: float = 0.0
+    degraded_s: float = 0.0
+    events: List[Event] = field(default_factory=list)
+
+    @property
+    def ettr(self) -> float:
+        return self.progress_s / self.wall_s
+
+
+@dataclass(frozen=True)
+class _Takeover:
+    neighbour: int
+    token: int
+
+
+class Job:
+    """Mutable state of one run; also the `JobView` the strategies query."""
+
+    def __init__(self, plan: JobPlan, mix: Sequence[Strategy], failures: FailureModel,
+                 rng: random.Random):
+        self.plan, self.mix, self.failures, self.rng = plan, mix, failures, rng
+        self.gpus = plan.gpus
+        self.spares = plan.spares
+        self.dp_degree = plan.nodes // plan.model_parallel_nodes
+        self.takeovers: Dict[int, _Takeover] = {}
+        self.pending: list = []  # heap of (time, seq, action, args)
+        self.seq = itertools.count()
+        self.r = RunResult()
+        self.t = 0.0
+        self.disk_at = self.snap_at = 0.0  # progress at the last commit
+        self.next_disk = plan.checkpoint_interval_s  # progress at the next save
+        self.next_snap = plan.snapshot_interval_s or math.inf
+
+    # JobView ------------------------------------------------------------------
+    def neighbour(self, node: int) -> Optional[int]:
+        """A live DP peer (same model position, next replica) that is not already
+        covering for someone; None when the node itself is covering."""
+        busy = {t.neighbour for t in self.takeovers.values()}
+        if self.dp_degree < 2 or node in busy:
+            return None
+        mp = self.plan.model_parallel_nodes
+        replica, position = divmod(node, mp)
+        for k in range(1, self.dp_degree):
+            peer = ((replica + k) % self.dp_degree) * mp + position
+            if peer not in busy and peer not in self.takeovers:
+                return peer
+        return None
+
+    # time accounting ------------------------------------------------------------
+    def _speed(self) -> float:
+        return self.plan.degraded_speed if self.takeovers else 1.0
+
+    def _train(self, dt: float) -> None:
+        speed = self._speed()
+        self.t += dt
+        self.r.progress_s += speed * dt
+        self.r.degraded_s += (1.0 - speed) * dt
+
+    def _stall(self, seconds: float) -> float:
+        """Advance the clock without progress, never past the end of the job."""
+        d = min(seconds, self.plan.end_s - self.t)
+        self.t += d
+        return d
+
+    def _rollback(self, kind: Rollback) -> float:
+        since = {
+            Rollback.STEP: math.fmod(self.r.progress_s, self.plan.step_s),
+            Rollback.SNAPSHOT: self.r.progress_s - self.snap_at,
+            Rollback.DISK: self.r.progress_s - self.disk_at,
+        }[kind]
+        self.r.progress_s -= since
+        self.r.rework_s += since
+        p = self.r.progress_s
+        self.disk_at, self.snap_at = min(self.disk_at, p), min(self.snap_at, p)
+        self.next_disk = min(self.next_disk, p + self.plan.checkpoint_interval_s)
+        if self.plan.snapshot_interval_s is not None:
+            self.next_snap = min(self.next_snap, p + self.plan.snapshot_interval_s)
+        return since
+
+    def _later(self, at: float, action, *args) -> None:
+        heapq.heappush(self.pending, (at, next(self.seq), action, args))
+
+    # events --------------------------------------------------------------------
+    def _checkpoint(self) -> None:
+        self.r.checkpoint_s += self._stall(self.plan.checkpoint_stall_s)
+        # With snapshots the disk copy is the latest snapshot persisted.
+        snapshots = self.plan.snapshot_interval_s is not None
+        self.disk_at = self.snap_at if snapshots else self.r.progress_s
+        self.next_disk = self.r.progress_s + self.plan.checkpoint_interval_s
+
+    def _snapshot(self) -> None:
+        self.r.checkpoint_s += self._stall(self.plan.snapshot_stall_s)
+        self.snap_at = self.r.progress_s
+        self.next_snap = self.snap_at + self.plan.snapshot_interval_s
+
+    def _failure(self) -> None:
+        failure = self.failures.draw(self.rng)
+        node = self._running_node(failure.node_draw)
+        strategy = choose(self.mix, failure.fault, node, self)
+        neighbour = self.neighbour(node)
+        rec = strategy.recover(failure.fault, node, self)
+        t_fail = self.t
+        lost = self._rollback(rec.rollback)
+        self.r.downtime_s += self._stall(rec.phases.total)
+        if rec.restarts_all:
+            self.takeovers.clear()
+        if rec.takes_spare:
+            self.spares -= 1
+            self._later(t_fail + self.plan.repair_s, self._spare_back)
+        if rec.takeover_s is not None:
+            token = next(self.seq)
+            self.takeovers[node] = _Takeover(neighbour, token)
+            self._later(t_fail + rec.takeover_s, self._rejoin, node, token, rec.rejoin_s)
+        self.r.events.append(
+            Event(t_fail, failure.cause, failure.fault.value, strategy.name, rec.phases, lost)
+        )
+
+    def _running_node(self, draw: float) -> int:
+        """Map a uniform draw onto the nodes that are not out for repair."""
+        node = int(draw * (self.plan.nodes - len(self.takeovers)))
+        for out in sorted(self.takeovers):
+            if out <= node:
+                node += 1
+        return node
+
+    def _spare_back(self) -> None:
+        self.spares += 1
+
+    def _rejoin(self, node: int, token: int, pause_s: float) -> None:
+        taken = self.takeovers.get(node)
+        if taken is None or taken.token != token:
+            return  # a full restart already replaced the node
+        del self.takeovers[node]
+        self.r.downtime_s += self._stall(pause_s)
+
+    # main loop -------------------------------------------------------------------
+    def run(self) -> RunResult:
+        plan = self.plan
+        fail_in = self.failures.next_gap_s(self.rng, plan.gpus)  # running seconds
+        while self.t < plan.end_s:
+            speed = self._speed()
+            waits = {
+                "end": plan.end_s - self.t,
+                "pending": self.pending[0][0] - self.t if self.pending else math.inf,
+                "snapshot": (self.next_snap - self.r.progress_s) / speed,  # before a tied save
+                "checkpoint": (self.next_disk - self.r.progress_s) / speed,
+                "failure": fail_in,
+            }
+            kind = min(waits, key=waits.get)
+            dt = max(waits[kind], 0.0)
+            self._train(dt)
+            fail_in -= dt
+            if kind == "end":
+                break
+            before = self.t
+            if kind == "pending":
+                _, _, action, args = heapq.heappop(self.pending)
+                action(*args)
+            elif kind == "checkpoint":
+                self._checkpoint()
+                fail_in -= self.t - before  # the job is up while it saves
+            elif kind == "snapshot":
+                self._snapshot()
+                fail_in -= self.t - before
+            else:
+                self._failure()
+                fail_in = self.failures.next_gap_s(self.rng, plan.gpus)
+        self.r.wall_s = self.t
+        return self.r
+
+
+def run_point(plan: JobPlan, mix: Sequence[Strategy], failures: FailureModel, seed: int,
+              runs: int) -> List[RunResult]:
+    """`runs` independent histories. The RNG stream depends on (seed, N, run)
+    only, so every mix at one size meets the same failures in running time."""
+    return [
+        Job(plan, mix, failures, random.Random(f"{seed}:{plan.gpus}:{i}")).run()
+        for i in range(runs)
+    ]

@@ -1,0 +1,8 @@
+"""The one exception type the CLI turns into a readable message and exit 2.
+
+Anything else escaping the simulator is a bug and keeps its traceback.
+"""
+
+
+class ConfigError(ValueError):
+    """A config value, strategy name or calibration file the user must fix."""

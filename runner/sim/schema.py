@@ -1,0 +1,138 @@
+"""Typed schema of the simulator config, registered in Hydra's ConfigStore.
+
+The schema rejects unknown keys and wrongly typed values before any simulation
+runs. Defaults live only in `conf/config.yaml` (fields here are MISSING), so
+there is one place to read and change them. `check_ranges` adds the value
+ranges types cannot express; strategy names are checked in `strategies.check_mix`
+so that error can list the valid names.
+"""
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from runner.sim.errors import ConfigError
+from runner.sim.failures import FaultClass
+
+
+@dataclass
+class ClusterConf:
+    gpus: Any = MISSING  # int, or a list of ints for a sweep table
+    gpus_per_node: int = MISSING
+    model_parallel_nodes: int = MISSING  # nodes holding one model replica (TP x PP)
+    spares_nodes: int = MISSING  # DeadPool hot spares
+    repair_hours: float = MISSING  # time until a lost node is back in service
+
+
+@dataclass
+class ModelConf:
+    params_b: float = MISSING
+    bytes_per_param: float = MISSING  # bf16 weights + fp32 master + two Adam moments
+
+
+@dataclass
+class JobConf:
+    days: float = MISSING
+    checkpoint_interval_min: Optional[float] = MISSING  # null: Young/Daly optimum at each N
+    snapshot_interval_min: float = MISSING  # flash_ckpt in-memory snapshots
+    step_s: float = MISSING
+
+
+@dataclass
+class CauseConf:
+    count: float = MISSING
+    fault: FaultClass = MISSING
+
+
+@dataclass
+class FailuresConf:
+    reference_interruptions: float = MISSING
+    reference_days: float = MISSING
+    reference_gpus: int = MISSING
+    rate_scale: float = MISSING
+    mix: Dict[str, CauseConf] = MISSING
+
+
+@dataclass
+class CostsConf:
+    # detect
+    heartbeat_s: float = MISSING
+    heartbeat_misses: int = MISSING
+    exit_detect_s: float = MISSING
+    collective_timeout_s: float = MISSING
+    sdc_detect_s: float = MISSING
+    decide_s: float = MISSING
+    # replace
+    reschedule_s: float = MISSING
+    process_start_s: float = MISSING
+    image_gb: float = MISSING
+    registry_gbps: float = MISSING
+    # rebuild
+    store_ops_per_s: float = MISSING
+    store_shards: int = MISSING
+    nccl_base_s: float = MISSING
+    nccl_per_rank_s: float = MISSING
+    nccl_per_doubling_s: float = MISSING
+    # restore / save
+    storage_gbps: float = MISSING
+    node_storage_gbps: float = MISSING
+    p2p_gbps: float = MISSING
+    host_mem_gbps: float = MISSING
+    snapshot_block_s: float = MISSING
+    # degraded running
+    ndb_throughput_loss: float = MISSING
+
+
+@dataclass
+class SimConf:
+    cluster: ClusterConf = field(default_factory=ClusterConf)
+    model: ModelConf = field(default_factory=ModelConf)
+    job: JobConf = field(default_factory=JobConf)
+    failures: FailuresConf = field(default_factory=FailuresConf)
+    costs: CostsConf = field(default_factory=CostsConf)
+    ft: Optional[List[str]] = MISSING  # one mix to compare against the baseline
+    mixes: List[List[str]] = MISSING  # used when ft is null
+    seed: int = MISSING
+    runs: int = MISSING
+    calibration: Optional[str] = MISSING
+
+
+def register() -> None:
+    """Make the schema available as the `sim_schema` default of config.yaml."""
+    ConfigStore.instance().store(name="sim_schema", node=SimConf)
+
+
+def check_ranges(cfg) -> None:
+    """Values that would make the simulation meaningless or never end."""
+    positive = {
+        "runs": cfg.runs,
+        "job.days": cfg.job.days,
+        "job.step_s": cfg.job.step_s,
+        "job.snapshot_interval_min": cfg.job.snapshot_interval_min,
+        "cluster.gpus_per_node": cfg.cluster.gpus_per_node,
+        "cluster.model_parallel_nodes": cfg.cluster.model_parallel_nodes,
+        "model.params_b": cfg.model.params_b,
+        "model.bytes_per_param": cfg.model.bytes_per_param,
+        "failures.rate_scale": cfg.failures.rate_scale,
+        "failures.reference_interruptions": cfg.failures.reference_interruptions,
+        "failures.reference_days": cfg.failures.reference_days,
+        "failures.reference_gpus": cfg.failures.reference_gpus,
+    }
+    if cfg.job.checkpoint_interval_min is not None:  # None means Young/Daly
+        positive["job.checkpoint_interval_min"] = cfg.job.checkpoint_interval_min
+    for f in fields(cfg.costs):  # rates divide, so they must be > 0; durations >= 0
+        rate = f.name.endswith(("_gbps", "_per_s")) or f.name in (
+            "store_shards", "heartbeat_misses"
+        )
+        if rate:
+            positive[f"costs.{f.name}"] = getattr(cfg.costs, f.name)
+        elif getattr(cfg.costs, f.name) < 0:
+            raise ConfigError(f"costs.{f.name} must be >= 0")
+    bad = [k for k, v in positive.items() if v <= 0]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)} must be > 0")
+    if cfg.cluster.spares_nodes < 0 or not 0 <= cfg.costs.ndb_throughput_loss < 1:
+        raise ConfigError(
+            "cluster.spares_nodes must be >= 0 and costs.ndb_throughput_loss in [0, 1)"
+        )

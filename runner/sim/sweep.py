@@ -1,0 +1,82 @@
+"""Which (GPU count, mix) points to simulate, checked up front, and running them.
+
+Kept apart from Hydra so tests and notebooks can call `simulate` on a plain
+`SimConf` object.
+"""
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+from runner.sim import schema
+from runner.sim.costs import CostModel
+from runner.sim.engine import JobPlan, RunResult, make_plan, run_point
+from runner.sim.errors import ConfigError
+from runner.sim.failures import FailureModel
+from runner.sim.strategies import build, check_mix
+
+Mix = Tuple[str, ...]
+
+
+@dataclass
+class Point:
+    gpus: int
+    mix: Mix
+    plan: JobPlan
+    runs: List[RunResult]
+
+
+@dataclass
+class Sweep:
+    sizes: List[int]
+    mixes: List[Mix]
+    model: CostModel
+    failures: FailureModel
+    overrides: Mapping[str, Mapping[str, float]]
+    points: Dict[Tuple[int, Mix], Point] = field(default_factory=dict)
+
+
+def sizes_of(cfg) -> List[int]:
+    raw = cfg.cluster.gpus
+    values = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+    per_node, mp = cfg.cluster.gpus_per_node, cfg.cluster.model_parallel_nodes
+    for g in values:
+        if not isinstance(g, int) or isinstance(g, bool) or g <= 0:
+            raise ConfigError(f"cluster.gpus: {g!r} is not a positive integer")
+        check_layout(g, per_node, mp)
+    return sorted(set(values))
+
+
+def check_layout(gpus: int, per_node: int, mp_nodes: int) -> None:
+    if gpus % per_node or (gpus // per_node) % mp_nodes:
+        raise ConfigError(
+            f"cluster.gpus={gpus} must fill whole model replicas: a multiple of "
+            f"gpus_per_node ({per_node}) x model_parallel_nodes ({mp_nodes})"
+        )
+
+
+def mixes_of(cfg) -> List[Mix]:
+    """`ft` given: the baseline plus that mix; `ft` null: every mix in `mixes`."""
+    chosen = [[], list(cfg.ft)] if cfg.ft is not None else [list(m) for m in cfg.mixes]
+    unique: List[Mix] = []
+    for names in chosen:
+        check_mix(names)
+        if tuple(names) not in unique:
+            unique.append(tuple(names))
+    return unique
+
+
+def simulate(cfg, overrides: Mapping[str, Mapping[str, float]]) -> Sweep:
+    schema.check_ranges(cfg)
+    model = CostModel(cfg.costs, cfg.model, cfg.cluster)
+    failures = FailureModel(cfg.failures)
+    sweep = Sweep(sizes_of(cfg), mixes_of(cfg), model, failures, overrides)
+    for gpus in sweep.sizes:
+        for mix in sweep.mixes:
+            strategies = build(mix, model, overrides)
+            plan = make_plan(cfg, model, failures, gpus, strategies)
+            runs = run_point(plan, strategies, failures, cfg.seed, cfg.runs)
+            sweep.points[(gpus, mix)] = Point(gpus, mix, plan, runs)
+    return sweep
+
+
+def mix_label(mix: Sequence[str]) -> str:
+    return ",".join(mix) if mix else "restart (ft=[])"

@@ -1,0 +1,207 @@
+"""Properties of the cluster simulator (runner.sim), not snapshots of its output."""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from runner.sim import calibration, report, schema
+from runner.sim.cli import CONF_DIR
+from runner.sim.costs import CostModel
+from runner.sim.engine import make_plan, run_point
+from runner.sim.errors import ConfigError
+from runner.sim.failures import FailureModel, FaultClass
+from runner.sim.strategies import RESTART, STRATEGY_NAMES, build, check_mix, choose
+from runner.sim.sweep import simulate
+
+REPO = Path(__file__).resolve().parents[1]
+F = FaultClass
+
+
+def load_cfg(*overrides):
+    schema.register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_cfg()
+
+
+@pytest.fixture(scope="module")
+def model(cfg):
+    return CostModel(cfg.costs, cfg.model, cfg.cluster)
+
+
+def node_loss_rto(cfg, model, name, gpus, spares=4):
+    job = report.FreshJob(gpus, spares, gpus // 8 // cfg.cluster.model_parallel_nodes)
+    strategy = next(s for s in build(STRATEGY_NAMES, model, {}) if s.name == name)
+    return strategy.recover(F.node_loss, 0, job).phases
+
+
+def test_restart_all_within_2x_of_flashrecovery_published_table(cfg, model):
+    for gpus, published in report.PUBLISHED_RESTART_S.items():
+        modelled = node_loss_rto(cfg, model, RESTART, gpus).restart
+        assert published / 2 <= modelled <= published * 2, (gpus, modelled, published)
+    for gpus, floor in report.PUBLISHED_RESTART_AT_LEAST_S.items():
+        assert node_loss_rto(cfg, model, RESTART, gpus).restart > floor
+
+
+def test_restart_all_grows_with_n_and_faster_than_linear_from_512_to_4096(cfg, model):
+    sizes = [512, 1024, 4096, 10240, 16384]
+    times = [node_loss_rto(cfg, model, RESTART, g).restart for g in sizes]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    assert times[2] / times[0] > 4  # the paper: 8 min -> 72 min for 8x the cards
+
+
+def test_flashrecovery_rto_flat_in_n_and_near_published(cfg, model):
+    sizes = (512, 4096, 10240, 16384)
+    rtos = {g: node_loss_rto(cfg, model, "flashrecovery", g).total for g in sizes}
+    assert max(rtos.values()) / min(rtos.values()) < 1.25
+    for gpus, published in report.PUBLISHED_FLASHRECOVERY_S.items():
+        assert published / 2 <= rtos[gpus] <= published * 2
+
+
+def test_fast_paths_beat_full_restart_by_far_at_scale(cfg, model):
+    restart = node_loss_rto(cfg, model, RESTART, 16384).total
+    for name in ("flashrecovery", "deadpool", "ndb"):
+        assert node_loss_rto(cfg, model, name, 16384).total < restart / 50
+
+
+def test_decision_table(cfg, model):
+    mix = build(["deadpool", "ndb", "flashrecovery", "flash_ckpt"], model, {})
+    rich = report.FreshJob(gpus=1024, spares=1, dp_degree=16)
+    no_spare = report.FreshJob(gpus=1024, spares=0, dp_degree=16)
+    no_peer = report.FreshJob(gpus=512, spares=0, dp_degree=1)
+
+    def pick(fault, job):
+        return choose(mix, fault, 0, job).name
+
+    assert pick(F.node_loss, rich) == "deadpool"
+    assert pick(F.node_loss, no_spare) == "ndb"
+    assert pick(F.node_loss, no_peer) == "flash_ckpt"  # no DP replica: no ndb/flashrecovery
+    assert pick(F.transient, no_spare) == "deadpool"  # retried in place
+    assert pick(F.silent_corruption, rich) == RESTART  # only a disk checkpoint predates it
+    only_ndb = build(["ndb"], model, {})
+    assert choose(only_ndb, F.transient, 0, rich).name == RESTART
+
+
+def test_bad_strategy_name_is_a_config_error():
+    with pytest.raises(ConfigError, match="Valid names: flashrecovery, deadpool, ndb, flash_ckpt"):
+        check_mix(["flashrecovery", "flashrecover"])
+    with pytest.raises(ConfigError, match="repeated"):
+        check_mix(["ndb", "ndb"])
+
+
+def small(*extra):
+    return load_cfg("job.days=20", "runs=3", *extra)
+
+
+def test_ettr_in_unit_interval_and_ordered(tmp_path):
+    cfg = small(
+        "cluster.gpus=[1024,16384]",
+        "mixes=[[],[flashrecovery],[flashrecovery,deadpool,ndb,flash_ckpt]]",
+    )
+    summary = report.summarize(simulate(cfg, {}), cfg)
+    ettr = {(p["gpus"], tuple(p["mix"])): p["ettr_mean"] for p in summary["points"]}
+    assert all(0 < v <= 1 for v in ettr.values())
+    full = ("flashrecovery", "deadpool", "ndb", "flash_ckpt")
+    for g in (1024, 16384):
+        assert ettr[(g, ())] < ettr[(g, ("flashrecovery",))] <= ettr[(g, full)]
+    assert ettr[(16384, ())] < ettr[(1024, ())]  # more GPUs, more failures, slower restarts
+    gap = {g: ettr[(g, full)] - ettr[(g, ())] for g in (1024, 16384)}
+    assert gap[16384] > gap[1024]
+
+
+def test_every_second_is_accounted_for():
+    cfg = small("cluster.gpus=4096", "mixes=[[ndb,flash_ckpt]]")
+    point = next(iter(simulate(cfg, {}).points.values()))
+    for r in point.runs:
+        parts = r.progress_s + r.rework_s + r.downtime_s + r.checkpoint_s + r.degraded_s
+        assert math.isclose(parts, r.wall_s, rel_tol=1e-9)
+        assert r.wall_s == pytest.approx(cfg.job.days * 86400)
+    assert any(r.degraded_s > 0 for r in point.runs)  # NDB ran at reduced speed
+
+
+def test_same_seed_same_output_other_seed_differs():
+    a = report.summarize(simulate(small("seed=7"), {}), small("seed=7"))
+    b = report.summarize(simulate(small("seed=7"), {}), small("seed=7"))
+    c = report.summarize(simulate(small("seed=8"), {}), small("seed=8"))
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert json.dumps(a, sort_keys=True) != json.dumps(c, sort_keys=True)
+
+
+def test_deadpool_needs_spares():
+    def deadpool_node_losses(spares):
+        cfg = small("cluster.gpus=16384", f"cluster.spares_nodes={spares}", "mixes=[[deadpool]]")
+        point = next(iter(simulate(cfg, {}).points.values()))
+        return sum(e.strategy == "deadpool" and e.fault == "node_loss"
+                   for r in point.runs for e in r.events)
+
+    assert deadpool_node_losses(0) == 0
+    assert deadpool_node_losses(4) > 0
+
+
+def test_failure_rate_matches_llama3_reference(cfg):
+    failures = FailureModel(cfg.failures)
+    assert failures.job_mtbf_s(16384) / 3600 == pytest.approx(54 * 24 / 419)
+    assert sum(failures.class_shares().values()) == pytest.approx(1.0)
+
+
+def test_young_daly_interval_used_when_interval_is_null(model):
+    cfg = small("job.checkpoint_interval_min=null")
+    failures = FailureModel(cfg.failures)
+    plan = make_plan(cfg, model, failures, 16384, build([], model, {}))
+    expected = math.sqrt(2 * model.storage_io(16384) * failures.job_mtbf_s(16384))
+    assert plan.checkpoint_interval_s == pytest.approx(expected)
+    assert run_point(plan, build([], model, {}), failures, 0, 1)[0].ettr > 0
+
+
+def test_calibration_file(tmp_path, cfg):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({
+        "costs": {"heartbeat_s": 1.0},
+        "phases": {"flashrecovery": {"rebuild_s": 2.0}},
+    }))
+    costs, overrides = calibration.load(str(path), cfg.costs)
+    assert costs.heartbeat_s == 1.0 and overrides == {"flashrecovery": {"rebuild": 2.0}}
+    model = CostModel(costs, cfg.model, cfg.cluster)
+    fr = next(s for s in build(["flashrecovery"], model, overrides))
+    phases = fr.recover(F.node_loss, 0, report.FreshJob(16384, 4, 256)).phases
+    assert phases.rebuild == 2.0 and phases.detect == pytest.approx(2.5)
+    path.write_text(json.dumps({"costs": {"detect_seconds": 1}}))
+    with pytest.raises(ConfigError, match="detect_seconds"):
+        calibration.load(str(path), cfg.costs)
+
+
+def run_cli(*args, cwd=REPO):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "runner.sim", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_unknown_strategy_fails_with_clear_message(tmp_path):
+    proc = run_cli("ft=[flashrecovery,warp_drive]", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode != 0
+    assert "warp_drive" in proc.stderr
+    assert "Valid names: flashrecovery, deadpool, ndb, flash_ckpt" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_default_run_prints_table_and_writes_json_fast(tmp_path):
+    start = time.monotonic()
+    proc = run_cli(f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - start < 60
+    for header in ("1,024 GPUs", "4,096 GPUs", "16,384 GPUs", "restart (ft=[])", "flashrecovery"):
+        assert header in proc.stdout
+    data = json.loads((tmp_path / "sim.json").read_text())
+    assert {p["gpus"] for p in data["points"]} == {1024, 4096, 16384}
+    assert all(0 < p["ettr_mean"] <= 1 for p in data["points"])
