@@ -67,7 +67,7 @@ class Comm:
                 self.store.wait([f"gen/{newer_than + 1}"], timedelta(seconds=min(remaining, 1.0)))
             except Exception:  # the 1 s slice expired: look at 'abort' again
                 continue
-            layout = protocol.latest_layout(self.store)
+            layout = protocol.latest_layout(self.store, at_least=newer_than + 1)
             if self.wid in layout.members:
                 return layout
             newer_than = layout.gen

@@ -204,9 +204,10 @@ class Controller:
             if rep.get("fatal"):
                 self._fail(f"worker {rep['wid']} failed: {rep['reason']}")
                 return
-            if rep.get("gen", self.gen) < self.gen:
-                continue  # about a generation already replaced: nothing new
-            self._symptom("report", **rep)
+            stale = rep.get("gen", self.gen) < self.gen  # about a generation already replaced: nothing new
+            self.events.emit("symptom_reported", stale=stale, **_short(rep))
+            if not stale:
+                self._symptom("report", **rep)
 
     def _poll_heartbeats(self) -> None:
         now = time.monotonic()
@@ -395,11 +396,11 @@ class Controller:
 
     def _echo(self, record: dict) -> None:
         kind = record["kind"]
-        if kind in ("run_start", "generation") and record.get("recovery", -1) == -1:
+        if kind in ("run_start", "symptom_reported") or (kind == "generation" and record.get("recovery", -1) == -1):
             return
         details = {k: v for k, v in record.items() if k not in ("t", "step", "rank", "kind")}
         print(f"[runner {time.time() - self.t_start:7.2f}s] {kind}: {json.dumps(details, default=str)}", flush=True)
 
 
 def _short(details: dict) -> dict:
-    return {k: v for k, v in details.items() if k in ("wid", "code", "node", "why", "reason")}
+    return {k: v for k, v in details.items() if k in ("wid", "code", "node", "why", "reason", "gen")}

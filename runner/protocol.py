@@ -61,8 +61,9 @@ def set_json(store: TCPStore, key: str, value: dict) -> None:
     store.set(key, json.dumps(value))
 
 
-def latest_layout(store: TCPStore) -> Layout:
-    gen = int(store.get("gen"))
+def latest_layout(store: TCPStore, at_least: int = 0) -> Layout:
+    """The newest generation; ``gen/<g>`` is written before ``gen``, so trust what the caller saw too."""
+    gen = max(int(store.get("gen")), at_least)
     return Layout.from_json(store.get(f"gen/{gen}"))
 
 

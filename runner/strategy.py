@@ -116,6 +116,12 @@ class ResilientStrategy(ParallelStrategy):
         super().setup(trainer)
         for opt in self.optimizers:
             _gate_optimizer_step(opt, self)
+        if not self.joining:  # replicas start identical whatever the module's init did (as DDP does)
+            for p in self.lightning_module.state_dict().values():
+                if isinstance(p, Tensor):
+                    self.comm.broadcast(p.data, src=0)
+        # every process (a replacement too) builds the user's dataloader from the same RNG state
+        torch.manual_seed(derive_seed(self.seed, 0xDA7A))
 
     # -- per-step seeding and the committed, failure-aware reduction ----------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -91,7 +91,9 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
 
     micro_batch = cfg.trainer.global_batch_size // dp
     module, datamodule = build_module_and_data(cfg, micro_batch)
-    recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s) if cfg.ft else None
+    # Workers never decide a run's fate: even without fault tolerance a failed collective is reported
+    # and the controller answers (here: ends the run naming the fault).
+    recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s)
     joining = spec.role == "joiner"
     strategy = ResilientStrategy(
         comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
@@ -103,8 +105,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     strategy._on_commit = metrics.on_commit
     faults = FaultTrigger([f for f in all_faults(cfg) if f.kind != "none"], comm, status, events,
                           release_timeout_s=cfg.launcher.recovery_timeout_s)
-    if recovery is not None:
-        recovery.on_start = faults.on_recovery_start
+    recovery.on_start = faults.on_recovery_start
     is_rank0 = spec.logical_rank == 0
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -134,13 +135,13 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
 
 def build_module_and_data(cfg: DictConfig, micro_batch: int):
     """Our GPT with a step-indexed source, or a user's LightningModule / DataModule via ``_target_``."""
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (and in every replacement)
     if cfg.model._target_:
         module = instantiate({"_target_": cfg.model._target_, **cfg.model.kwargs})
     else:
         m = cfg.model
         gpt_cfg = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.ffn_mult, m.dropout, m.bias)
         t = cfg.trainer
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank (and in every replacement)
         module = GPTModule(gpt_cfg, t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.weight_decay, tuple(t.betas))
     if cfg.data._target_:
         return module, instantiate({"_target_": cfg.data._target_, **cfg.data.kwargs})

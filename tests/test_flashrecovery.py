@@ -1,0 +1,103 @@
+"""FlashRecovery on real processes: SIGKILL/SIGSTOP/transient faults, exact state afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_cli
+
+FOUR = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "trainer.max_steps=30"]
+FR = ["ft=[flashrecovery]"]
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    run = run_cli(*FOUR, *FR, run_dir=tmp_path_factory.mktemp("ff") / "run")
+    assert run.summary["status"] == "completed"
+    return run.summary
+
+
+def assert_exact(run, fault_free, recoveries: int):
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["global_step"] == fault_free["global_step"]
+    assert s["param_checksum"] == fault_free["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert s["samples_committed"] == fault_free["samples_committed"]
+    assert len(s["recoveries"]) == recoveries, s["recoveries"]
+    for r in s["recoveries"]:
+        assert r["rpo_steps"] == 0
+        assert r["rto_s"] > 0
+        phases = r["detect_s"] + r["decide_s"] + r["replace_s"] + r["rebuild_s"] + r["restore_s"]
+        assert phases == pytest.approx(r["rto_s"], abs=1e-6)
+    return s
+
+
+def test_kill_rank_restarts_only_that_rank_and_loses_nothing(fault_free, run_dir):
+    run = run_cli(*FOUR, *FR, "fault=kill_rank", "fault.rank=2", "fault.step=12", run_dir=run_dir)
+    s = assert_exact(run, fault_free, recoveries=1)
+    rec = s["recoveries"][0]
+    assert (rec["fault"], rec["victims"], rec["step"], rec["action"]) == ("process_crash", [2], 12, "restart_rank")
+    started = run.events("worker_started")
+    assert len(started) == 5 and [e["role"] for e in started].count("joiner") == 1  # survivors never restarted
+    restored = run.events("state_restored")
+    assert len(restored) == 1 and restored[0]["role"] == "joiner"
+    assert "fault_detected" in run.output and "recovery_decided" in run.output  # shown live on the console
+
+
+def test_kill_rank_with_a_lightning_module_we_did_not_write(tmp_path):
+    boring = ["+recipe=gpt_tiny", "model._target_=lightning.pytorch.demos.boring_classes.BoringModel",
+              "trainer.max_steps=16", *FR]
+    clean = run_cli(*boring, run_dir=tmp_path / "clean")
+    killed = run_cli(*boring, "fault=kill_rank", "fault.rank=1", "fault.step=6", run_dir=tmp_path / "killed")
+    assert_exact(killed, clean.summary, recoveries=1)
+
+
+def test_hang_is_detected_killed_and_recovered(fault_free, run_dir):
+    run = run_cli(*FOUR, *FR, "fault=hang_rank", "fault.rank=1", "fault.step=10", run_dir=run_dir)
+    s = assert_exact(run, fault_free, recoveries=1)
+    rec = s["recoveries"][0]
+    assert rec["fault"] == "hang" and rec["victims"] == [1]
+    assert rec["detect_s"] <= 10.0 + 0.1  # heartbeat.stall_timeout_s + one interval
+
+
+def test_transient_error_is_retried_without_restarting_anyone(fault_free, run_dir):
+    run = run_cli(*FOUR, *FR, "fault=transient", "fault.rank=3", "fault.step=8", run_dir=run_dir)
+    s = assert_exact(run, fault_free, recoveries=1)
+    assert s["recoveries"][0]["fault"] == "transient" and s["recoveries"][0]["action"] == "retry"
+    assert len(run.events("worker_started")) == 4
+
+
+def test_two_kills_at_different_steps(fault_free, run_dir):
+    run = run_cli(*FOUR, *FR, "fault=kill_rank", "fault.rank=0", "fault.step=6",
+                  "+fault.extra=[{kind: kill_rank, rank: 3, step: 20}]", run_dir=run_dir)
+    s = assert_exact(run, fault_free, recoveries=2)
+    assert [r["victims"] for r in s["recoveries"]] == [[0], [3]]
+
+
+def test_kill_during_the_recovery_from_another_kill(fault_free, run_dir):
+    run = run_cli(*FOUR, *FR, "fault=kill_rank", "fault.rank=1", "fault.step=9",
+                  "+fault.extra=[{kind: kill_rank, rank: 2, during: recovery}]", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == fault_free["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
+    victims = sorted(v for r in s["recoveries"] for v in r["victims"])
+    assert victims == [1, 2]
+    assert len(run.events("worker_started")) == 6
+
+
+def test_losing_every_replica_fails_clearly_and_never_hangs(run_dir):
+    run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=20", *FR, "fault=kill_rank", "fault.rank=0", "fault.step=5",
+                  "+fault.extra=[{kind: kill_rank, rank: 1, step: 5}]", run_dir=run_dir)
+    s = run.summary
+    assert run.returncode == 1
+    assert s["status"] == "failed"
+    assert "every data-parallel replica" in s["error"]
+
+
+def test_without_fault_tolerance_a_kill_fails_the_run_with_the_reason(run_dir):
+    run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=20", "fault=kill_rank", "fault.rank=1", "fault.step=5",
+                  run_dir=run_dir)
+    assert run.summary["status"] == "failed"
+    assert "ft=flashrecovery" in run.summary["error"]
