@@ -1,0 +1,38 @@
+"""Shared by the bench scripts: run the real CLI, read its outputs, summarise timings robustly."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = ["logger=none", "trainer.progress_bar=false", "runner.console_events=false"]
+
+
+def run_cli(*overrides: str, timeout: float = 900) -> tuple[dict, list[dict], list[dict]]:
+    """One ``python -m runner`` job; returns (summary, metrics, events)."""
+    run_dir = Path(tempfile.mkdtemp(prefix="rr-bench-")) / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "runner", *overrides, *QUIET, f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise RuntimeError(f"run failed before writing a summary:\n{proc.stderr[-3000:]}")
+    read = lambda name: [json.loads(x) for x in (run_dir / name).read_text().splitlines() if x.strip()]
+    return json.loads(summary_path.read_text()), read("metrics.jsonl"), read("events.jsonl")
+
+
+def steady_steps_per_s(metrics: list[dict], skip: int) -> float:
+    """Committed steps per second after the first ``skip`` steps (start-up and warm-up excluded)."""
+    steady = [m for m in metrics if m["step"] >= skip]
+    span = steady[-1]["t"] - steady[0]["t"]
+    return (len(steady) - 1) / span
+
+
+def median_spread(values: list[float]) -> str:
+    return f"median {statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f}, n={len(values)})"

@@ -1,0 +1,56 @@
+"""Steps/s of the runner's Strategy against plain Lightning DDP, same model, data and ranks.
+
+Runs are interleaved (ours, DDP, ours, DDP, ...) in one invocation so that machine noise hits
+both alike; prints the median of each and their ratio (target >= 0.98).
+
+    python bench/throughput.py [--ranks 4] [--steps 80] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import ROOT, median_spread, run_cli, steady_steps_per_s
+
+
+def ddp_steps_per_s(ranks: int, steps: int, skip: int) -> float:
+    out = Path(tempfile.mkdtemp()) / "ddp.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                    str(ROOT / "bench" / "ddp_reference.py"), "--steps", str(steps), "--out", str(out)],
+                   cwd=ROOT, check=True, capture_output=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    t = json.loads(out.read_text())["t_commit"][skip:]
+    return (len(t) - 1) / (t[-1] - t[0])
+
+
+def ours_steps_per_s(ranks: int, steps: int, skip: int, *extra: str) -> float:
+    summary, metrics, _ = run_cli("+recipe=gpt_tiny", "parallel.nodes=1", f"parallel.procs_per_node={ranks}",
+                                  f"trainer.max_steps={steps}", *extra)
+    assert summary["status"] == "completed", summary.get("error")
+    return steady_steps_per_s(metrics, skip)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    skip = 10
+    ours, ddp = [], []
+    for _ in range(args.rounds):
+        ours.append(ours_steps_per_s(args.ranks, args.steps, skip))
+        ddp.append(ddp_steps_per_s(args.ranks, args.steps, skip))
+    print(f"gpt_tiny, {args.ranks} ranks, gloo on CPU, steps {skip}..{args.steps} of each run")
+    print(f"  runner strategy  steps/s {median_spread(ours)}")
+    print(f"  Lightning DDP    steps/s {median_spread(ddp)}")
+    print(f"  ratio (ours / DDP) {statistics.median(ours) / statistics.median(ddp):.3f}   target >= 0.98")
+
+
+if __name__ == "__main__":
+    main()
