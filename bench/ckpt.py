@@ -1,0 +1,186 @@
+"""Checkpoint blocking and restore times: flash (overlap on/off) against a memcpy floor,
+torch.save and torch.distributed.checkpoint.async_save, on a GPT + AdamW state.
+
+    .venv/bin/python bench/ckpt.py            # ~200 MB state (well under 2 minutes here)
+    .venv/bin/python bench/ckpt.py --large    # adds a ~1 GB state
+
+"Blocking" is what the training loop waits for: for flash, the save call plus the wait right
+before the next optimizer step, with a real forward/backward of the model in between (the
+background copy competes with it for the same cores, so the forward/backward time is shown
+too). The floor is one copy_ of the same number of bytes from one private tensor into a warm,
+pre-faulted /dev/shm mapping. Each of --repeats rounds runs every method once, so load from
+other processes hits them alike; "x floor" is the median over rounds of time / that round's
+floor. The first flash save (which creates and pre-faults the segment) is reported on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+from collections import defaultdict
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+from time import perf_counter
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runner.model import GPT, GPTConfig  # noqa: E402
+from runner.recovery.flash_ckpt import Snapshotter, cleanup, load_newest  # noqa: E402
+from runner.recovery.flash_ckpt.checksum import digest  # noqa: E402
+from runner.recovery.flash_ckpt.codec import flatten  # noqa: E402
+from runner.recovery.flash_ckpt.shm import SHM_DIR  # noqa: E402
+
+SIZES = {
+    "200MB": GPTConfig(vocab_size=8192, seq_len=64, n_layer=4, n_head=8, d_model=512),
+    "1GB": GPTConfig(vocab_size=16384, seq_len=64, n_layer=10, n_head=12, d_model=768),
+}
+TARGETS = {"flash save, overlap on": 0.25, "flash save, overlap off": 1.2, "restore flash -> live tensors": 1.2,
+           "restore flash -> new tensors": 1.2}
+
+
+class Trainer:
+    """A GPT with AdamW state and a small batch, so a step is a real forward/backward."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        torch.manual_seed(0)
+        self.model = GPT(cfg)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.idx = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+        self.forward_backward()
+        self.opt.step()
+
+    def forward_backward(self) -> float:
+        t0 = perf_counter()
+        self.opt.zero_grad(set_to_none=False)
+        self.model.loss(self.idx, self.idx).backward()
+        return perf_counter() - t0
+
+    def checkpoint(self, step: int) -> dict:
+        """What Lightning's dump_checkpoint returns, minus the loop bookkeeping: live references."""
+        return {"global_step": step, "state_dict": self.model.state_dict(), "optimizer_states": [self.opt.state_dict()]}
+
+
+def nbytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in flatten(state).tensors)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def warm_shm(total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-faulted /dev/shm mapping of `total` bytes and a private source of the same size."""
+    fd, name = tempfile.mkstemp(dir=SHM_DIR, prefix="rrflash-bench-floor")
+    try:
+        os.posix_fallocate(fd, 0, total)
+        dst = torch.frombuffer(mmap.mmap(fd, total), dtype=torch.uint8)
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    src = torch.randint(0, 255, (total,), dtype=torch.uint8)
+    dst.copy_(src)
+    return dst, src
+
+
+def timed(fn) -> float:
+    t0 = perf_counter()
+    fn()
+    return perf_counter() - t0
+
+
+def flash_step(tr: Trainer, snap: Snapshotter, step: int, overlap: bool) -> tuple[float, float]:
+    """One training step with a snapshot of the previous one: (seconds blocked, fwd/bwd seconds)."""
+    save = snap.save_async if overlap else snap.save
+    blocked = save(tr.checkpoint(step), step)
+    fwd = tr.forward_backward()
+    blocked += snap.wait()  # where the callback waits: right before the optimizer step
+    tr.opt.step()
+    return blocked, fwd
+
+
+def run_size(label: str, cfg: GPTConfig, repeats: int) -> dict:
+    """Every method once per round, rounds interleaved, so load from other processes hits all alike."""
+    tr = Trainer(cfg)
+    total = nbytes(tr.checkpoint(0))
+    floor_dst, floor_src = warm_shm(total)
+    model_sd, optim_sd = get_state_dict(tr.model, tr.opt)
+    dcp_state = {"model": model_sd, "optim": optim_sd}
+    job = f"bench{os.getpid()}"
+    snap = Snapshotter(job, 0)
+    res: dict[str, list[float]] = defaultdict(list)
+    step = 0
+    try:
+        res["flash first save (creates + pre-faults)"].append(timed(lambda: snap.save(tr.checkpoint(0), 0)))
+        snap.save(tr.checkpoint(0), 0)  # the second slot is created at the second save
+        snap.wait()
+        with tempfile.TemporaryDirectory(prefix="rr-bench-ckpt") as d:
+            path = Path(d) / "torch_save.ckpt"
+            for r in range(repeats):
+                res["memcpy floor"].append(timed(lambda: floor_dst.copy_(floor_src)))
+                res["checksum digest (all bytes)"].append(timed(lambda: digest(floor_src.numpy())))
+                res["zlib.crc32 (all bytes, for comparison)"].append(timed(lambda: zlib.crc32(floor_src.numpy())))
+                res["fwd/bwd alone"].append(tr.forward_backward())
+                for overlap in (False, True):
+                    step += 1
+                    blocked, fwd = flash_step(tr, snap, step, overlap)
+                    res[f"flash save, overlap {'on' if overlap else 'off'}"].append(blocked)
+                    res[f"fwd/bwd beside flash save, overlap {'on' if overlap else 'off'}"].append(fwd)
+                state = tr.checkpoint(step)
+                with open(path, "wb") as f:
+                    res["torch.save to file (page cache)"].append(timed(lambda: torch.save(state, f)))
+                    res["fsync after torch.save"].append(timed(lambda: (f.flush(), os.fsync(f.fileno()))))
+                t0 = perf_counter()
+                fut = dcp.async_save(dcp_state, checkpoint_id=Path(d) / f"dcp{r}")
+                res["DCP async_save (blocking part)"].append(perf_counter() - t0)
+                fut.result()
+                res["restore flash -> new tensors"].append(timed(lambda: load_newest(job, 0)))
+                res["restore flash -> live tensors"].append(timed(lambda: load_newest(job, 0, into=state)))
+                res["restore torch.load(weights_only=True)"].append(timed(lambda: torch.load(path, weights_only=True)))
+                res["restore dcp.load (in place)"].append(timed(lambda: dcp.load(dcp_state, checkpoint_id=Path(d) / f"dcp{r}")))
+    finally:
+        snap.close(unlink=True)
+        cleanup(job)
+    floor = res["memcpy floor"]
+    print(f"\n== {label}: {total / 1e6:.1f} MB in tensors, floor median {median(floor) * 1e3:.1f} ms "
+          f"({total / median(floor) / 1e9:.1f} GB/s)")
+    print(f"{'':44s} {'median ms':>10s} {'min ms':>8s} {'x floor':>8s}  target")
+    for name, xs in res.items():
+        # the ratio pairs each sample with the floor of its own round (the first save has no round)
+        ratio = median([x / f for x, f in zip(xs, floor)]) if len(xs) == len(floor) else median(xs) / median(floor)
+        target = TARGETS.get(name)
+        verdict = "" if target is None else f"<= {target}x {'met' if ratio <= target else 'MISSED'}"
+        print(f"{name:44s} {median(xs) * 1e3:10.1f} {min(xs) * 1e3:8.1f} {ratio:8.2f}  {verdict}")
+    return {"bytes": total, "seconds": dict(res)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--large", action="store_true", help="also run the ~1 GB state")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", type=Path, help="write the raw timings here")
+    args = ap.parse_args()
+    store = Path(tempfile.mkdtemp(prefix="rr-bench-store")) / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)  # DCP wants a group
+    try:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+              f"load {os.getloadavg()[0]:.2f}, files in {tempfile.gettempdir()}")
+        results = {label: run_size(label, cfg, args.repeats) for label, cfg in SIZES.items() if args.large or label != "1GB"}
+    finally:
+        dist.destroy_process_group()
+        store.parent.rmdir()
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

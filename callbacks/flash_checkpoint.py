@@ -1,0 +1,152 @@
+"""Flash checkpoints from Lightning: the trainer's checkpoint dict goes to /dev/shm every n steps
+(about one memcpy of blocking, less with overlap) and every m-th snapshot is written to disk by a
+persister in another process, as a file ``Trainer.fit(ckpt_path=...)`` loads.
+
+The dict from ``dump_checkpoint`` references the live parameters and optimizer state. With
+``overlap`` the copy runs in a background thread while the next forward/backward runs, and
+``wait`` sits in ``on_before_optimizer_step``, the last moment before those tensors change.
+This assumes nothing else writes them between two optimizer steps: modules whose buffers change
+in forward (BatchNorm running stats) or callbacks that edit weights after this one (EMA) need
+``overlap=False``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from runner.recovery.flash_ckpt import (
+    Event,
+    PersistClient,
+    Snapshotter,
+    cleanup_stale,
+    spawn_persister,
+)
+
+log = logging.getLogger(__name__)
+
+# Resuming ignores hyper-parameters, and they may hold classes (an OmegaConf type) that neither
+# JSON nor torch.load(weights_only=True) accepts, so snapshots leave them out by default.
+HPARAM_KEYS = (
+    "hyper_parameters",
+    "hparams_name",
+    "hparams_type",
+    "datamodule_hyper_parameters",
+    "datamodule_hparams_name",
+    "datamodule_hparams_type",
+)
+
+
+class FlashCheckpoint(Callback):
+    """Snapshot every `every_n_steps` optimizer steps; persist every `persist_every_n_steps` into `dir`.
+
+    `persister` is a client of a persister the launcher runs (the node agent); without one the
+    callback spawns its own. `job_id` must stay the same across restarts of a run for memory
+    restores to find the snapshots (default: TORCHELASTIC_RUN_ID). Segments are unlinked after a
+    successful fit and kept after a failure, for a restart or a breakpoint persist.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int,
+        persist_every_n_steps: int | None,
+        dir: str | Path,
+        *,
+        overlap: bool = True,
+        job_id: str | None = None,
+        keep: int = 3,
+        persister: PersistClient | None = None,
+        exclude_keys: tuple[str, ...] = HPARAM_KEYS,
+        unlink_on_success: bool = True,
+        on_event=None,
+    ) -> None:
+        if every_n_steps < 1:
+            raise ValueError("every_n_steps must be >= 1")
+        if persist_every_n_steps is not None and (persist_every_n_steps < 1 or persist_every_n_steps % every_n_steps):
+            raise ValueError("persist_every_n_steps must be a positive multiple of every_n_steps")
+        self.every_n_steps, self.persist_every_n_steps = every_n_steps, persist_every_n_steps
+        self.dir, self.overlap, self.keep = Path(dir), overlap, keep
+        self.job_id = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
+        self.exclude_keys, self.unlink_on_success = exclude_keys, unlink_on_success
+        self.blocked_s: list[float] = []  # per snapshot: time the training loop was held
+        self._user_sink = on_event
+        self._client, self._own_client = persister, persister is None
+        self._snap: Snapshotter | None = None
+        self._last_step = -1
+        self._to_persist: int | None = None
+        self._failed = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        cleanup_stale(self.job_id)
+        self._snap = Snapshotter(self.job_id, trainer.global_rank, on_event=self._on_event)
+        if self.persist_every_n_steps and self._client is None:
+            self._client = spawn_persister(self.dir, self.keep, on_event=self._on_event)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        dropped = self._snap.invalidate_after(trainer.global_step)
+        if dropped:
+            log.warning("flash checkpoint: dropped snapshots of steps %s, newer than the resumed step %d", dropped, trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        waited = self._settle()
+        if waited and self.blocked_s:
+            self.blocked_s[-1] += waited
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_step or step % self.every_n_steps:
+            return
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        for key in self.exclude_keys:
+            checkpoint.pop(key, None)
+        save = self._snap.save_async if self.overlap else self._snap.save
+        self.blocked_s.append(save(checkpoint, step))
+        self._last_step = step
+        if self.persist_every_n_steps and step % self.persist_every_n_steps == 0:
+            self._to_persist = step
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._settle()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._failed = True
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._snap is None:
+            return
+        keep_segments = self._failed or not self.unlink_on_success
+        try:
+            self._snap.wait()
+            if self._own_client and self._client is not None:
+                client, self._client = self._client, None  # a later fit spawns a fresh persister
+                client.close()
+            elif self._client is not None:
+                self._client.drain()
+        except Exception:
+            keep_segments = True
+            if not self._failed:
+                raise
+            log.exception("flash checkpoint: cleanup after a failed fit also failed")
+        finally:
+            self._snap.close(unlink=not keep_segments)
+            self._snap = None
+
+    def _settle(self) -> float:
+        """Finish the snapshot in flight, then hand a committed step to the persister."""
+        waited = self._snap.wait()
+        if self._to_persist is not None:
+            step, self._to_persist = self._to_persist, None
+            self._client.request(self._snap.segment, step)
+        return waited
+
+    def _on_event(self, event: Event) -> None:
+        if event.kind in ("persist_failed", "skipped"):
+            log.error("flash checkpoint: %s step %s at %s: %s", event.kind, event.step, event.where, event.detail)
+        if self._user_sink is not None:
+            self._user_sink(event)

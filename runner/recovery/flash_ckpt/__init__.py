@@ -1,0 +1,37 @@
+"""Flash checkpoint: per-rank snapshots in /dev/shm, persisted to disk by another process.
+
+See docs/checkpointing.md for the segment format, the protocol and the failure cases.
+"""
+
+from .events import Event
+from .hygiene import cleanup, cleanup_stale
+from .persister import PersistClient, PersistError, PersistOutcome, Persister, persist_latest, spawn_persister
+from .replica import backup_to_partner
+from .restore import Candidate, NoSnapshot, Restored, Skipped, list_snapshots, load_newest, newest_common_step
+from .segment import CorruptSnapshot
+from .shm import ShmSpaceError, segment_name
+from .snapshotter import Snapshotter
+
+__all__ = [
+    "Candidate",
+    "CorruptSnapshot",
+    "Event",
+    "NoSnapshot",
+    "PersistClient",
+    "PersistError",
+    "PersistOutcome",
+    "Persister",
+    "Restored",
+    "ShmSpaceError",
+    "Skipped",
+    "Snapshotter",
+    "backup_to_partner",
+    "cleanup",
+    "cleanup_stale",
+    "list_snapshots",
+    "load_newest",
+    "newest_common_step",
+    "persist_latest",
+    "segment_name",
+    "spawn_persister",
+]

@@ -1,0 +1,99 @@
+"""Checkpoint files on disk: atomic write with a checksum sidecar, verified read, retention.
+
+The file is exactly what Lightning writes (the unflattened checkpoint dict through torch.save),
+so ``Trainer.fit(ckpt_path=...)`` loads it. The sidecar ``<file>.sum`` holds the file's digest
+and size; it is renamed into place before the file, so a file without a matching sidecar is
+either half-published or damaged and is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checksum import ALGORITHM, digest_file
+from .segment import CorruptSnapshot
+
+_NAME = re.compile(r"step(\d+)-rank(\d+)\.ckpt")
+
+
+def checkpoint_path(out_dir: Path, rank: int, step: int) -> Path:
+    return Path(out_dir) / f"step{step:09d}-rank{rank}.ckpt"
+
+
+def sidecar_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sum")
+
+
+def list_checkpoints(out_dir: Path, rank: int) -> list[tuple[int, Path]]:
+    """(step, path) of `rank`'s checkpoint files, newest first; not yet verified."""
+    found = []
+    for path in Path(out_dir).glob(f"step*-rank{rank}.ckpt"):
+        m = _NAME.fullmatch(path.name)
+        if m and int(m.group(2)) == rank:
+            found.append((int(m.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def write_atomic(state: Any, path: Path, info: dict[str, Any]) -> None:
+    """torch.save to a temp file, fsync, write the sidecar, rename both, fsync the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    side = sidecar_path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    side_tmp = side.with_name(f".{side.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        info = {**info, "algorithm": ALGORITHM, "digest": digest_file(tmp), "bytes": tmp.stat().st_size}
+        with open(side_tmp, "w") as f:
+            json.dump(info, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(side_tmp, side)
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        tmp.unlink(missing_ok=True)
+        side_tmp.unlink(missing_ok=True)
+
+
+def read_verified(path: Path) -> Any:
+    """Load a checkpoint file after checking it against its sidecar; tensors-and-primitives only."""
+    try:
+        info = json.loads(sidecar_path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptSnapshot(f"{path.name}: no readable checksum sidecar ({e})") from e
+    if info.get("algorithm") != ALGORITHM or info.get("bytes") != path.stat().st_size:
+        raise CorruptSnapshot(f"{path.name}: size or checksum algorithm differs from its sidecar")
+    if digest_file(path) != info.get("digest"):
+        raise CorruptSnapshot(f"{path.name}: checksum mismatch")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # the unpickler's errors have no common base class
+        raise CorruptSnapshot(f"{path.name}: verified but not loadable with weights_only=True ({e})") from e
+
+
+def apply_retention(out_dir: Path, rank: int, newest: int, keep: int) -> list[Path]:
+    """After persisting `newest`: drop `rank`'s files from abandoned timelines (steps above it)
+    and all but the `keep` newest of the rest. Returns the removed files."""
+    removed = []
+    kept = 0
+    for step, path in list_checkpoints(out_dir, rank):
+        if step <= newest and kept < keep:
+            kept += 1
+            continue
+        for p in (path, sidecar_path(path)):
+            p.unlink(missing_ok=True)
+        removed.append(path)
+    return removed

@@ -1,0 +1,24 @@
+"""Events the flash-checkpoint parts report, so no skip or failure goes unnoticed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class Event:
+    """kind is one of: committed, persisted, persist_failed, skipped."""
+
+    kind: str
+    step: int | None
+    where: str
+    detail: str = ""
+
+
+EventSink = Optional[Callable[[Event], None]]
+
+
+def emit(sink: EventSink, kind: str, step: int | None, where: str, detail: str = "") -> None:
+    if sink is not None:
+        sink(Event(kind, step, where, detail))

@@ -1,0 +1,95 @@
+"""Pick and load the newest snapshot of a rank that verifies: own memory, a partner's backup
+copy in memory, or a file on disk. Corrupt or partial snapshots are skipped and reported, never
+loaded; what is returned is always a private copy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .codec import flatten
+from .disk import list_checkpoints, read_verified
+from .events import EventSink, emit
+from .segment import CorruptSnapshot
+from .slots import committed_steps, load_slot
+from .shm import backup_names, segment_name
+
+_PREFERENCE = {"memory": 0, "partner": 1, "disk": 2}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    step: int
+    source: str  # "memory" | "partner" | "disk"
+    location: Path
+
+
+@dataclass(frozen=True)
+class Skipped:
+    candidate: Candidate
+    reason: str
+
+
+@dataclass
+class Restored:
+    state: Any
+    candidate: Candidate
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+class NoSnapshot(LookupError):
+    """No candidate verified; `skipped` says why each one was refused."""
+
+    def __init__(self, message: str, skipped: list[Skipped]) -> None:
+        super().__init__(message)
+        self.skipped = skipped
+
+
+def list_snapshots(job_id: str, rank: int, ckpt_dir: str | Path | None = None) -> list[Candidate]:
+    """Snapshots of `rank` by header or file name (not verified yet), newest step first and,
+    at equal steps, memory before a partner's copy before disk."""
+    found = [Candidate(step, "memory", p) for step, p in committed_steps(segment_name(job_id, rank))]
+    for name in backup_names(job_id, rank):
+        found += [Candidate(step, "partner", p) for step, p in committed_steps(name)]
+    if ckpt_dir is not None:
+        found += [Candidate(step, "disk", p) for step, p in list_checkpoints(Path(ckpt_dir), rank)]
+    return sorted(found, key=lambda c: (-c.step, _PREFERENCE[c.source]))
+
+
+def load_newest(job_id: str, rank: int, ckpt_dir: str | Path | None = None, *, step: int | None = None,
+                into: Any = None, on_event: EventSink = None) -> Restored:
+    """Load the newest candidate that verifies (only copies of `step` if given).
+
+    `into` is a state of the same structure (e.g. the live checkpoint dict after an in-process
+    restart): memory snapshots are copied straight into its tensors where shape and dtype match.
+    Raises NoSnapshot when nothing verifies.
+    """
+    targets = None
+    if into is not None:
+        flat = flatten(into)
+        targets = dict(zip(flat.paths, flat.tensors))
+    skipped = []
+    for cand in list_snapshots(job_id, rank, ckpt_dir):
+        if step is not None and cand.step != step:
+            continue
+        try:
+            if cand.source == "disk":
+                state = read_verified(cand.location)
+            else:
+                state = load_slot(cand.location, step=cand.step, into=targets)[1]
+        except (CorruptSnapshot, OSError) as e:
+            skipped.append(Skipped(cand, str(e)))
+            emit(on_event, "skipped", cand.step, str(cand.location), str(e))
+            continue
+        return Restored(state, cand, skipped)
+    wanted = "any step" if step is None else f"step {step}"
+    raise NoSnapshot(f"no valid snapshot of rank {rank} for {wanted}: {[s.reason for s in skipped]}", skipped)
+
+
+def newest_common_step(per_rank_steps: Iterable[Iterable[int]]) -> int | None:
+    """The newest step that every rank holds (the input of the collective agreement), or None."""
+    sets = [set(steps) for steps in per_rank_steps]
+    common = set.intersection(*sets) if sets else set()
+    return max(common, default=None)

@@ -1,0 +1,256 @@
+"""The slot file format and the IO on one slot (slots.py alternates the two slots of a segment).
+
+A segment is a pair of slot files (double buffer). Each slot describes itself, so a restarted
+trainer or a persister in another process needs nothing else alive to use it:
+
+    page 0            fixed header: magic, version, committed flag, step, offsets and
+                      capacities of the two regions, length and checksum of the metadata,
+                      pid and parent pid of the last writer (for stale-segment cleanup)
+    page 1 ...        metadata JSON (capacity meta_cap): job, owner, holder, step, checksum
+                      algorithm, the layout (path, dtype, shape, offset, nbytes, digest per
+                      tensor) and the JSON skeleton of the non-tensor state
+    data_off ...      tensor bytes, each at a 64-byte aligned offset (capacity data_cap)
+
+Writers clear the committed flag, write data and metadata, then write the header and set the
+flag last; the other slot keeps the previous commit meanwhile. flock() orders writers against
+readers across processes: a writer holds LOCK_EX on the slot it fills, readers and persist pins
+hold LOCK_SH, and the kernel drops the locks of a process that dies.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import mmap
+import os
+import struct
+import warnings
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .checksum import ALGORITHM, digest
+from .codec import Flat, dtype_from_name, dtype_name
+from .shm import ensure_space, free_bytes, space_error
+from .streams import in_two_streams
+
+MAGIC = b"RRFLASH\0"
+VERSION = 1
+PAGE = mmap.PAGESIZE
+ALIGN = 64
+_MIN_META_CAP = 64 * 1024
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+# magic, version, committed, step, meta_off, meta_cap, meta_len, data_off, data_cap, meta_digest, pid, ppid
+_HEADER = struct.Struct("<8sIIqQQQQQIII")
+_COMMITTED = struct.Struct("<I")
+_COMMITTED_AT = 12
+
+
+class CorruptSnapshot(Exception):
+    """A slot that must not be loaded: uncommitted, wrong step, bad header, metadata or tensor."""
+
+
+@dataclass(frozen=True)
+class Header:
+    committed: bool
+    step: int
+    meta_off: int
+    meta_cap: int
+    meta_len: int
+    data_off: int
+    data_cap: int
+    meta_digest: int
+    pid: int
+    ppid: int
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def read_header(path: Path) -> Header | None:
+    """The fixed header of a slot file, or None if the file is not (yet) a slot of this version."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return read_header_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def read_header_fd(fd: int) -> Header | None:
+    return _parse_header(os.pread(fd, _HEADER.size, 0))
+
+
+def _parse_header(raw: bytes) -> Header | None:
+    if len(raw) < _HEADER.size:
+        return None
+    magic, version, committed, *rest = _HEADER.unpack(raw)
+    if magic != MAGIC or version != VERSION:
+        return None
+    return Header(committed == 1, *rest)
+
+
+def plan_layout(flat: Flat) -> tuple[list[dict[str, Any]], int]:
+    """Byte layout of the tensors in the data region; returns (entries, data length)."""
+    entries, offset = [], 0
+    for path, t in zip(flat.paths, flat.tensors):
+        nbytes = t.numel() * t.element_size()
+        entries.append({"path": path, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
+        offset = _round_up(offset + nbytes, ALIGN)
+    return entries, offset
+
+
+def snapshot_meta(job_id: str, owner: int, holder: int | None, step: int, tensors: list[dict], skeleton: Any) -> dict[str, Any]:
+    """The metadata JSON of a slot; `holder` is None for the owner's own copy."""
+    return {"format": VERSION, "job_id": job_id, "owner": owner, "holder": holder, "step": step,
+            "checksum": ALGORITHM, "tensors": tensors, "skeleton": skeleton}
+
+
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    return json.dumps(meta, separators=(",", ":")).encode()
+
+
+class Slot:
+    """One mapped slot file; writers map it read-write, readers read-only."""
+
+    def __init__(self, path: Path, fd: int, writable: bool) -> None:
+        self.path, self._fd = path, fd
+        size = os.fstat(fd).st_size
+        self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ) if size else None
+        self._bytes: torch.Tensor | None = None
+
+    @classmethod
+    def open(cls, path: Path, writable: bool = False) -> Slot:
+        return cls(path, os.open(path, os.O_RDWR if writable else os.O_RDONLY), writable)
+
+    @classmethod
+    def create(cls, path: Path, meta_len: int, data_len: int, with_sibling: bool) -> Slot:
+        """Create, allocate and pre-fault a slot for this much metadata and data, locked
+        exclusively. `with_sibling` checks /dev/shm for the pair's other slot too."""
+        meta_cap = _round_up(max(_MIN_META_CAP, 2 * meta_len), PAGE)
+        data_cap = _round_up(max(data_len, 1), PAGE)
+        data_off = PAGE + meta_cap
+        size = data_off + data_cap
+        ensure_space(size * (2 if with_sibling else 1), f"{path.name}" + (" and its sibling slot" if with_sibling else ""))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise space_error(size, free_bytes(), path.name) from e
+                raise
+            slot = cls(path, fd, writable=True)
+            slot._prefault()
+            slot._write_header(False, -1, meta_cap, 0, data_off, data_cap, 0)
+            return slot
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+
+    def _prefault(self) -> None:
+        """Map every page now, so the first snapshot copy runs at memcpy speed, not page-fault speed."""
+        try:
+            self._mm.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, AttributeError):
+            np.frombuffer(self._mm, dtype=np.uint8)[::PAGE] = 0
+
+    def lock(self, exclusive: bool) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+
+    def unlock(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def header(self) -> Header | None:
+        return _parse_header(self._mm[: _HEADER.size]) if self._mm is not None else None
+
+    def fits(self, meta_len: int, data_len: int) -> bool:
+        h = self.header()
+        return h is not None and h.meta_cap >= meta_len and h.data_cap >= data_len
+
+    def committed_meta(self, step: int | None = None) -> dict[str, Any]:
+        """Metadata of a committed slot, checked against its digest (and `step` if given)."""
+        h = self.header()
+        if h is None:
+            raise CorruptSnapshot(f"{self.path.name}: no valid header")
+        if not h.committed:
+            raise CorruptSnapshot(f"{self.path.name}: not committed (empty or a write was interrupted)")
+        if step is not None and h.step != step:
+            raise CorruptSnapshot(f"{self.path.name}: holds step {h.step}, not {step}")
+        if h.meta_len > h.meta_cap or h.data_off + h.data_cap > len(self._mm):
+            raise CorruptSnapshot(f"{self.path.name}: header regions exceed the file")
+        raw = memoryview(self._mm)[h.meta_off : h.meta_off + h.meta_len]
+        try:
+            if digest(raw) != h.meta_digest:
+                raise CorruptSnapshot(f"{self.path.name}: metadata checksum mismatch")
+            meta = json.loads(bytes(raw))
+        finally:
+            raw.release()
+        if meta.get("step") != h.step or meta.get("checksum") != ALGORITHM:
+            raise CorruptSnapshot(f"{self.path.name}: metadata does not match the header")
+        return meta
+
+    def data(self) -> torch.Tensor:
+        """The data region as a uint8 tensor aliasing the mapping (never handed to callers)."""
+        if self._bytes is None:
+            h = self.header()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only mappings are only read
+                self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8, count=h.data_cap, offset=h.data_off)
+        return self._bytes
+
+    def view(self, entry: dict[str, Any]) -> torch.Tensor:
+        """The tensor described by a layout entry, as a view into the mapping."""
+        raw = self.data()[entry["offset"] : entry["offset"] + entry["nbytes"]]
+        return raw.view(dtype_from_name(entry["dtype"])).view(entry["shape"])
+
+    def tensor_digest(self, entry: dict[str, Any]) -> int:
+        return digest(self.data()[entry["offset"] : entry["offset"] + entry["nbytes"]].numpy())
+
+    def verify(self, meta: dict[str, Any], helper: Executor | None = None) -> None:
+        """Check every tensor's bytes against the digest recorded when it was written."""
+        cap = self.header().data_cap
+
+        def check(entries: list[dict[str, Any]]) -> None:
+            for entry in entries:
+                if entry["offset"] + entry["nbytes"] > cap:
+                    raise CorruptSnapshot(f"{self.path.name}: tensor {entry['path']} lies outside the data region")
+                if self.tensor_digest(entry) != entry["digest"]:
+                    raise CorruptSnapshot(f"{self.path.name}: checksum mismatch in tensor {entry['path']}")
+
+        in_two_streams(meta["tensors"], check, helper)
+
+    def mark_uncommitted(self) -> None:
+        self._mm[_COMMITTED_AT : _COMMITTED_AT + 4] = _COMMITTED.pack(0)
+
+    def commit(self, step: int, meta_bytes: bytes) -> None:
+        """Write metadata and header, then set the committed flag as the very last store."""
+        h = self.header()
+        if len(meta_bytes) > h.meta_cap:
+            raise ValueError(f"{self.path.name}: metadata of {len(meta_bytes)} B exceeds capacity {h.meta_cap} B")
+        self._mm[h.meta_off : h.meta_off + len(meta_bytes)] = meta_bytes
+        self._write_header(False, step, h.meta_cap, len(meta_bytes), h.data_off, h.data_cap, digest(meta_bytes))
+        self._mm[_COMMITTED_AT : _COMMITTED_AT + 4] = _COMMITTED.pack(1)
+
+    def _write_header(self, committed: bool, step: int, meta_cap: int, meta_len: int, data_off: int, data_cap: int, meta_digest: int) -> None:
+        self._mm[: _HEADER.size] = _HEADER.pack(
+            MAGIC, VERSION, int(committed), step, PAGE, meta_cap, meta_len, data_off, data_cap, meta_digest, os.getpid(), os.getppid()
+        )
+
+    def close(self) -> None:
+        """Drop the mapping (freed once no view is left) and the descriptor, which releases locks."""
+        self._bytes = None
+        self._mm = None
+        os.close(self._fd)
+
+

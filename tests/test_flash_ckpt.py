@@ -1,0 +1,419 @@
+"""Flash checkpoint: snapshot, persist, restore, backup and hygiene, asserted on real state.
+
+Every test gets its own job id and fails if a segment of that job is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections import OrderedDict
+from multiprocessing import Pipe
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.recovery.flash_ckpt import (
+    NoSnapshot,
+    PersistClient,
+    PersistError,
+    Persister,
+    ShmSpaceError,
+    Snapshotter,
+    backup_to_partner,
+    cleanup,
+    cleanup_stale,
+    list_snapshots,
+    load_newest,
+    newest_common_step,
+    persist_latest,
+    segment_name,
+)
+from runner.recovery.flash_ckpt import segment
+from runner.recovery.flash_ckpt.checksum import digest
+from runner.recovery.flash_ckpt.codec import flatten
+from runner.recovery.flash_ckpt.disk import checkpoint_path, list_checkpoints
+from runner.recovery.flash_ckpt.segment import PAGE, read_header
+from runner.recovery.flash_ckpt.shm import job_files, slot_paths
+from runner.recovery.flash_ckpt.slots import SlotWriter
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def job():
+    job_id = f"t{uuid.uuid4().hex[:10]}"
+    yield job_id
+    leaked = job_files(job_id)
+    cleanup(job_id)
+    assert not leaked, f"segments left in /dev/shm: {leaked}"
+
+
+@pytest.fixture
+def snap(job):
+    s = Snapshotter(job, 0)
+    yield s
+    s.close(unlink=True)
+
+
+def make_state(step: int) -> dict:
+    """A Lightning-shaped checkpoint whose every tensor depends on `step`."""
+    g = torch.Generator().manual_seed(step)
+    sd = OrderedDict(w=torch.randn(64, 48, generator=g), b=torch.randn(48, generator=g))
+    sd._metadata = OrderedDict({"": {"version": 1}})
+    return {
+        "global_step": step,
+        "state_dict": sd,
+        "optimizer_states": [
+            {
+                "state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(64, 48, generator=g)}},
+                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0], "foreach": None}],
+            }
+        ],
+        "loops": {"fit_loop": {"total": step, "ratio": float("inf")}},
+        "extra": {
+            "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+            "mask": torch.rand(5, generator=g) > 0.5,
+            "empty": torch.empty(0, 3),
+            "strided": torch.randn(6, 4, generator=g).t(),
+            "ids": torch.randint(0, 1000, (9,), generator=g, dtype=torch.int64),
+        },
+    }
+
+
+def assert_same(a, b, where="state"):
+    """Bit-identical tensors, identical Python types, keys in the same order."""
+    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def slot_of(job: str, step: int) -> Path:
+    return next(c.location for c in list_snapshots(job, 0) if c.step == step and c.source == "memory")
+
+
+# --- snapshot and restore -------------------------------------------------------------------
+
+
+def test_roundtrip_is_bit_identical_and_restores_private_copies(job, snap):
+    state = make_state(3)
+    state["tied"] = state["state_dict"]["w"]
+    snap.save(state, 3)
+    snap.wait()
+    restored = load_newest(job, 0)
+    assert restored.candidate.step == 3 and restored.candidate.source == "memory" and not restored.skipped
+    assert_same(state, restored.state)
+    assert restored.state["tied"] is restored.state["state_dict"]["w"]  # stored once, tied again
+
+    restored.state["state_dict"]["w"].add_(1.0)  # training on the restored tensors...
+    again = load_newest(job, 0)  # ...must not reach the snapshot
+    assert not again.skipped
+    assert_same(state["state_dict"], again.state["state_dict"])
+
+
+def test_restore_into_live_tensors_fills_them_in_place(job, snap):
+    snap.save(make_state(4), 4)
+    snap.wait()
+    live = make_state(99)
+    w = live["state_dict"]["w"]
+    restored = load_newest(job, 0, into=live)
+    assert restored.state["state_dict"]["w"].data_ptr() == w.data_ptr()
+    assert_same(make_state(4)["state_dict"], live["state_dict"])
+
+
+def test_save_async_copies_referenced_tensors_and_double_buffers(job, snap):
+    for step in (1, 2, 3):
+        state = make_state(step)
+        snap.save_async(state, step)
+        snap.wait()
+        state["state_dict"]["w"].zero_()  # the optimizer step after wait() must not leak in
+    assert [c.step for c in list_snapshots(job, 0)] == [3, 2]
+    assert_same(make_state(3), load_newest(job, 0).state)
+    assert_same(make_state(2), load_newest(job, 0, step=2).state)
+
+
+def test_interrupted_write_is_never_current(job, snap):
+    snap.save(make_state(1), 1)
+    snap.save(make_state(2), 2)
+    snap.wait()
+    writer = SlotWriter(segment_name(job, 0))  # a writer that dies halfway through step 3
+    slot = writer.begin(PAGE, 1024)
+    slot.data()[:512].fill_(7)
+    writer.abort(slot)
+    writer.close()
+    assert [c.step for c in list_snapshots(job, 0)] == [2]
+    assert_same(make_state(2), load_newest(job, 0).state)
+
+
+def test_flipped_byte_is_detected_and_skipped(job, snap, tmp_path):
+    events = []
+    snap.save(make_state(1), 1)
+    snap.save(make_state(2), 2)
+    snap.wait()
+    path = slot_of(job, 2)
+    flip_byte(path, read_header(path).data_off + 100)
+    restored = load_newest(job, 0, on_event=events.append)
+    assert restored.candidate.step == 1
+    assert_same(make_state(1), restored.state)
+    [skip] = restored.skipped
+    assert skip.candidate.location == path and "checksum mismatch in tensor" in skip.reason and '"w"' in skip.reason
+    assert [(e.kind, e.step) for e in events] == [("skipped", 2)]
+    assert persist_latest(snap.segment, tmp_path) == checkpoint_path(tmp_path, 0, 1)  # never persists step 2
+
+    path1 = slot_of(job, 1)
+    flip_byte(path1, read_header(path1).meta_off + 10)
+    with pytest.raises(NoSnapshot, match="metadata checksum") as err:
+        load_newest(job, 0)
+    assert [s.candidate.step for s in err.value.skipped] == [2, 1]
+
+
+def test_prefault_falls_back_to_touching_pages(job, snap, monkeypatch):
+    monkeypatch.setattr(segment, "_MADV_POPULATE_WRITE", 12345)  # EINVAL, as on kernels before 5.14
+    snap.save(make_state(1), 1)
+    snap.wait()
+    assert_same(make_state(1), load_newest(job, 0).state)
+
+
+def test_checksum_sees_flips_and_moved_blocks():
+    data = torch.randn(3 * 1024 + 5).view(torch.uint8).numpy().copy()
+    base = digest(data)
+    flipped = data.copy()
+    flipped[5000] ^= 1
+    swapped = data.copy()
+    swapped[:4096], swapped[4096:8192] = data[4096:8192], data[:4096]
+    assert len({base, digest(flipped), digest(swapped), digest(data[:-1])}) == 4
+    assert digest(data) == base
+
+
+def test_invalidate_after_drops_an_abandoned_timeline(job, snap):
+    snap.save(make_state(5), 5)
+    snap.save(make_state(10), 10)
+    assert snap.invalidate_after(5) == [10]
+    assert [c.step for c in list_snapshots(job, 0)] == [5]
+    snap.save(make_state(6), 6)
+    snap.wait()
+    assert [c.step for c in list_snapshots(job, 0)] == [6, 5]
+
+
+def test_unsupported_values_are_refused_not_pickled():
+    with pytest.raises(TypeError, match=r'\["callbacks", "cb"\]'):
+        flatten({"callbacks": {"cb": object()}})
+
+
+def test_newest_common_step():
+    assert newest_common_step([[10, 5], [10, 15, 5], [5, 10]]) == 10
+    assert newest_common_step([[15, 5], [10, 5]]) == 5
+    assert newest_common_step([[15], [10]]) is None
+    assert newest_common_step([]) is None
+
+
+# --- persist ----------------------------------------------------------------------------------
+
+
+def test_persist_is_atomic_verified_and_keeps_last_n(job, snap, tmp_path):
+    persister = Persister(tmp_path, keep=2)
+    for step in (1, 2, 3, 4):
+        snap.save(make_state(step), step)
+        snap.wait()
+        path = persister.persist(snap.segment, step)
+        assert path == checkpoint_path(tmp_path, 0, step)
+    assert [s for s, _ in list_checkpoints(tmp_path, 0)] == [4, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step000000003-rank0.ckpt", "step000000003-rank0.ckpt.sum",
+        "step000000004-rank0.ckpt", "step000000004-rank0.ckpt.sum",
+    ]  # no temp files, no orphaned sidecars
+    assert_same(make_state(4), torch.load(checkpoint_path(tmp_path, 0, 4), weights_only=True))
+
+    snap.close(unlink=True)  # memory gone: restore falls back to disk, skipping a damaged file
+    flip_byte(checkpoint_path(tmp_path, 0, 4), 200)
+    restored = load_newest(job, 0, tmp_path)
+    assert restored.candidate.source == "disk" and restored.candidate.step == 3
+    assert "checksum mismatch" in restored.skipped[0].reason
+    assert_same(make_state(3), restored.state)
+
+
+def test_persist_of_older_step_removes_abandoned_timeline_files(job, snap, tmp_path):
+    persister = Persister(tmp_path, keep=5)
+    for step in (2, 4):
+        snap.save(make_state(step), step)
+        snap.wait()
+        persister.persist(snap.segment, step)
+    snap.invalidate_after(2)  # rolled back to 2, then step 3 of the new timeline
+    snap.save(make_state(3), 3)
+    snap.wait()
+    persister.persist(snap.segment, 3)
+    assert [s for s, _ in list_checkpoints(tmp_path, 0)] == [3, 2]
+
+
+def _served_client(tmp_path, **kw):
+    """A client wired to a Persister whose serve loop the test starts when it wants."""
+    req_r, req_w = Pipe(duplex=False)
+    res_r, res_w = Pipe(duplex=False)
+    events = []
+    client = PersistClient(req_w, res_r, on_event=events.append)
+    server = threading.Thread(target=Persister(tmp_path, **kw).serve, args=(req_r, res_w), daemon=True)
+    return client, server, events, (req_r, res_w)
+
+
+def test_persist_request_is_never_overtaken_by_newer_saves(job, snap, tmp_path):
+    client, server, events, _ = _served_client(tmp_path, keep=5)
+    snap.save(make_state(1), 1)
+    snap.wait()
+    client.request(snap.segment, 1)  # the persister has not even started yet
+    snap.save(make_state(2), 2)  # fills the other slot
+    snap.save_async(make_state(3), 3)  # needs step 1's slot: must wait for the persister's copy
+    server.start()
+    snap.wait()
+    [outcome] = client.drain()
+    assert outcome.ok and outcome.step == 1
+    assert_same(make_state(1), torch.load(outcome.path, weights_only=True))
+    assert [c.step for c in list_snapshots(job, 0)] == [3, 2]
+    client.close()
+    server.join()
+    assert [(e.kind, e.step) for e in events] == [("persisted", 1)]
+
+
+def test_every_failed_persist_is_reported(job, snap, tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    client, server, events, _ = _served_client(blocker)
+    server.start()
+    with pytest.raises(PersistError, match="step 7 is not in memory"):
+        client.request(snap.segment, 7)
+    snap.save(make_state(1), 1)
+    snap.wait()
+    client.request(snap.segment, 1)
+    with pytest.raises(PersistError, match="step 1: .*Error") as err:
+        client.drain()
+    assert [o.ok for o in err.value.outcomes] == [False]
+    assert [(e.kind, e.step) for e in events] == [("persist_failed", 1)]
+    client.close()
+    server.join()
+    snap.save(make_state(2), 2)  # the failed persist released its pin
+    snap.wait()
+
+
+def test_persister_death_fails_pending_requests(job, snap, tmp_path):
+    client, _server, _events, (req_r, res_w) = _served_client(tmp_path)
+    snap.save(make_state(1), 1)
+    snap.wait()
+    client.request(snap.segment, 1)
+    req_r.close()
+    res_w.close()  # the persister process is gone
+    with pytest.raises(PersistError, match="persister exited before reporting"):
+        client.drain()
+    client.close()
+    snap.save(make_state(2), 2)
+    snap.save(make_state(3), 3)  # reuses step 1's slot: the pin is gone
+    snap.wait()
+
+
+# --- crashes, partners, hygiene ---------------------------------------------------------------
+
+_CRASHING_WORKER = """
+import os, signal, sys
+sys.path[:0] = [{tests!r}, {repo!r}]
+from test_flash_ckpt import make_state
+from runner.recovery.flash_ckpt import Snapshotter
+snap = Snapshotter({job!r}, 0)
+for step in (1, 2, 3):
+    snap.save(make_state(step), step)
+snap.wait()
+snap.save_async(make_state(4), 4)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_breakpoint_persist_after_crash_then_stale_cleanup(job, snap, tmp_path):
+    crashed = f"{job}x"
+    script = _CRASHING_WORKER.format(tests=str(REPO / "tests"), repo=str(REPO), job=crashed)
+    try:
+        # through `sh -c '...; true'` so that the worker's parent is gone too, as after a node crash
+        proc = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0"; true', script], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        newest = list_snapshots(crashed, 0)[0].step
+        assert newest in (3, 4)  # step 4 may or may not have committed before the kill
+
+        path = persist_latest(segment_name(crashed, 0), tmp_path)
+        assert path == checkpoint_path(tmp_path, 0, newest)
+        assert_same(make_state(newest), torch.load(path, weights_only=True))
+
+        snap.save(make_state(1), 1)  # a live job on the same host keeps its segments
+        snap.wait()
+        removed = cleanup_stale(keep_job_id=None)
+        assert {p.name for p in removed} >= {p.name for p in slot_paths(segment_name(crashed, 0))}
+        assert not job_files(crashed)
+        assert [c.step for c in list_snapshots(job, 0)] == [1]
+    finally:
+        cleanup(crashed)
+
+
+def test_partner_copy_restores_a_lost_node(job, snap, tmp_path):
+    snap.save(make_state(5), 5)
+    snap.wait()
+    assert backup_to_partner(job, owner=0, holder=1) == 5
+    snap.close(unlink=True)  # node 0 and its /dev/shm are gone
+    restored = load_newest(job, 0, tmp_path)
+    assert restored.candidate.source == "partner" and restored.candidate.step == 5
+    assert_same(make_state(5), restored.state)
+
+    copy = next(iter(job_files(job)))
+    flip_byte(copy, read_header(copy).data_off + 3)
+    with pytest.raises(NoSnapshot, match="checksum mismatch"):
+        load_newest(job, 0, tmp_path)
+    with pytest.raises(LookupError, match="no committed snapshot"):
+        backup_to_partner(job, owner=0, holder=1)  # nothing of rank 0 left to replicate
+    assert cleanup(job) == [copy]  # the end of the run removes the partner's copy too
+
+
+def test_cleanup_removes_all_of_a_job_and_nothing_else(job, snap):
+    other = Snapshotter(f"{job}o", 0)
+    try:
+        snap.save(make_state(1), 1)
+        other.save(make_state(1), 1)
+        snap.wait()
+        backup_to_partner(job, 0, 1)
+        assert len(cleanup(job)) == 2  # one own slot (the second appears at the next save), one backup
+        assert not job_files(job)
+        assert len(job_files(f"{job}o")) == 1
+    finally:
+        other.close(unlink=True)
+
+
+def test_full_shm_fails_early_with_one_clear_paragraph(job, snap, monkeypatch):
+    real = os.statvfs
+
+    class Tiny:
+        f_bavail, f_frsize = 16, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Tiny() if str(p).startswith("/dev/shm") else real(p))
+    with pytest.raises(ShmSpaceError) as err:
+        snap.save(make_state(1), 1)
+    msg = str(err.value)
+    assert "/dev/shm" in msg and "--shm-size" in msg and "\n" not in msg
+    assert not job_files(job)
+
