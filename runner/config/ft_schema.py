@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runner.recovery.ndb.config import NDBConfig
+
 
 @dataclass
 class FlashRecoveryConfig:
@@ -34,6 +36,7 @@ FT_SCHEMAS = {
     "flashrecovery": FlashRecoveryConfig,
     "deadpool": DeadPoolConfig,
     "flash_ckpt": FlashCkptConfig,
+    "ndb": NDBConfig,
 }
 
 # Strategies whose recovery path is built into the runner today; the others compose and validate,

@@ -106,17 +106,14 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
 
 def _ft_problems(cfg: DictConfig, for_training: bool) -> list[str]:
     out: list[str] = []
-    known = set(FT_SCHEMAS) | {"ndb"}
     for name in ft_names(cfg):
-        if name not in known:
-            out.append(f"ft.{name} is not a fault-tolerance strategy; use any of {', '.join(sorted(known))}.")
+        if name not in FT_SCHEMAS:
+            out.append(f"ft.{name} is not a fault-tolerance strategy; use any of {', '.join(sorted(FT_SCHEMAS))}.")
             continue
-        schema = FT_SCHEMAS.get(name)
-        if schema is not None:
-            try:
-                OmegaConf.merge(OmegaConf.structured(schema), cfg.ft[name])
-            except OmegaConfBaseException as err:
-                out.append(f"ft.{name}: {str(err).splitlines()[0]}; see conf/ft/{name}.yaml for the valid keys.")
+        try:
+            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FT_SCHEMAS[name]), cfg.ft[name]))
+        except (OmegaConfBaseException, ValueError) as err:
+            out.append(f"ft.{name}: {str(err).splitlines()[0].rstrip('.')}; see conf/ft/{name}.yaml for the valid keys.")
         if for_training and name not in IMPLEMENTED:
             out.append(
                 f"ft={name} is not available in this version yet (available: {', '.join(IMPLEMENTED)}, or ft=[] for none)."

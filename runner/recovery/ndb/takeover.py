@@ -1,0 +1,119 @@
+"""Forward of the taken-over micro-batch with NDB's approximations, on the model's own modules.
+
+Why a separate forward: the approximations apply only to the extra micro-batch, while the
+neighbour's own micro-batch keeps the plain ``model.loss`` path. This mirrors ``GPT.forward`` and
+``FeedForward.forward`` op for op (so that with every approximation off the gradients are bitwise
+those of ``model.loss``; a test guards this) and changes only:
+
+* skip_attention: each block's attention branch (ln1 + attn) runs under ``no_grad``; its output
+  joins the residual as a constant, so nothing is saved for it and the residual alone carries the
+  gradient.
+* recompute_ffn: each block's FFN branch (ln2 + ffn) is checkpointed (non-reentrant, RNG preserved):
+  only its input is saved and the branch is recomputed in backward, with identical gradients. With
+  low-rank Wgrads the down-projection needs only ``gelu(h) V`` (N x r), so it stays outside the
+  checkpoint and only ln2 -> fc -> gelu is recomputed.
+* lowrank_ffn: after warm-up, the FFN linears use ``lowrank_linear`` (rank-r weight gradients).
+
+The forward value is exact in every mode; only the backward is approximated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from runner.model import GPT, Block
+from runner.recovery.ndb.config import NDBConfig
+from runner.recovery.ndb.lowrank import SVDCache, lowrank_linear, lowrank_rank
+
+FFNBases = tuple[torch.Tensor, torch.Tensor]
+
+
+def extra_microbatch_loss(
+    model: GPT,
+    idx: torch.Tensor,
+    targets: torch.Tensor,
+    cfg: NDBConfig,
+    step: int,
+    svd_cache: SVDCache,
+) -> torch.Tensor:
+    """Mean cross-entropy of the taken-over micro-batch; ``.backward()`` accumulates its
+    (approximate) gradients into the model's ``.grad`` like ``model.loss`` would.
+
+    ``model`` is the bare GPT (not a DDP wrapper); ``step`` is the global optimizer step, which
+    gates the low-rank warm-up and the SVD refreshes of ``svd_cache``.
+    """
+    if cfg.exact_reference:
+        return model.loss(idx, targets)
+    bases = _ffn_bases(model, cfg, step, svd_cache)
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    x = model.drop(model.tok_emb(idx) + model.pos_emb(pos))
+    for block, block_bases in zip(model.blocks, bases):
+        x = x + _attention_branch(block, x, cfg.skip_attention)
+        x = x + _ffn_branch(block, x, cfg.recompute_ffn, block_bases)
+    logits = model.head(model.ln_f(x))
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class TakeoverForward:
+    """The neighbour's handle on a taken-over rank: model, knobs and the SVD cache across steps."""
+
+    def __init__(self, model: GPT, cfg: NDBConfig) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.svd_cache = SVDCache(cfg.svd_every)
+
+    def __call__(self, idx: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
+        return extra_microbatch_loss(self.model, idx, targets, self.cfg, step, self.svd_cache)
+
+
+def _ffn_bases(
+    model: GPT, cfg: NDBConfig, step: int, svd_cache: SVDCache
+) -> list[FFNBases | None]:
+    """Per block, the (fc, out) projection bases, or None where the exact Wgrad is used.
+
+    Fetched before any checkpointed region so that the recomputation reuses the same V.
+    """
+    if not cfg.lowrank_active(step):
+        return [None] * len(model.blocks)
+
+    def basis(name: str, layer: torch.nn.Linear) -> torch.Tensor:
+        rank = lowrank_rank(*layer.weight.shape, cfg, step)
+        return svd_cache.basis(name, layer.weight, rank, step)
+
+    bases: list[FFNBases | None] = []
+    for i, block in enumerate(model.blocks):
+        ffn = block.ffn
+        bases.append((basis(f"blocks.{i}.ffn.fc", ffn.fc), basis(f"blocks.{i}.ffn.out", ffn.out)))
+    return bases
+
+
+def _attention_branch(block: Block, x: torch.Tensor, skip: bool) -> torch.Tensor:
+    if not skip:
+        return block.attn(block.ln1(x))
+    with torch.no_grad():
+        return block.attn(block.ln1(x))
+
+
+def _ffn_branch(
+    block: Block, x: torch.Tensor, recompute: bool, bases: FFNBases | None
+) -> torch.Tensor:
+    ffn = block.ffn
+    if bases is None:
+        return _maybe_checkpoint(lambda inp: ffn(block.ln2(inp)), x, recompute)
+    # Low-rank: the down-projection keeps only gelu(h) V for its backward, so only
+    # ln2 -> fc -> gelu (whose input gelu's backward needs) has to be recomputed.
+    hidden = _maybe_checkpoint(
+        lambda inp: F.gelu(lowrank_linear(block.ln2(inp), ffn.fc.weight, ffn.fc.bias, bases[0])),
+        x,
+        recompute,
+    )
+    return ffn.drop(lowrank_linear(hidden, ffn.out.weight, ffn.out.bias, bases[1]))
+
+
+def _maybe_checkpoint(fn, x: torch.Tensor, recompute: bool) -> torch.Tensor:
+    """Keep only ``x`` and rerun ``fn`` in backward, same RNG state, hence the same gradients."""
+    if recompute:
+        return checkpoint(fn, x, use_reentrant=False, preserve_rng_state=True)
+    return fn(x)

@@ -1,0 +1,233 @@
+"""NDB approximations on a tiny GPT: which gradients each one changes, and by how much."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from runner.model import GPT, GPTConfig
+from runner.recovery.ndb import (
+    NDBConfig,
+    SVDCache,
+    attention_param_names,
+    contributor_counts,
+    extra_microbatch_loss,
+    lowrank_linear,
+    lowrank_rank,
+    neighbour_of,
+)
+
+ALL_OFF = NDBConfig(skip_attention=False, recompute_ffn=False, lowrank_ffn=False, warmup_steps=0)
+CONF = Path(__file__).resolve().parents[1] / "conf" / "ft" / "ndb.yaml"
+
+
+def tiny_gpt(dropout: float = 0.1) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, dropout=dropout)
+    return GPT(cfg).train()
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 64, (4, 16), generator=g)
+    return idx, torch.randint(0, 64, (4, 16), generator=g)
+
+
+def grads(model: GPT, loss_fn) -> dict[str, torch.Tensor | None]:
+    """Gradients of one fresh backward, run from a fixed RNG state so dropout masks match."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    loss_fn().backward()
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def extra_grads(model: GPT, cfg: NDBConfig, step: int = 0) -> dict[str, torch.Tensor | None]:
+    idx, tgt = batch()
+    cache = SVDCache(cfg.svd_every)
+    return grads(model, lambda: extra_microbatch_loss(model, idx, tgt, cfg, step, cache))
+
+
+def plain_grads(model: GPT) -> dict[str, torch.Tensor | None]:
+    idx, tgt = batch()
+    return grads(model, lambda: model.loss(idx, tgt))
+
+
+def assert_all_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+# ---- low-rank weight gradient (approximation c) -------------------------------------------------
+
+
+def decaying_layer(inn: int = 32, out: int = 128, n: int = 256):
+    """W with singular values 0.7**i and inputs that live mostly in W's top right-singular space."""
+    torch.manual_seed(0)
+    dt = torch.float64
+    u, _ = torch.linalg.qr(torch.randn(out, inn, dtype=dt))
+    v, _ = torch.linalg.qr(torch.randn(inn, inn, dtype=dt))
+    s = 0.7 ** torch.arange(inn, dtype=dt)
+    x = (torch.randn(n, inn, dtype=dt) * s) @ v.T + 0.01 * torch.randn(n, inn, dtype=dt)
+    return (u * s) @ v.T, x, torch.randn(n, out, dtype=dt)
+
+
+def lowrank_grads(w, x, gy, rank):
+    w = w.clone().requires_grad_()
+    b = torch.zeros(w.shape[0], dtype=w.dtype, requires_grad=True)
+    x = x.clone().requires_grad_()
+    v = SVDCache(svd_every=1).basis("w", w, rank, step=0)
+    lowrank_linear(x, w, b, v).backward(gy)
+    return w.grad, x.grad, b.grad
+
+
+def test_lowrank_full_rank_equals_exact_wgrad():
+    w, x, gy = decaying_layer()
+    gw, gx, gb = lowrank_grads(w, x, gy, rank=w.shape[1])
+    torch.testing.assert_close(gw, gy.T @ x, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx, gy @ w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gb, gy.sum(0), rtol=1e-12, atol=1e-12)
+
+
+def test_lowrank_error_falls_with_rank_and_dgrad_stays_exact():
+    w, x, gy = decaying_layer()
+    exact = gy.T @ x
+    errors = []
+    for rank in (1, 2, 4, 7, 16):
+        gw, gx, gb = lowrank_grads(w, x, gy, rank)
+        errors.append(((gw - exact).norm() / exact.norm()).item())
+        torch.testing.assert_close(gx, gy @ w, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gb, gy.sum(0), rtol=1e-12, atol=1e-12)
+    assert errors == sorted(errors, reverse=True) and len(set(errors)) == len(errors)
+    # rank 7 = ceil(0.2 * 32), the default ratio: ~9% relative error on this spectrum.
+    assert errors[0] == pytest.approx(0.707, abs=0.01)
+    assert errors[3] == pytest.approx(0.092, abs=0.01)
+
+
+def test_rank_rule():
+    cfg = NDBConfig()
+    assert lowrank_rank(128, 32, cfg, step=0) == 7  # ceil(0.2 * 32)
+    assert lowrank_rank(32, 128, cfg, step=0) == 7  # down-projection: min(out, in) = 32
+    dyn = NDBConfig(dynamic_rank=True, base_rank=3)
+    assert [lowrank_rank(128, 32, dyn, s) for s in (0, 3999, 5000, 99_000)] == [3, 3, 5, 32]
+
+
+def test_svd_cache_refreshes_every_svd_every_steps():
+    cache = SVDCache(svd_every=5)
+    w = torch.randn(16, 8)
+    v0 = cache.basis("fc", w, rank=2, step=10)
+    assert cache.basis("fc", w * 3, rank=2, step=14) is v0  # stale weight ignored inside tau
+    v1 = cache.basis("fc", w * 3, rank=2, step=15)
+    assert v1 is not v0 and v1.shape == (8, 2)
+    assert cache.basis("fc", w, rank=3, step=15).shape == (8, 3)  # rank change forces an SVD
+
+
+# ---- approximations on the GPT ------------------------------------------------------------------
+
+
+def test_everything_off_matches_plain_backward_exactly():
+    model = tiny_gpt()
+    reference = plain_grads(model)
+    assert_all_equal(extra_grads(model, ALL_OFF), reference)
+    assert_all_equal(extra_grads(model, NDBConfig(exact_reference=True, warmup_steps=0)), reference)
+
+
+def test_forward_value_is_exact_with_all_approximations():
+    model = tiny_gpt()
+    idx, tgt = batch()
+    torch.manual_seed(7)
+    plain = model.loss(idx, tgt)
+    torch.manual_seed(7)
+    approx = extra_microbatch_loss(model, idx, tgt, NDBConfig(warmup_steps=0), 0, SVDCache(50))
+    assert torch.equal(plain, approx)
+
+
+def test_skip_attention_adds_nothing_to_attention_grads():
+    model = tiny_gpt()
+    idx, tgt = batch()
+    own_idx, own_tgt = batch(seed=2)
+    cfg = NDBConfig(warmup_steps=0)  # all approximations on
+    attention = attention_param_names(model)
+    assert len(attention) == 2 * (2 + 4)  # per block: ln1 weight/bias, qkv and proj weight/bias
+
+    model.zero_grad(set_to_none=True)
+    model.loss(own_idx, own_tgt).backward()
+    own = {n: p.grad.clone() for n, p in model.named_parameters()}
+    extra_microbatch_loss(model, idx, tgt, cfg, 0, SVDCache(50)).backward()
+    for name, p in model.named_parameters():
+        if name in attention:
+            assert torch.equal(p.grad, own[name]), name
+        else:
+            assert (p.grad - own[name]).abs().max() > 1e-6, name
+
+    alone = extra_grads(model, cfg)
+    assert {n for n, g in alone.items() if g is None} == attention
+
+
+def test_ffn_recomputation_gives_identical_grads_with_dropout():
+    model = tiny_gpt(dropout=0.1)
+    for lowrank in (False, True):  # whole FFN branch / only ln2 -> fc -> gelu is recomputed
+        base = dataclasses.replace(ALL_OFF, lowrank_ffn=lowrank)
+        recompute = dataclasses.replace(base, recompute_ffn=True)
+        assert_all_equal(extra_grads(model, recompute), extra_grads(model, base))
+    # dropout really draws from the RNG, so equality above needs the preserved RNG state
+    idx, tgt = batch()
+    torch.manual_seed(1)
+    first = model.loss(idx, tgt)
+    assert not torch.equal(first, model.loss(idx, tgt))
+
+
+def test_lowrank_changes_only_ffn_weight_grads_and_waits_for_warmup():
+    model = tiny_gpt()
+    cfg = dataclasses.replace(ALL_OFF, lowrank_ffn=True, warmup_steps=1000)
+    exact = extra_grads(model, ALL_OFF)
+    assert_all_equal(extra_grads(model, cfg, step=999), exact)
+
+    approx = extra_grads(model, cfg, step=1000)
+    ffn_weights = {n for n in exact if n.endswith(("ffn.fc.weight", "ffn.out.weight"))}
+    assert len(ffn_weights) == 4
+    for name in exact:
+        if name in ffn_weights:
+            rel = ((approx[name] - exact[name]).norm() / exact[name].norm()).item()
+            # random init has a flat spectrum: rank 7 of 32 keeps ~sqrt(7/32) of G_W, error ~0.88
+            assert 0.85 < rel < 1.0, (name, rel)
+        else:  # exact G_X upstream, so every other gradient is bitwise unchanged
+            assert torch.equal(approx[name], exact[name]), name
+
+
+# ---- aggregation, neighbour choice, conf ---------------------------------------------------------
+
+
+def test_contributor_counts_drop_skipped_microbatches_for_attention_only():
+    model = tiny_gpt()
+    counts = contributor_counts(model, microbatches=4, takeovers=1, cfg=NDBConfig())
+    assert counts["blocks.0.attn.qkv.weight"] == 3
+    assert counts["blocks.1.ln1.bias"] == 3
+    assert counts["blocks.1.ffn.out.weight"] == 4
+    assert counts["tok_emb.weight"] == 4
+    no_skip = contributor_counts(model, 4, 1, NDBConfig(skip_attention=False))
+    assert set(no_skip.values()) == {4}
+    with pytest.raises(ValueError, match="own"):
+        contributor_counts(model, microbatches=2, takeovers=2, cfg=NDBConfig())
+
+
+def test_neighbour_policies_skip_dead_ranks():
+    assert neighbour_of(1, [0, 2, 3], "ring_next") == 2
+    assert neighbour_of(3, [0, 1, 2], "ring_next") == 0
+    assert neighbour_of(2, [0, 1, 3], "ring_prev") == 1
+    assert neighbour_of(0, [1, 2], "ring_prev") == 2
+    with pytest.raises(ValueError):
+        neighbour_of(0, [], "ring_next")
+
+
+def test_yaml_mirrors_config_dataclass():
+    knobs = yaml.safe_load(CONF.read_text())["ndb"]
+    assert list(knobs) == [f.name for f in dataclasses.fields(NDBConfig)]
+    assert NDBConfig(**knobs) == NDBConfig()
+    with pytest.raises(ValueError, match="rank_ratio"):
+        NDBConfig(rank_ratio=0.0)
