@@ -27,8 +27,9 @@ def rss_bytes() -> int:
 
 
 class Heartbeat(Callback):
-    def __init__(self, host: str, port: int, status: WorkerStatus, interval_s: float, orphan_after_s: float) -> None:
-        self.host, self.port, self.status = host, port, status
+    def __init__(self, host: str, port: int, namespace: str, status: WorkerStatus, interval_s: float,
+                 orphan_after_s: float) -> None:
+        self.host, self.port, self.namespace, self.status = host, port, namespace, status
         self.interval_s, self.orphan_after_s = interval_s, orphan_after_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -45,7 +46,7 @@ class Heartbeat(Callback):
         self.stop()
 
     def _run(self) -> None:
-        store = protocol.connect(self.host, self.port, timeout_s=max(2.0, 2 * self.interval_s))
+        store = protocol.connect(self.host, self.port, max(2.0, 2 * self.interval_s), self.namespace)
         key = f"hb/{self.status.wid}"
         seq = 0
         last_ok = time.monotonic()

@@ -78,3 +78,48 @@ class NodeAgent:
                 proc.join(timeout=1)
                 if not self.lost:
                     self.events.put(("exit", wid, proc.exitcode, time.time()))
+
+
+class LocalFleet:
+    """The simulated cluster's processes: a fork server that preloads the worker's imports (so a
+    replacement starts in a fraction of a second) and one NodeAgent per node."""
+
+    can_spawn = True
+
+    def __init__(self, nodes: int, events: Queue, interval_s: float, preload: list[str]) -> None:
+        import multiprocessing
+
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload(preload)
+        self.agents = [NodeAgent(n, events, interval_s) for n in range(nodes)]
+
+    def spawn(self, target, args: tuple, wid: int, node: int) -> None:
+        proc = self.ctx.Process(target=target, args=args, name=f"worker-{wid}", daemon=False)
+        proc.start()
+        self.agents[node].add(wid, proc)
+
+    def signal(self, wid: int, node: int, sig: int) -> None:
+        self.agents[node].signal(wid, sig)
+
+    def lose_node(self, node: int) -> list[int]:
+        return self.agents[node].lose_node()
+
+    def node_beats(self) -> dict[int, float]:
+        return {a.node: a.last_beat for a in self.agents}
+
+    def shutdown(self, completed: bool) -> None:
+        """Every worker ends (killed at once unless the run completed); every agent stops."""
+        grace = time.monotonic() + (5.0 if completed else 2.0)
+        for agent in self.agents:
+            for wid in agent.pids():
+                if not completed:
+                    agent.signal(wid, signal.SIGKILL)
+        for agent in self.agents:
+            for wid in list(agent.pids()):
+                proc = agent.procs[wid]
+                proc.join(timeout=max(0.0, grace - time.monotonic()))
+                if proc.exitcode is None:
+                    agent.signal(wid, signal.SIGCONT)
+                    agent.signal(wid, signal.SIGKILL)
+                    proc.join(timeout=5)
+            agent.stop()

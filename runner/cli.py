@@ -54,12 +54,14 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
             )
             return EXIT_NEEDS_GPUS
         validate(cfg, for_training=True)
+        from runner.launcher import launch  # heavy imports only once the config is known to be good
+
+        summary = launch(cfg, run_dir)
     except ConfigError as err:
         print(f"[runner] {err}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
-    from runner.launcher import launch  # heavy imports only once the config is known to be good
-
-    summary = launch(cfg, run_dir)
+    if summary is None:  # a rank other than 0 of a torchrun/SLURM job: rank 0 reports
+        return 0
     print(render_summary(summary, run_dir), flush=True)
     return 0 if summary["status"] == "completed" else EXIT_RUN_FAILED
 

@@ -9,7 +9,6 @@ never on the training path: healthy steps cost it nothing.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import time
@@ -23,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed import TCPStore
 
 from runner import protocol
-from runner.agent import NodeAgent
+from runner.agent import LocalFleet
 from runner.config.validate import all_faults, dp_size, ft_names
 from runner.decision import Decision, decide
 from runner.events import EventLog
@@ -73,8 +72,13 @@ class Worker:
 
 
 class Controller:
-    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+    """``fleet`` starts and signals workers (LocalFleet, or ExternalFleet under torchrun/SLURM);
+    ``store`` is given when the job already has one (torchrun's agent store), else hosted here."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, fleet=None, store=None, address=None, namespace: str = "") -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.fleet, self.store, self.namespace = fleet, store, namespace
+        self.host, self.port = address or ("127.0.0.1", 0)
         self.dp = dp_size(cfg)
         self.ft = ft_names(cfg)
         self.hb = cfg.heartbeat
@@ -98,16 +102,15 @@ class Controller:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> dict:
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=self.cfg.launcher.start_timeout_s))
-        self.host, self.port = "127.0.0.1", self.store.port
-        self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        if self.store is None:
+            self.store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=self.cfg.launcher.start_timeout_s))
+            self.port = self.store.port
+        if self.fleet is None:
+            self.fleet = LocalFleet(self.cfg.parallel.nodes, self.queue, self.hb.interval_s, FORKSERVER_PRELOAD)
         self.cfg_dict = OmegaConf.to_container(self.cfg, resolve=True)
-        nodes = self.cfg.parallel.nodes
-        self.agents = [NodeAgent(n, self.queue, self.hb.interval_s) for n in range(nodes)]
-        self.events.emit("run_start", world_size=self.dp, nodes=nodes, ft=self.ft, recipe=self.cfg.recipe_name,
-                         store_port=self.port)
+        self.events.emit("run_start", world_size=self.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
+                         recipe=self.cfg.recipe_name, store_port=self.port)
         try:
             for lrank in range(self.dp):
                 node, local = divmod(lrank, self.cfg.parallel.procs_per_node)
@@ -119,9 +122,9 @@ class Controller:
         except KeyboardInterrupt:
             self._fail("interrupted by the user (Ctrl-C)")
         finally:
-            self._shutdown()
-        summary = write_summary(self)
-        return summary
+            self.fleet.shutdown(completed=self.status == "completed")
+            self.events.emit("run_end", status=self.status, error=self.error)
+        return write_summary(self)
 
     def _loop(self) -> None:
         deadline = time.monotonic() + self.cfg.launcher.run_timeout_s
@@ -149,16 +152,15 @@ class Controller:
 
     # -- processes ------------------------------------------------------------------------------
     def _spawn(self, lrank: int, node: int, local: int, role: str, first_gen: int) -> Worker:
-        from runner.worker import WorkerSpec, main  # imported lazily: the launcher process stays light
+        from runner.worker import WorkerSpec, main  # imported lazily: the launching process stays light
 
         wid = len(self.workers)
-        spec = WorkerSpec(str(self.run_dir), wid, node, local, lrank, role, first_gen, self.host, self.port)
-        proc = self.ctx.Process(target=main, args=(spec, self.cfg_dict), name=f"worker-{wid}", daemon=False)
-        proc.start()
+        spec = WorkerSpec(str(self.run_dir), wid, node, local, lrank, role, first_gen, self.host, self.port,
+                          self.namespace)
+        self.fleet.spawn(main, (spec, self.cfg_dict), wid, node)
         worker = Worker(wid, node, local, lrank, role, t_spawn=time.monotonic())
         self.workers[wid] = worker
         self.assigned[lrank] = wid
-        self.agents[node].add(wid, proc)
         return worker
 
     def _live(self) -> list[Worker]:
@@ -215,8 +217,8 @@ class Controller:
         # If this loop itself was late, what looks like silence may be ours: refresh, judge next round.
         judging = now - self._last_hb_poll < 2 * interval
         self._last_hb_poll = now
-        for node, agent in enumerate(self.agents):
-            if judging and node not in self.silent_reported and now - agent.last_beat > interval * misses:
+        for node, last_beat in self.fleet.node_beats().items():
+            if judging and node not in self.silent_reported and now - last_beat > interval * misses:
                 self.silent_reported.add(node)
                 self._symptom("node_silent", node=node, t=time.time())
         for w in self._live():
@@ -244,7 +246,7 @@ class Controller:
             return
         w.killed_for = why
         self._symptom("hang", wid=w.wid, why=why, t=time.time())
-        self.agents[w.node].signal(w.wid, signal.SIGKILL)
+        self.fleet.signal(w.wid, w.node, signal.SIGKILL)
 
     def _poll_ready(self) -> None:
         changed = False
@@ -288,13 +290,13 @@ class Controller:
         w = self.workers[hit["wid"]]
         t = time.time()
         if fault.kind == "kill_rank":
-            self.agents[w.node].signal(w.wid, signal.SIGKILL)
+            self.fleet.signal(w.wid, w.node, signal.SIGKILL)
             victims = [w.logical]
         elif fault.kind == "hang_rank":
-            self.agents[w.node].signal(w.wid, signal.SIGSTOP)
+            self.fleet.signal(w.wid, w.node, signal.SIGSTOP)
             victims = [w.logical]
         else:  # kill_node
-            victims = [self.workers[v].logical for v in self.agents[fault.node].lose_node()]
+            victims = [self.workers[v].logical for v in self.fleet.lose_node(fault.node)]
         self.store.set(f"fault/released/{i}", "1")
         self.events.emit("fault_injected", fault=fault.kind, index=i, victims=victims, at_step=hit["step"], t_fault=t)
 
@@ -311,7 +313,7 @@ class Controller:
         self.decide_at = None
         lost_ranks = [w.logical for w in self._live() if w.node in lost_nodes]
         decision: Decision = decide(
-            ft=self.ft, cfg=self.cfg, dead=[self.workers[w].logical for w in dead], hung=hung, lost_nodes=lost_nodes,
+            ft=self.ft, cfg=self.cfg, can_restart=self.fleet.can_spawn, dead=[self.workers[w].logical for w in dead], hung=hung, lost_nodes=lost_nodes,
             lost_ranks=lost_ranks, survivors=[w.logical for w in self._live() if w.wid not in dead and w.node not in lost_nodes],
             restarts_left=self._restarts_left(),
         )
@@ -334,16 +336,14 @@ class Controller:
         self._after_change()
 
     def _all_proved_alive(self, since: float) -> bool:
-        """Every live worker and agent has beaten since the first symptom, or the miss window has passed."""
-        now = time.monotonic()
-        if now - since > self.hb.interval_s * self.hb.misses:
-            return True  # whoever is still silent is caught by the heartbeat rules now
-        agents_ok = all(a.last_beat > since for a in self.agents)
+        """Every live worker and agent has beaten since the first symptom (a silent one is caught by the
+        heartbeat rules within the miss window, and the decision then sees it as dead)."""
+        agents_ok = all(beat > since for beat in self.fleet.node_beats().values())
         return agents_ok and all(w.hb_change > since for w in self._live() if w.ready and not w.done)
 
     def _silent_nodes(self, now: float) -> list[int]:
         limit = self.hb.interval_s * self.hb.misses
-        return [a.node for a in self.agents if now - a.last_beat > limit]
+        return [node for node, beat in self.fleet.node_beats().items() if now - beat > limit]
 
     def _after_change(self) -> None:
         """Publish survivors-only or complete generations as replacements become ready."""
@@ -375,24 +375,6 @@ class Controller:
         self.status, self.error = "failed", reason
         self.store.set("abort", reason)
         self.events.emit("run_failed", error=reason)
-
-    def _shutdown(self) -> None:
-        """Every worker ends (or is killed); every agent stops; nothing is left behind."""
-        grace = time.monotonic() + (5.0 if self.status == "completed" else 2.0)
-        for agent in self.agents:
-            for wid, pid in agent.pids().items():
-                if self.status != "completed":
-                    agent.signal(wid, signal.SIGKILL)
-        for agent in self.agents:
-            for wid in list(agent.pids()):
-                proc = agent.procs[wid]
-                proc.join(timeout=max(0.0, grace - time.monotonic()))
-                if proc.exitcode is None:
-                    agent.signal(wid, signal.SIGCONT)
-                    agent.signal(wid, signal.SIGKILL)
-                    proc.join(timeout=5)
-            agent.stop()
-        self.events.emit("run_end", status=self.status, error=self.error)
 
     def _echo(self, record: dict) -> None:
         kind = record["kind"]

@@ -19,7 +19,7 @@ class Decision:
     reason: str = ""
 
 
-def decide(*, ft: list[str], cfg, dead: list[int], hung: bool, lost_nodes: list[int], lost_ranks: list[int],
+def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hung: bool, lost_nodes: list[int], lost_ranks: list[int],
            survivors: list[int], restarts_left: int) -> Decision:
     if lost_nodes:
         victims = sorted(set(lost_ranks) | set(dead))
@@ -36,6 +36,10 @@ def decide(*, ft: list[str], cfg, dead: list[int], hung: bool, lost_nodes: list[
             return Decision(fault, "fail", dead, "every data-parallel replica of the model and optimizer state was "
                             f"lost (logical ranks {dead}); FlashRecovery rebuilds from a surviving replica, so there "
                             "is nothing to restore from: add ft=flash_ckpt for a snapshot to fall back on")
+        if not can_restart:
+            return Decision(fault, "fail", dead, f"{fault} of logical rank(s) {dead}: under torchrun/SLURM the "
+                            "launcher owns the processes, so the job ends here for the launcher to restart it "
+                            "(torchrun --max-restarts); run without torchrun/srun for in-place restarts")
         if restarts_left < len(dead):
             return Decision(fault, "fail", dead, f"restart budget spent (ft.flashrecovery.max_restarts="
                             f"{cfg.ft.flashrecovery.max_restarts}); raise it if failures are expected this often")

@@ -1,7 +1,4 @@
-"""Start the job: on one host, a controller with simulated nodes; under torchrun/SLURM, one rank.
-
-The local launcher is the supported path today; see docs/architecture.md for the multi-node plan.
-"""
+"""Start the job: on one host, a controller with simulated nodes; under torchrun/SLURM, one rank."""
 
 from __future__ import annotations
 
@@ -22,12 +19,12 @@ def external_launcher() -> str | None:
     return None
 
 
-def launch(cfg: DictConfig, run_dir: Path) -> dict:
+def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """Returns the summary, or None on a rank of an external job other than rank 0."""
     kind = cfg.launcher.kind if cfg.launcher.kind != "auto" else (external_launcher() or "local")
     if kind != "local":
-        raise NotImplementedError(
-            f"launcher {kind!r}: running as one rank of a {kind} job is not available yet; run without "
-            "torchrun/srun to simulate the cluster on this host (launcher.kind=local)."
-        )
+        from runner.external import run_rank
+
+        return run_rank(cfg, Path(run_dir), kind)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return Controller(cfg, run_dir).run()

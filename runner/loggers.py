@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -23,8 +24,11 @@ def build_logger(cfg: DictConfig, run_dir: Path):
     from lightning.pytorch.loggers import WandbLogger
 
     group = cfg.logger.group or str(Path(run_dir).parent if _in_sweep(run_dir) else run_dir)
+    # one W&B run per job, resumed by id when a replacement takes over logical rank 0
+    run_id = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
     return WandbLogger(project=cfg.logger.project, save_dir=str(run_dir), name=run_name(cfg), group=group,
-                       mode=cfg.logger.mode, config={"recipe": cfg.recipe_name, "ft": list(cfg.ft.keys())})
+                       id=run_id, resume="allow", mode=cfg.logger.mode,
+                       config={"recipe": cfg.recipe_name, "ft": list(cfg.ft.keys())})
 
 
 def _in_sweep(run_dir: Path) -> bool:

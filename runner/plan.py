@@ -3,8 +3,9 @@
 Printed before every run, and instead of the run when the host lacks the GPUs a recipe needs.
 Memory model (bytes per parameter): fp32 weights 4 + fp32 gradients 4 + AdamW moments 8, the
 moments divided over the data-parallel group under ZeRO-1, everything divided by tp*pp;
-activations per layer and sample follow Korthikanti et al. (2022) without recomputation:
-seq*d*(34 + 5*heads*seq/d) bytes in 16-bit.
+activations per layer and sample follow Korthikanti et al. (2022): seq*d*(34 + 5*heads*seq/d)
+bytes in 16-bit. Models above runner.cpu_max_params are planned for GPUs with one sample per
+micro-step and full recomputation (only layer inputs kept); smaller ones as the runner trains them.
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def make_plan(cfg: DictConfig) -> Plan:
     states = (8 * n) / shard + moments
     micro = max(1, cfg.trainer.global_batch_size // dp)
     per_layer = gpt.seq_len * gpt.d_model * (34 + 5 * gpt.n_head * gpt.seq_len / gpt.d_model)
-    activations = micro * per_layer * gpt.n_layer / shard
+    if n > cfg.runner.cpu_max_params:  # GPU scale: one sample at a time, layers recomputed in backward
+        activations = (2 * gpt.seq_len * gpt.d_model * gpt.n_layer + per_layer) / shard
+    else:  # what this runner does today: the whole micro-batch, every activation kept
+        activations = micro * per_layer * gpt.n_layer / shard
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return Plan(n, world_size(cfg), dp, p.tp, p.pp, p.zero, micro, states, activations, flops_per_token(gpt), gpus)
 
@@ -88,6 +92,10 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
         if cfg.trainer.precision != "32-true":
             changes.append(f"precision {cfg.trainer.precision} -> 32-true")
             cfg.trainer.precision = "32-true"
+        for key in ("zero", "spares", "dp_group_size"):
+            if p[key]:
+                changes.append(f"parallel.{key} {p[key]} -> 0 (not available yet)")
+                p[key] = 0
         if p.nodes * p.procs_per_node > limit:
             nodes = min(p.nodes, limit)
             per = max(1, limit // nodes)

@@ -1,14 +1,16 @@
 """The control-plane protocol between the controller and the workers, carried by a TCPStore.
 
-Keys (all under the job's store):
-  gen                 latest generation number (decimal string)
+Keys (all under the job's store, or a namespace of it under torchrun):
+  gen                 latest generation number (decimal string), written after gen/<g>
   gen/<g>             the Layout of generation g (JSON)
-  assign/<wid>        what worker <wid> is: its logical rank and role (JSON)
-  ready/<wid>         a replacement or spare finished its start-up and can join
+  pg/<g>/...          generation g's process-group rendezvous; pg/<g>/arrived/<rank> first
+  ready/<wid>         a replacement finished its start-up and can join
   hb/<wid>            heartbeat payload (JSON: seq, step, phase, rss, t)
-  report/<n>          the n-th symptom a worker reported (JSON); counter 'reports'
+  reports, report/<n> counter and the n-th symptom a worker reported (JSON)
+  fault/claim/<i>     counter that makes fault i fire once per job
   fault/hit/<i>       fault i's victim reached its trigger point (JSON)
-  done/<wid>          a worker finished training (JSON: step, checksum, final loss)
+  fault/released/<i>  the controller carried fault i out
+  done/<wid>          a worker finished training (JSON: step, checksum, logical rank)
   abort               the run is over (controller to all): the reason
 """
 
@@ -18,7 +20,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
 
 @dataclass
@@ -48,9 +50,10 @@ class Layout:
         return Layout(**json.loads(raw))
 
 
-def connect(host: str, port: int, timeout_s: float) -> TCPStore:
-    """A client connection to the job's store (one per thread that uses it)."""
-    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+def connect(host: str, port: int, timeout_s: float, namespace: str = ""):
+    """A client connection to the job's store (one per thread that uses it), inside ``namespace``."""
+    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return PrefixStore(namespace, store) if namespace else store
 
 
 def get_json(store: TCPStore, key: str) -> dict:

@@ -210,21 +210,20 @@ class ResilientStrategy(ParallelStrategy):
     # -- state transfer between replicas --------------------------------------------------------
     def send_or_receive_state(self, src_pg_rank: int, *, receive: bool) -> Optional[dict]:
         """Broadcast the source replica's full Lightning checkpoint over the current group."""
-        size = torch.zeros(1, dtype=torch.int64)
+        dev = self.root_device
+        size = torch.zeros(1, dtype=torch.int64, device=dev)
         payload = None
         if not receive and self.comm.rank == src_pg_rank:
             ckpt = self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            buf = io.BytesIO()
-            torch.save(ckpt, buf)
-            payload = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+            payload = _to_bytes(ckpt).to(dev)
             size[0] = payload.numel()
         self.comm.broadcast(size, src_pg_rank)
         if payload is None:
-            payload = torch.empty(int(size[0]), dtype=torch.uint8)
+            payload = torch.empty(int(size[0]), dtype=torch.uint8, device=dev)
         self.comm.broadcast(payload, src_pg_rank)
         if not receive:
             return None
-        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False, map_location="cpu")
+        return _from_bytes(payload, map_location=dev)
 
     def adopt_committed_state(self, ckpt: dict) -> None:
         """A lagging survivor takes the replica's post-step model and optimizer state, skips its own update."""
@@ -267,16 +266,15 @@ class ResilientStrategy(ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self.joining:
             return obj
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
+        dev = self.root_device
+        data = _to_bytes(obj).to(dev)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
         self.comm.allreduce([size], op=torch.distributed.ReduceOp.MAX)
-        padded = torch.zeros(int(size[0]), dtype=torch.uint8)
+        padded = torch.zeros(int(size[0]), dtype=torch.uint8, device=dev)
         if self.comm.rank == src:
             padded[: data.numel()] = data
         self.comm.broadcast(padded, src)
-        return torch.load(io.BytesIO(padded.numpy().tobytes()), weights_only=False)
+        return _from_bytes(padded)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if not isinstance(tensor, Tensor) or self.joining:
@@ -295,13 +293,24 @@ class ResilientStrategy(ParallelStrategy):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if self.joining:
             return decision
-        t = torch.tensor([int(decision)], dtype=torch.float32)
+        t = torch.tensor([int(decision)], dtype=torch.float32, device=self.root_device)
         self.comm.allreduce([t])
         return bool(t.item() == self.comm.size) if all else bool(t.item() > 0)
 
     def teardown(self) -> None:
         super().teardown()
         self.comm.abort()
+
+
+def _to_bytes(obj: Any) -> Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+
+def _from_bytes(data: Tensor, map_location: Any = "cpu") -> Any:
+    """Bytes from a replica of this job: tensors and plain containers only (weights_only)."""
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True, map_location=map_location)
 
 
 def _make_buckets(module: torch.nn.Module, bucket_bytes: int) -> list[tuple[Tensor, list[Tensor]]]:

@@ -51,40 +51,45 @@ class WorkerSpec:
     first_gen: int
     host: str
     port: int
+    namespace: str = ""  # key prefix inside a store shared with a launcher (torchrun's agent store)
 
 
 def main(spec: WorkerSpec, cfg_dict: dict) -> None:
     """Process entry point (run by the fork server); exits with a code the controller understands."""
-    cfg = OmegaConf.create(cfg_dict)
-    code = 0
-    try:
-        run(spec, cfg)
-    except RunAborted:
-        code = EXIT_ABORTED
-    except RunFailedError as err:
-        _report_fatal(spec, cfg, str(err))
-        code = EXIT_FAILED
-    except BaseException as err:  # any other crash: the controller sees the exit code and the report
-        traceback.print_exc()
-        _report_fatal(spec, cfg, f"{type(err).__name__}: {err}")
-        code = 1
+    code = run_reporting(spec, OmegaConf.create(cfg_dict))
     sys.stdout.flush()
     sys.stderr.flush()
     multiprocessing.util._exit_function()  # release semaphores (tqdm's lock) as a normal exit would
     os._exit(code)  # no waiting on logger threads: the controller already has the result
 
 
+def run_reporting(spec: WorkerSpec, cfg: DictConfig) -> int:
+    """Train; turn every way of failing into an exit code and, where useful, a report to the controller."""
+    try:
+        run(spec, cfg)
+        return 0
+    except RunAborted:
+        return EXIT_ABORTED
+    except RunFailedError as err:
+        _report_fatal(spec, cfg, str(err))
+        return EXIT_FAILED
+    except BaseException as err:  # any other crash: the controller sees the exit code and the report
+        traceback.print_exc()
+        _report_fatal(spec, cfg, f"{type(err).__name__}: {err}")
+        return 1
+
+
 def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     dp = dp_size(cfg)
     torch.set_num_threads(_threads(cfg, dp))
-    store = protocol.connect(spec.host, spec.port, cfg.launcher.start_timeout_s)
+    store = protocol.connect(spec.host, spec.port, cfg.launcher.start_timeout_s, spec.namespace)
     status = WorkerStatus(spec.wid, spec.node, spec.local_rank, spec.logical_rank, dp)
     run_dir = Path(spec.run_dir)
-    device = torch.device("cpu")
-    comm = Comm(store, spec.wid, "gloo", device, cfg.launcher)
+    device, backend = select_device(cfg, spec.logical_rank)
+    comm = Comm(store, spec.wid, backend, device, cfg.launcher)
     events = EventLog(run_dir / "events.jsonl", rank=lambda: comm.logical_rank if comm.layout else spec.logical_rank,
                       step=lambda: status.step)
-    heartbeat = Heartbeat(spec.host, spec.port, status, cfg.heartbeat.interval_s,
+    heartbeat = Heartbeat(spec.host, spec.port, spec.namespace, status, cfg.heartbeat.interval_s,
                           orphan_after_s=max(5.0, cfg.heartbeat.interval_s * cfg.heartbeat.misses * 4))
     heartbeat.start()
     events.emit("worker_started", wid=spec.wid, node=spec.node, role=spec.role, pid=os.getpid())
@@ -108,13 +113,13 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     recovery.on_start = faults.on_recovery_start
     is_rank0 = spec.logical_rank == 0
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=[device.index] if device.type == "cuda" else 1,
         strategy=strategy,
         max_steps=cfg.trainer.max_steps,
         precision=cfg.trainer.precision,
         gradient_clip_val=cfg.trainer.grad_clip or None,
-        logger=build_logger(cfg, run_dir) if is_rank0 and not joining else False,
+        logger=build_logger(cfg, run_dir) if is_rank0 else False,  # a replacement of rank 0 resumes the logging
         callbacks=[heartbeat, faults, metrics],
         enable_checkpointing=False,
         enable_progress_bar=bool(cfg.trainer.progress_bar and is_rank0 and not joining),
@@ -131,6 +136,19 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     protocol.set_json(store, f"done/{spec.wid}", final)
     events.emit("worker_done", wid=spec.wid, **{k: v for k, v in final.items() if k != "checksum"})
     heartbeat.stop()
+
+
+def select_device(cfg: DictConfig, logical_rank: int) -> tuple[torch.device, str]:
+    """runner.device and parallel.backend: a GPU per rank with NCCL where there are GPUs, else CPU and gloo."""
+    want = cfg.runner.device
+    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("runner.device=cuda but this host has no usable GPU; use runner.device=auto or cpu")
+    device = torch.device("cuda", logical_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    return device, backend
 
 
 def build_module_and_data(cfg: DictConfig, micro_batch: int):
@@ -168,7 +186,7 @@ def _threads(cfg: DictConfig, ranks: int) -> int:
 
 def _report_fatal(spec: WorkerSpec, cfg: DictConfig, reason: str) -> None:
     try:
-        store = protocol.connect(spec.host, spec.port, 5.0)
+        store = protocol.connect(spec.host, spec.port, 5.0, spec.namespace)
         protocol.report(store, {"wid": spec.wid, "fatal": True, "reason": reason, "t": time.time()})
     except Exception:  # the controller is gone; the exit code still tells
         pass

@@ -97,3 +97,47 @@ def test_big_recipe_on_a_host_without_gpus_prints_the_plan_and_exits(run_dir):
     assert "plan for recipe gpt13b" in run.output and "needs 64 GPU" in run.output
     assert "runner.smoke=true" in run.output
     assert not (run_dir / "events.jsonl").exists()
+
+
+def test_wandb_is_the_default_logger_and_runs_offline(run_dir):
+    run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=4", "trainer.progress_bar=false", run_dir=run_dir, quiet=False)
+    assert run.summary["status"] == "completed", run.output[-3000:]
+    runs = list(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def _torchrun(tmp_path, *overrides: str):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "runner",
+         "+recipe=gpt_tiny", "logger=none", "trainer.progress_bar=false", "trainer.max_steps=16",
+         f"hydra.run.dir={tmp_path / 'tr'}", *overrides],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )
+
+
+def test_under_torchrun_each_process_is_one_rank_with_the_same_result(tmp_path):
+    import json
+
+    local = run_cli("+recipe=gpt_tiny", "trainer.max_steps=16", run_dir=tmp_path / "local")
+    proc = _torchrun(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "tr" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    assert summary["param_checksum"] == local.summary["param_checksum"]
+
+
+def test_under_torchrun_a_transient_error_is_retried_in_place(tmp_path):
+    import json
+
+    proc = _torchrun(tmp_path, "ft=[flashrecovery]", "fault=transient", "fault.rank=1", "fault.step=5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "tr" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["samples_lost"] == 0
+    assert [r["action"] for r in summary["recoveries"]] == ["retry"]

@@ -47,8 +47,6 @@ class FaultConfig:
     during: str = "step"  # step: at the start of `step`; recovery: when the victim enters its next recovery
     after_s: float = -1.0  # or after this many seconds of training
     delay_s: float = 0.0  # slow_rank: delay added to every step of the victim
-    count: int = 1  # how many times to inject (at step, step+every, ...)
-    every: int = 0  # steps between repeated injections
     extra: List[Dict[str, Any]] = field(default_factory=list)  # further faults: same keys
 
 

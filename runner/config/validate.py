@@ -81,6 +81,10 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         out.append(f"parallel.zero={p.zero} is not supported; use 0 (replicated) or 1 (ZeRO-1).")
     if p.backend not in ("auto", "gloo", "nccl"):
         out.append(f"parallel.backend={p.backend!r} is unknown; use auto, gloo or nccl.")
+    if cfg.runner.device not in ("auto", "cpu", "cuda"):
+        out.append(f"runner.device={cfg.runner.device!r} is unknown; use auto, cpu or cuda.")
+    elif p.backend == "nccl" and cfg.runner.device == "cpu":
+        out.append("parallel.backend=nccl needs GPUs: use runner.device=cuda (or auto on a GPU host), or backend=gloo.")
     m = cfg.model
     if m._target_ is None:
         if m.n_head < 1 or m.d_model % m.n_head:
@@ -97,6 +101,14 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         )
     elif gbs % dp:
         out.append(f"trainer.global_batch_size={gbs} must be divisible by the data-parallel size {dp}.")
+    if for_training:
+        unused = [f"parallel.{k}={v}" for k, v, off in (("zero", p.zero, 0), ("spares", p.spares, 0),
+                                                         ("dp_group_size", p.dp_group_size, 0)) if v != off]
+        if unused:
+            out.append(
+                f"{', '.join(unused)}: ZeRO-1 sharding, hot spares and DP replica groups arrive with the DeadPool and "
+                "NDB strategies and are not available yet; set them to 0 (a recipe's plan may still show them)."
+            )
     if for_training and (p.tp > 1 or p.pp > 1):
         out.append(
             f"Training with tp={p.tp}/pp={p.pp} is not supported yet (only planning is); set parallel.tp=1 parallel.pp=1."

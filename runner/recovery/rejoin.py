@@ -67,7 +67,7 @@ class ReplicaRecovery:
 
     def _reconcile(self, strategy, joining: bool) -> Optional[dict]:
         committed = -1 if joining else strategy.lightning_module.trainer.global_step
-        mine = torch.tensor([committed, int(joining)], dtype=torch.int64)
+        mine = torch.tensor([committed, int(joining)], dtype=torch.int64, device=self.comm.device)
         table = [t.tolist() for t in self.comm.allgather(mine)]
         holders = [(c, r) for r, (c, j) in enumerate(table) if not j]
         if not holders:

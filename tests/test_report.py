@@ -1,0 +1,140 @@
+"""``python -m runner.report``: report.md and plots from a hand-made sweep, and from a real one (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+CHECKSUM = "ab" * 32
+PHASES = {"detect_s": 0.02, "decide_s": 0.03, "replace_s": 0.05, "rebuild_s": 0.01, "restore_s": 0.14}
+T0 = 1_800_000_000.0
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _python(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+
+
+def _jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _fake_job(job_dir: Path, fault: str) -> None:
+    """A 12-step, 2-rank gpt_tiny run following docs/outputs.md; kill_rank loses rank 1 at step 6."""
+    (job_dir / ".hydra").mkdir(parents=True)
+    (job_dir / ".hydra" / "overrides.yaml").write_text(f"- +recipe=gpt_tiny\n- ft=[flashrecovery]\n- fault={fault}\n")
+    (job_dir / ".hydra" / "config.yaml").write_text("recipe_name: gpt_tiny\nseed: 1234\n")
+    faulty = fault != "none"
+    metrics, t = [], T0 + 1.0
+    for step in range(12):
+        step_time = 0.3 if faulty and step == 6 else 0.02
+        t += step_time
+        metrics.append({"step": step, "t": t, "loss": 5.5 - 0.03 * step, "step_time_s": step_time, "reduce_s": 0.004,
+                        "tokens_per_s": 1024 / step_time, "counts": [1, 1], "misplaced": 0,
+                        "gen": 2 if faulty and step >= 6 else 0})
+    _jsonl(job_dir / "metrics.jsonl", metrics)
+    events = [{"t": T0, "step": -1, "rank": "controller", "kind": "run_start", "world_size": 2, "nodes": 1,
+               "ft": ["flashrecovery"], "recipe": "gpt_tiny", "store_port": 40000}]
+    recoveries = []
+    if faulty:
+        t_fault = metrics[5]["t"] + 0.005
+        events += [
+            {"t": t_fault, "step": -1, "rank": "controller", "kind": "fault_injected", "fault": fault, "index": 0,
+             "victims": [1], "at_step": 6, "t_fault": t_fault},
+            {"t": t_fault + 0.02, "step": -1, "rank": "controller", "kind": "fault_detected", "recovery": 0,
+             "symptom": "exit", "wid": 1, "code": -9},
+            {"t": t_fault + 0.05, "step": -1, "rank": "controller", "kind": "recovery_decided", "recovery": 0,
+             "fault": "process_crash", "action": "restart_rank", "victims": [1], "reason": "restart in place"},
+            {"t": t_fault + 0.25, "step": 7, "rank": 0, "kind": "step_committed_after_recovery", "gen": 2,
+             "committed_step": 6},
+        ]
+        recoveries = [{"id": 0, "fault": "process_crash", "victims": [1], "step": 6, "action": "restart_rank",
+                       "reason": "process_crash of logical rank(s) [1]: restart in place", "rpo_steps": 0,
+                       "rto_s": 0.25, **PHASES, "survivors_ready_s": 0.06, "t_fault": t_fault}]
+    train_s = metrics[-1]["t"] - metrics[0]["t"] + metrics[0]["step_time_s"]
+    summary = {"status": "completed", "recipe": "gpt_tiny", "run_name": f"gpt_tiny-flashrecovery-{fault}-w1x2",
+               "ft": ["flashrecovery"], "fault": fault, "world_size": 2, "nodes": 1, "global_step": 12,
+               "initial_loss": 5.5, "final_loss": 5.17, "tokens_per_s": 12 * 1024 / train_s,
+               "steps_per_s": 12 / train_s, "mfu": 0.05, "wall_s": train_s + 1.0, "train_s": train_s,
+               "param_checksum": CHECKSUM, "recoveries": recoveries, "samples_committed": 96, "samples_lost": 0,
+               "samples_duplicated": 0, "samples_misplaced": 0, "tokens_committed": 12 * 1024,
+               "effective_training_time_ratio": (train_s - sum(r["rto_s"] for r in recoveries)) / train_s}
+    (job_dir / "summary.json").write_text(json.dumps(summary))
+    _jsonl(job_dir / "events.jsonl", events)
+
+
+def _rows(report: str) -> dict[str, list[str]]:
+    """The main table's rows, keyed by fault, as lists of cells."""
+    section = report.split("## Strategy x fault")[1].split("## Recoveries")[0]
+    table = [line for line in section.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in table]
+    header, body = cells[0], cells[2:]
+    return {row[header.index("fault")]: dict(zip(header, row)) for row in body}
+
+
+def _assert_report(sweep: Path) -> str:
+    report = (sweep / "report.md").read_text()
+    for line in report.splitlines():
+        if line.startswith("|"):
+            assert all(c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]), f"empty cell in: {line}"
+    for name in ("rto_phases.png", "throughput.png", "loss.png"):
+        data = (sweep / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 10_000, name
+    return report
+
+
+def test_report_on_a_hand_made_sweep(tmp_path):
+    _fake_job(tmp_path / "0", "none")
+    _fake_job(tmp_path / "1", "kill_rank")
+    proc = _python("-m", "runner.report", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    report = _assert_report(tmp_path)
+    rows = _rows(report)
+    assert set(rows) == {"none", "kill_rank"}
+    killed, clean = rows["kill_rank"], rows["none"]
+    assert killed["strategy"] == clean["strategy"] == "flashrecovery"
+    assert killed["status"] == "completed" and killed["recoveries"] == "1"
+    assert killed["RTO (s)"] == "0.250" and killed["detect (s)"] == "0.020" and killed["restore (s)"] == "0.140"
+    assert killed["RPO (steps)"] == "0"
+    assert killed["checksum = fault-free"] == "yes"
+    assert killed["fault-free overhead"].endswith("(vs 0)") and killed["fault-free overhead"].startswith("+")
+    assert killed["ETTR"] == f"{json.loads((tmp_path / '1' / 'summary.json').read_text())['effective_training_time_ratio']:.3f}"
+    assert clean["RTO (s)"].startswith("n/a[^") and "no recovery in this job" in report
+    assert "| 1 | 0 | process_crash | 1 | 6 | restart_rank | 0.250 |" in report  # the per-recovery table
+
+
+def test_report_without_any_summary_exits_2(tmp_path):
+    (tmp_path / "0").mkdir()
+    proc = _python("-m", "runner.report", str(tmp_path))
+    assert proc.returncode == 2
+    assert "No job with a summary.json" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_wandb_workspace_offline_exits_2_with_a_message():
+    proc = _python("-m", "runner.report.wandb_workspace", "--entity", "e", "--project", "p", WANDB_MODE="offline")
+    assert proc.returncode == 2
+    assert "WANDB_MODE=offline" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_report_on_a_real_kill_rank_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _python("-m", "runner", "-m", "+recipe=gpt_tiny", "ft=[flashrecovery]", "fault=none,kill_rank",
+                   "fault.rank=1", "fault.step=6", "trainer.max_steps=12", "logger=none",
+                   "trainer.progress_bar=false", f"hydra.sweep.dir={sweep}", timeout=240, WANDB_MODE="offline")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    proc = _python("-m", "runner.report", str(sweep))
+    assert proc.returncode == 0, proc.stderr
+    killed = _rows(_assert_report(sweep))["kill_rank"]
+    assert killed["status"] == "completed" and killed["checksum = fault-free"] == "yes"
+    assert float(killed["RTO (s)"]) > 0
