@@ -27,6 +27,7 @@ from runner.config.validate import all_faults, dp_size, ft_names
 from runner.decision import Decision, decide
 from runner.events import EventLog
 from runner.protocol import Layout
+from runner.loggers import log_summary_to_wandb
 from runner.summary import write_summary
 
 FORKSERVER_PRELOAD = ["runner.worker"]
@@ -124,7 +125,9 @@ class Controller:
         finally:
             self.fleet.shutdown(completed=self.status == "completed")
             self.events.emit("run_end", status=self.status, error=self.error)
-        return write_summary(self)
+        summary = write_summary(self)
+        log_summary_to_wandb(self.cfg, self.run_dir, summary)
+        return summary
 
     def _loop(self) -> None:
         deadline = time.monotonic() + self.cfg.launcher.run_timeout_s

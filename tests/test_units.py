@@ -64,3 +64,15 @@ def test_decision_tree():
     assert decide(ft=["flashrecovery"], dead=[2, 3, 1], **kw).action == "fail"  # restart budget
     node = decide(ft=["flashrecovery"], dead=[], **{**kw, "lost_nodes": [1], "lost_ranks": [2, 3]})
     assert (node.fault, node.action, node.victims) == ("node_loss", "fail", [2, 3])
+
+
+def test_recoveries_go_to_wandb_on_their_own_step_metric():
+    from runner.loggers import recovery_metrics
+
+    summary = {"recoveries": [{"id": 0, "step": 12, "rto_s": 0.2, "detect_s": 0.01, "decide_s": 0.05,
+                               "replace_s": 0.06, "rebuild_s": 0.03, "restore_s": 0.05, "rpo_steps": 0}],
+               "tokens_per_s": 100.0, "steps_per_s": 2.0, "mfu": 0.1, "effective_training_time_ratio": 0.99,
+               "samples_lost": 0, "samples_duplicated": 0}
+    first, totals = recovery_metrics(summary)
+    assert first["recovery/id"] == 0 and first["recovery/rto_s"] == 0.2 and first["recovery/rpo_steps"] == 0
+    assert totals["run/samples_lost"] == 0
