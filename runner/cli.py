@@ -86,6 +86,12 @@ def render_summary(s: dict, run_dir: Path) -> str:
             f"RTO {_fmt(r['rto_s'])} (detect {_fmt(r['detect_s'])}, decide {_fmt(r['decide_s'])}, replace "
             f"{_fmt(r['replace_s'])}, rebuild {_fmt(r['rebuild_s'])}, restore {_fmt(r['restore_s'])}), RPO {r['rpo_steps']} steps"
         )
+    for t in s.get("takeovers", []):
+        lines.append(
+            f"  takeover     worker {t['wid']} also computes ranks {t['extra_ranks']}: step "
+            f"{_fmt(t['step_time_before_s'])} -> {_fmt(t['step_time_after_s'])}, peak RSS "
+            f"{t['peak_rss_before_kib'] / 1024:.0f} -> {t['peak_rss_after_kib'] / 1024:.0f} MiB"
+        )
     lines.append("=" * 72)
     return "\n".join(lines)
 

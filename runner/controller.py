@@ -86,6 +86,7 @@ class Controller:
         self.queue: Queue = Queue()
         self.workers: dict[int, Worker] = {}
         self.assigned: dict[int, int] = {}  # logical rank -> wid
+        self.takeovers: dict[int, int] = {}  # NDB: a failed logical rank -> the wid computing it too
         self.gen = -1
         self.recoveries: list[Recovery] = []
         self.active: Optional[Recovery] = None
@@ -174,16 +175,19 @@ class Controller:
         """Publish the next generation: every ready assigned worker; the rest of the logical ranks pending."""
         self.gen += 1
         members = sorted((w for w in self._live() if w.ready), key=lambda w: w.logical)
+        extra = [sorted(l for l, wid in self.takeovers.items() if wid == w.wid) for w in members]
+        covered = {w.logical for w in members} | set(self.takeovers)
         layout = Layout(
             gen=self.gen, members=[w.wid for w in members], logical=[w.logical for w in members], dp=self.dp,
-            pending=sorted(set(range(self.dp)) - {w.logical for w in members}),
+            pending=sorted(set(range(self.dp)) - covered),
             joiners=[w.wid for w in members if w.role == "joiner"],
             recovery=recovery.id if recovery else -1,
+            extra=extra if any(extra) else [],
         )
         self.store.set(f"gen/{self.gen}", layout.to_json())
         self.store.set("gen", str(self.gen))
         self.events.emit("generation", gen=self.gen, members=layout.members, pending=layout.pending,
-                         recovery=layout.recovery)
+                         recovery=layout.recovery, extra=layout.extra)
         return layout
 
     # -- detection --------------------------------------------------------------------------------
@@ -240,7 +244,12 @@ class Controller:
             if not judging:
                 continue
             if now - w.hb_change > interval * misses:
-                self._kill_hung(w, f"{misses} heartbeats missed ({interval}s interval; last phase {w.hb_phase})")
+                node_beat = self.fleet.node_beats().get(w.node)
+                if node_beat is not None and now - node_beat > 2 * interval:  # its node went silent with it
+                    self.silent_reported.add(w.node)
+                    self._symptom("node_silent", node=w.node, t=time.time())
+                else:
+                    self._kill_hung(w, f"{misses} heartbeats missed ({interval}s interval; last phase {w.hb_phase})")
             elif w.hb_phase == "compute" and now - w.hb_step_change > self.hb.stall_timeout_s:
                 self._kill_hung(w, f"step {w.hb_step} not advancing for {self.hb.stall_timeout_s}s")
 
@@ -315,8 +324,11 @@ class Controller:
             return
         self.decide_at = None
         lost_ranks = [w.logical for w in self._live() if w.node in lost_nodes]
+        dead_ranks = [self.workers[w].logical for w in dead]
+        dead_ranks += [l for l, wid in self.takeovers.items() if wid in dead]  # what the dead had taken over
         decision: Decision = decide(
-            ft=self.ft, cfg=self.cfg, can_restart=self.fleet.can_spawn, dead=[self.workers[w].logical for w in dead], hung=hung, lost_nodes=lost_nodes,
+            ft=self.ft, cfg=self.cfg, can_restart=self.fleet.can_spawn, dead=sorted(dead_ranks), hung=hung,
+            lost_nodes=lost_nodes,
             lost_ranks=lost_ranks, survivors=[w.logical for w in self._live() if w.wid not in dead and w.node not in lost_nodes],
             restarts_left=self._restarts_left(),
         )
@@ -331,12 +343,29 @@ class Controller:
             return
         for wid in dead:
             self.workers[wid].dead = True
+        for node in lost_nodes:
+            for w in self._live():
+                if w.node == node:
+                    w.dead = True
         if decision.action == "restart_rank":
             for lrank in decision.victims:
                 old = self.workers[self.assigned[lrank]]
                 self.restarts += 1
                 self._spawn(lrank, old.node, old.local_rank, role="joiner", first_gen=self.gen + 1)
+        elif decision.action == "takeover":
+            self._assign_takeovers(decision.victims)
         self._after_change()
+
+    def _assign_takeovers(self, failed: list[int]) -> None:
+        """Each failed logical rank goes to a live neighbour (ndb.neighbour), spread over distinct ones."""
+        from runner.recovery.ndb.neighbour import neighbour_of
+
+        live = {w.logical: w.wid for w in self._live() if not w.dead}
+        for lrank in failed:
+            busy = set(self.takeovers.values())
+            free = [l for l in live if live[l] not in busy] or list(live)
+            self.takeovers[lrank] = live[neighbour_of(lrank, free, self.cfg.ft.ndb.neighbour)]
+            self.events.emit("takeover_assigned", logical=lrank, neighbour_wid=self.takeovers[lrank])
 
     def _all_proved_alive(self, since: float) -> bool:
         """Every live worker and agent has beaten since the first symptom (a silent one is caught by the
@@ -346,7 +375,8 @@ class Controller:
 
     def _silent_nodes(self, now: float) -> list[int]:
         limit = self.hb.interval_s * self.hb.misses
-        return [node for node, beat in self.fleet.node_beats().items() if now - beat > limit]
+        silent = {node for node, beat in self.fleet.node_beats().items() if now - beat > limit}
+        return sorted(silent | {s["node"] for s in self.active.symptoms if s["kind"] == "node_silent"})
 
     def _after_change(self) -> None:
         """Publish survivors-only or complete generations as replacements become ready."""
@@ -368,8 +398,9 @@ class Controller:
         return limit - self.restarts
 
     def _all_done(self) -> bool:
-        live = self._live()
-        return self.active is None and len(live) == self.dp and all(w.done for w in live)
+        live = [w for w in self._live() if not w.dead]
+        covered = {w.logical for w in live} | set(self.takeovers)
+        return self.active is None and len(covered) == self.dp and all(w.done for w in live)
 
     # -- the end ------------------------------------------------------------------------------------
     def _fail(self, reason: str) -> None:

@@ -2,8 +2,9 @@
 
 A pure function of what the controller observed, so the tree is unit-tested without processes:
 transient error -> retry in a rebuilt group, nobody restarts; process crash or hang -> restart
-that process in place (FlashRecovery), state from a surviving replica; node loss -> needs a spare
-or another strategy; anything the mix cannot handle -> fail with the reason.
+that process in place (FlashRecovery), state from a surviving replica, or without FlashRecovery let
+a neighbour take over its micro-batch (NDB); node loss -> NDB takeover, or fail until DeadPool's
+spares exist; anything the mix cannot handle -> fail with the reason.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Decision:
     fault: str  # transient | process_crash | hang | node_loss
-    action: str  # retry | restart_rank | fail
+    action: str  # retry | restart_rank | takeover | fail
     victims: list[int] = field(default_factory=list)  # logical ranks
     reason: str = ""
 
@@ -23,12 +24,18 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
            survivors: list[int], restarts_left: int) -> Decision:
     if lost_nodes:
         victims = sorted(set(lost_ranks) | set(dead))
+        if "ndb" in ft and survivors:
+            return Decision("node_loss", "takeover", victims, f"node(s) {lost_nodes} lost with logical ranks "
+                            f"{victims} and no spare: live neighbours take over their micro-batches (NDB)")
         return Decision("node_loss", "fail", victims,
                         f"node(s) {lost_nodes} lost with logical ranks {victims}; a process restart in place needs "
                         "the node, and no strategy in ft handles node loss: add hot spares (parallel.spares with "
                         "ft=deadpool) or a takeover strategy (ft=ndb)")
     if dead:
         fault = "hang" if hung else "process_crash"
+        if "flashrecovery" not in ft and "ndb" in ft and survivors:
+            return Decision(fault, "takeover", dead, f"{fault} of logical rank(s) {dead}: live neighbours take "
+                            "over their micro-batches (NDB); nobody restarts")
         if "flashrecovery" not in ft:
             return Decision(fault, "fail", dead, f"logical rank(s) {dead} failed ({fault}) and ft={ft or '[]'} has no "
                             "strategy for it; add ft=flashrecovery to restart the failed rank in place")

@@ -34,6 +34,14 @@ class Layout:
     pending: list[int] = field(default_factory=list)  # logical ranks nobody computes yet (survivors-only stage)
     joiners: list[int] = field(default_factory=list)  # worker ids that need state from a replica
     recovery: int = -1  # id of the recovery this generation belongs to (-1: start-up)
+    extra: list[list[int]] = field(default_factory=list)  # NDB: logical ranks member i computes besides its own
+
+    def extra_of(self, wid: int) -> list[int]:
+        return self.extra[self.pg_rank(wid)] if self.extra else []
+
+    @property
+    def takeovers(self) -> int:
+        return sum(len(e) for e in self.extra)
 
     @property
     def complete(self) -> bool:

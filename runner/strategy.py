@@ -42,6 +42,7 @@ class ResilientStrategy(ParallelStrategy):
         recover: Callable[["ResilientStrategy", str], None] | None = None,
         on_commit: Callable[[int, Tensor, float], None] | None = None,
         joining: bool = False,
+        ndb=None,
         first_gen: int = 0,
         start_timeout_s: float = 120.0,
     ) -> None:
@@ -61,6 +62,10 @@ class ResilientStrategy(ParallelStrategy):
         self._recover_hook = recover
         self._on_commit = on_commit
         self.joining = joining  # a replacement: Lightning's setup collectives stay local until it is in sync
+        self.ndb = ndb  # NDBRuntime when ft has ndb: this process may compute failed ranks' micro-batches too
+        self._source = None  # the step-indexed batch source, for taken-over micro-batches
+        self._extra_done: dict[int, tuple[float, list[int]]] = {}  # this step: taken-over rank -> (loss, sample)
+        self._t_batch = 0.0
         self.first_gen = first_gen  # the first generation this worker may belong to
         self.start_timeout_s = start_timeout_s
         self._skip_update = False
@@ -129,6 +134,8 @@ class ResilientStrategy(ParallelStrategy):
         torch.manual_seed(derive_seed(self.seed, step, self.logical_rank, 1))
         batch = args[0] if args else kwargs.get("batch")
         self._batch_sample = batch.get("sample") if isinstance(batch, dict) else None
+        self._extra_done = {}
+        self._t_batch = time.perf_counter()
         self.status.phase = "compute"
         out = super().training_step(*args, **kwargs)
         loss = out["loss"] if isinstance(out, dict) else out
@@ -149,6 +156,7 @@ class ResilientStrategy(ParallelStrategy):
         step = trainer.global_step
         t0 = time.perf_counter()
         while True:
+            self._take_over(step)
             self.status.phase = "reduce"
             try:
                 flats, extras = self._flatten(step)
@@ -164,10 +172,19 @@ class ResilientStrategy(ParallelStrategy):
                     return  # a lagging survivor received the committed state of this step
         self.joining = False
         self._unflatten(flats)
+        if self.ndb is not None:
+            self.ndb.record_step(time.perf_counter() - self._t_batch, taking_over=bool(self._extra_done))
         self.status.step = step + 1
         self.status.phase = "compute"
         if self._on_commit is not None:
             self._on_commit(step, extras, time.perf_counter() - t0)
+
+    def _take_over(self, step: int) -> None:
+        """NDB: add the micro-batches of the failed ranks this process covers in the current generation."""
+        for lrank in self.comm.layout.extra_of(self.comm.wid):
+            if lrank not in self._extra_done:
+                self.status.phase = "takeover"
+                self._extra_done[lrank] = self.ndb.backward(self._source, step, lrank, self.root_device)
 
     def _flatten(self, step: int) -> tuple[list[Tensor], Tensor]:
         """Copy local gradients into the buckets (local .grad stays intact for a retry)."""
@@ -191,16 +208,26 @@ class ResilientStrategy(ParallelStrategy):
             sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())
         extras[sample_rank] += 1
         extras[-2] = self._batch_loss if self._batch_loss is not None else float("nan")
+        for loss, (extra_step, extra_rank) in self._extra_done.values():
+            extras[extra_rank] += 1
+            extras[-2] += loss
+            extras[-1] += float(extra_step != step)
         extras[-1] = float(sample_step != step)
         return flats, extras
 
     def _unflatten(self, flats: list[Tensor]) -> None:
+        """Sum -> mean: by dp, or per parameter by the micro-batches that computed it (NDB)."""
+        dp, takeovers = self.dp_size, self.comm.layout.takeovers
+        uniform = self.ndb is None or not takeovers
         for flat, (_, params) in zip(flats, self._buckets):
-            flat.div_(self.dp_size)
+            if uniform:
+                flat.div_(dp)
             offset = 0
             for p in params:
                 n = p.numel()
                 chunk = flat[offset : offset + n].view_as(p)
+                if not uniform:
+                    chunk.div_(self.ndb.divisor(p, dp, takeovers))
                 if p.grad is None:
                     p.grad = chunk.clone()
                 else:
@@ -245,6 +272,7 @@ class ResilientStrategy(ParallelStrategy):
     # -- data: every loader follows the (seed, step, logical rank) contract ---------------------
     def process_dataloader(self, dataloader: object) -> object:
         if isinstance(dataloader, StepLoader):
+            self._source = dataloader.source
             return dataloader
         dataset = getattr(dataloader, "dataset", None)
         if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
@@ -256,6 +284,7 @@ class ResilientStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         collate = getattr(dataloader, "collate_fn", None) or torch.utils.data.default_collate
         source = IndexedDatasetSource(dataset, self.micro_batch, self.dp_size, collate)
+        self._source = source
         return StepLoader(source, lambda: trainer.global_step, lambda: self.logical_rank)
 
     # -- Lightning's own collectives (logging, barriers) ---------------------------------------

@@ -50,6 +50,7 @@ def write_summary(ctl) -> dict:
         "train_s": train_s,
         "param_checksum": checksums[0] if len(checksums) == 1 else None,
         "recoveries": recoveries,
+        "takeovers": [{"wid": wid, **d["takeover"]} for wid, d in done.items() if "takeover" in d],
         **accounting,
     }
     summary["effective_training_time_ratio"] = _ettr(train_s, recoveries)

@@ -32,6 +32,8 @@ from runner.events import EventLog, JsonLines
 from runner.lightning_module import GPTModule, StepDataModule
 from runner.loggers import build_logger
 from runner.model import GPTConfig
+from runner.recovery.ndb.config import NDBConfig
+from runner.recovery.ndb.runtime import NDBRuntime
 from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
 from runner.status import WorkerStatus
 from runner.strategy import PEER_CKPT, ResilientStrategy
@@ -100,9 +102,10 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     # and the controller answers (here: ends the run naming the fault).
     recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s)
     joining = spec.role == "joiner"
+    ndb = NDBRuntime(module.model, NDBConfig(**cfg.ft.ndb), cfg.seed) if "ndb" in cfg.ft else None
     strategy = ResilientStrategy(
         comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
-        recover=recovery, joining=joining, first_gen=spec.first_gen, start_timeout_s=cfg.launcher.start_timeout_s,
+        recover=recovery, joining=joining, ndb=ndb, first_gen=spec.first_gen, start_timeout_s=cfg.launcher.start_timeout_s,
     )
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, strategy,
                             tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
@@ -174,8 +177,11 @@ def build_module_and_data(cfg: DictConfig, micro_batch: int):
 
 
 def _final_record(trainer, module, strategy) -> dict:
-    return {"global_step": trainer.global_step, "checksum": param_checksum(module),
-            "logical_rank": strategy.logical_rank, "t": time.time()}
+    record = {"global_step": trainer.global_step, "checksum": param_checksum(module),
+              "logical_rank": strategy.logical_rank, "t": time.time()}
+    if strategy.ndb is not None and strategy.ndb.step_times[True]:
+        record["takeover"] = {"extra_ranks": strategy.comm.layout.extra_of(strategy.comm.wid), **strategy.ndb.stats()}
+    return record
 
 
 def _threads(cfg: DictConfig, ranks: int) -> int:

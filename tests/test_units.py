@@ -76,3 +76,12 @@ def test_recoveries_go_to_wandb_on_their_own_step_metric():
     first, totals = recovery_metrics(summary)
     assert first["recovery/id"] == 0 and first["recovery/rto_s"] == 0.2 and first["recovery/rpo_steps"] == 0
     assert totals["run/samples_lost"] == 0
+
+
+def test_decision_tree_with_ndb():
+    kw = dict(cfg=CFG, hung=False, lost_ranks=[], survivors=[0, 1, 3], restarts_left=2)
+    crash = decide(ft=["ndb"], dead=[2], lost_nodes=[], **kw)
+    assert (crash.action, crash.victims) == ("takeover", [2])
+    assert decide(ft=["flashrecovery", "ndb"], dead=[2], lost_nodes=[], **kw).action == "restart_rank"
+    node = decide(ft=["flashrecovery", "ndb"], dead=[], lost_nodes=[1], **{**kw, "lost_ranks": [2, 3]})
+    assert (node.fault, node.action, node.victims) == ("node_loss", "takeover", [2, 3])

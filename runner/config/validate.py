@@ -126,6 +126,9 @@ def _ft_problems(cfg: DictConfig, for_training: bool) -> list[str]:
             OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FT_SCHEMAS[name]), cfg.ft[name]))
         except (OmegaConfBaseException, ValueError) as err:
             out.append(f"ft.{name}: {str(err).splitlines()[0].rstrip('.')}; see conf/ft/{name}.yaml for the valid keys.")
+        if name == "ndb" and cfg.model._target_:
+            out.append("ft=ndb approximates the built-in GPT's attention and FFN branches; it cannot drive "
+                       f"model._target_={cfg.model._target_}: use ft=flashrecovery for your own module.")
         if for_training and name not in IMPLEMENTED:
             out.append(
                 f"ft={name} is not available in this version yet (available: {', '.join(IMPLEMENTED)}, or ft=[] for none)."

@@ -1,0 +1,57 @@
+"""NDB inside a training step: the neighbour's extra micro-batches and how their gradients average.
+
+The strategy asks ``backward`` for each logical rank this process has taken over (the batch comes
+from the same step-indexed source, so it is exactly the batch the failed rank would have used),
+then divides every summed gradient by ``divisor``: attention-branch parameters only count the
+micro-batches that computed them when the skip-connection is on.
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+from runner.data import BatchSource, derive_seed
+from runner.recovery.ndb.config import NDBConfig
+from runner.recovery.ndb.params import attention_param_names
+from runner.recovery.ndb.takeover import TakeoverForward
+
+
+class NDBRuntime:
+    def __init__(self, gpt: torch.nn.Module, cfg: NDBConfig, seed: int) -> None:
+        self.cfg, self.seed = cfg, seed
+        self.forward = TakeoverForward(gpt, cfg)
+        names = attention_param_names(gpt)
+        self.attention = {id(p) for n, p in gpt.named_parameters() if n in names}
+        self.step_times: dict[bool, list[float]] = {False: [], True: []}
+        self.rss_before_kib: int | None = None
+
+    def backward(self, source: BatchSource, step: int, logical_rank: int, device: torch.device) -> tuple[float, list[int]]:
+        """Accumulate the taken-over micro-batch's (approximate) gradients; returns its loss and sample id."""
+        if self.rss_before_kib is None:
+            self.rss_before_kib = _max_rss_kib()
+        batch = source.batch(step, logical_rank)
+        torch.manual_seed(derive_seed(self.seed, step, logical_rank, 1))
+        loss = self.forward(batch["idx"].to(device), batch["targets"].to(device), step)
+        loss.backward()
+        return float(loss.detach()), batch["sample"].tolist()
+
+    def divisor(self, param: torch.Tensor, dp: int, takeovers: int) -> int:
+        if takeovers and self.cfg.attention_skipped and id(param) in self.attention:
+            return dp - takeovers
+        return dp
+
+    def record_step(self, seconds: float, taking_over: bool) -> None:
+        self.step_times[taking_over].append(seconds)
+
+    def stats(self) -> dict:
+        """The neighbour's step time and peak memory before and after it took over."""
+        mean = lambda xs: sum(xs[1:]) / (len(xs) - 1) if len(xs) > 1 else None  # first step: warm-up or recovery
+        return {"step_time_before_s": mean(self.step_times[False]), "step_time_after_s": mean(self.step_times[True]),
+                "peak_rss_before_kib": self.rss_before_kib, "peak_rss_after_kib": _max_rss_kib(),
+                "steps_taken_over": len(self.step_times[True])}
+
+
+def _max_rss_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -1,0 +1,56 @@
+"""NDB on real processes: a neighbour takes over a killed rank's micro-batch; nobody restarts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_cli
+
+FOUR = ["+recipe=gpt_tiny", "trainer.max_steps=40"]
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    run = run_cli(*FOUR, "parallel.nodes=4", "parallel.procs_per_node=1", "ft=[ndb]",
+                  run_dir=tmp_path_factory.mktemp("ff") / "run")
+    assert run.summary["status"] == "completed"
+    return run.summary
+
+
+def assert_takeover_run(run, fault_free, victims):
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert len(run.events("worker_started")) == 4  # no process restarted
+    assert s["global_step"] == fault_free["global_step"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert s["samples_committed"] == fault_free["samples_committed"]  # the global batch is unchanged
+    assert all(m["counts"] == [1, 1, 1, 1] for m in run.metrics())
+    rec = s["recoveries"][0]
+    assert rec["action"] == "takeover" and rec["victims"] == victims and rec["rpo_steps"] == 0
+    drift = abs(s["final_loss"] - fault_free["final_loss"]) / fault_free["final_loss"]
+    print(f"final loss {s['final_loss']:.4f} vs fault-free {fault_free['final_loss']:.4f}: {100 * drift:.2f}%")
+    assert drift < 0.01
+    return s
+
+
+def test_kill_rank_neighbour_does_both(fault_free, run_dir):
+    run = run_cli(*FOUR, "parallel.nodes=4", "parallel.procs_per_node=1", "ft=[ndb]", "fault=kill_rank",
+                  "fault.rank=2", "fault.step=15", run_dir=run_dir)
+    s = assert_takeover_run(run, fault_free, victims=[2])
+    (takeover,) = s["takeovers"]
+    assert takeover["extra_ranks"] == [2] and takeover["steps_taken_over"] == 40 - 15
+    assert takeover["step_time_after_s"] > 0 and takeover["peak_rss_after_kib"] >= takeover["peak_rss_before_kib"]
+
+
+def test_node_loss_is_spread_over_distinct_neighbours(fault_free, run_dir):
+    run = run_cli(*FOUR, "parallel.nodes=2", "parallel.procs_per_node=2", "ft=[ndb]", "fault=kill_node",
+                  "fault.node=1", "fault.step=10", run_dir=run_dir)
+    s = assert_takeover_run(run, fault_free, victims=[2, 3])
+    assert s["recoveries"][0]["fault"] == "node_loss"
+    assert sorted(t["extra_ranks"] for t in s["takeovers"]) == [[2], [3]]
+
+
+def test_ndb_refuses_a_module_it_cannot_approximate(run_dir):
+    run = run_cli("+recipe=gpt_tiny", "ft=[ndb]", "model._target_=lightning.pytorch.demos.boring_classes.BoringModel",
+                  run_dir=run_dir, timeout=60)
+    assert run.returncode == 2 and "ft=ndb" in run.output
