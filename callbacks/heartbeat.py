@@ -1,6 +1,7 @@
 """Worker heartbeats, sent from a daemon thread so the training step never waits for them.
 
-Payload: sequence number, step, phase and RSS. The controller declares a worker dead after
+Payload: sequence number, step, phase and RSS. The thread also reads the newest generation number,
+so a planned change (a repaired rank rejoining) is noticed at the next step at no cost to it. The controller declares a worker dead after
 ``misses`` silent intervals (SIGSTOP, a wedged process) and hung when the step stops advancing
 while heartbeats still arrive. If the store itself is gone (the controller died), the worker
 exits: no orphan keeps running.
@@ -55,6 +56,8 @@ class Heartbeat(Callback):
             payload = {"seq": seq, "step": self.status.step, "phase": self.status.phase, "rss": rss_bytes(), "t": time.time()}
             try:
                 store.set(key, json.dumps(payload))
+                if store.check(["gen"]):  # planned membership changes reach the trainer without a per-step cost
+                    self.status.latest_gen = int(store.get("gen"))
                 last_ok = time.monotonic()
             except Exception:
                 if time.monotonic() - last_ok > self.orphan_after_s:

@@ -62,6 +62,7 @@ class Worker:
     role: str
     t_spawn: float
     ready: bool = False
+    synced: bool = False  # holds the model/optimizer state (an initial worker, or a joiner seen training)
     done: bool = False
     dead: bool = False
     killed_for: str = ""  # set when the controller itself killed it (hang)
@@ -87,6 +88,8 @@ class Controller:
         self.workers: dict[int, Worker] = {}
         self.assigned: dict[int, int] = {}  # logical rank -> wid
         self.takeovers: dict[int, int] = {}  # NDB: a failed logical rank -> the wid computing it too
+        self.repairs: list[tuple[float, int]] = []  # NDB: (when, logical rank) to restart and rejoin
+        self.rejoining: dict[int, int] = {}  # NDB: logical rank -> wid of its restarted process
         self.gen = -1
         self.recoveries: list[Recovery] = []
         self.active: Optional[Recovery] = None
@@ -118,7 +121,7 @@ class Controller:
                 node, local = divmod(lrank, self.cfg.parallel.procs_per_node)
                 self._spawn(lrank, node, local, role="initial", first_gen=0)
             for w in self.workers.values():
-                w.ready = True
+                w.ready = w.synced = True
             self._publish()
             self._loop()
         except KeyboardInterrupt:
@@ -147,6 +150,7 @@ class Controller:
                 self._poll_heartbeats()
                 next_hb = now + self.hb.interval_s
             self._poll_ready()
+            self._poll_repairs(now)
             if self.decide_at is not None and now >= self.decide_at:
                 self._decide()
             if self._all_done():
@@ -241,6 +245,7 @@ class Controller:
                 w.hb_seq, w.hb_change = hb["seq"], now
             if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:
                 w.hb_step, w.hb_phase, w.hb_step_change = hb["step"], hb["phase"], now
+            w.synced = w.synced or hb["phase"] in ("compute", "takeover", "reduce")
             if not judging:
                 continue
             if now - w.hb_change > interval * misses:
@@ -329,7 +334,8 @@ class Controller:
         decision: Decision = decide(
             ft=self.ft, cfg=self.cfg, can_restart=self.fleet.can_spawn, dead=sorted(dead_ranks), hung=hung,
             lost_nodes=lost_nodes,
-            lost_ranks=lost_ranks, survivors=[w.logical for w in self._live() if w.wid not in dead and w.node not in lost_nodes],
+            lost_ranks=lost_ranks,
+            survivors=[w.logical for w in self._live() if w.synced and w.wid not in dead and w.node not in lost_nodes],
             restarts_left=self._restarts_left(),
         )
         rec.fault = rec.fault or decision.fault
@@ -356,6 +362,21 @@ class Controller:
             self._assign_takeovers(decision.victims)
         self._after_change()
 
+    def _poll_repairs(self, now: float) -> None:
+        """NDB with ndb.repair_after_s: restart a taken-over rank once 'repaired'; publish when it is ready."""
+        for due, lrank in [r for r in self.repairs if r[0] <= now]:
+            self.repairs.remove((due, lrank))
+            old = self.workers[self.assigned[lrank]]
+            self.rejoining[lrank] = self._spawn(lrank, old.node, old.local_rank, role="joiner",
+                                                first_gen=self.gen + 1).wid
+            self.events.emit("repair_started", logical=lrank, wid=self.rejoining[lrank])
+        for lrank, wid in list(self.rejoining.items()):
+            if self.workers[wid].ready and self.active is None:
+                del self.rejoining[lrank]
+                self.takeovers.pop(lrank, None)
+                self._publish()
+                self.events.emit("rejoined", logical=lrank, wid=wid, gen=self.gen)
+
     def _assign_takeovers(self, failed: list[int]) -> None:
         """Each failed logical rank goes to a live neighbour (ndb.neighbour), spread over distinct ones."""
         from runner.recovery.ndb.neighbour import neighbour_of
@@ -366,6 +387,8 @@ class Controller:
             free = [l for l in live if live[l] not in busy] or list(live)
             self.takeovers[lrank] = live[neighbour_of(lrank, free, self.cfg.ft.ndb.neighbour)]
             self.events.emit("takeover_assigned", logical=lrank, neighbour_wid=self.takeovers[lrank])
+            if self.cfg.ft.ndb.repair_after_s >= 0:
+                self.repairs.append((time.monotonic() + self.cfg.ft.ndb.repair_after_s, lrank))
 
     def _all_proved_alive(self, since: float) -> bool:
         """Every live worker and agent has beaten since the first symptom (a silent one is caught by the
@@ -398,7 +421,7 @@ class Controller:
         return limit - self.restarts
 
     def _all_done(self) -> bool:
-        live = [w for w in self._live() if not w.dead]
+        live = [w for w in self._live() if not w.dead and w.ready]  # a rejoining process still starting is no member
         covered = {w.logical for w in live} | set(self.takeovers)
         return self.active is None and len(covered) == self.dp and all(w.done for w in live)
 

@@ -65,6 +65,7 @@ class ResilientStrategy(ParallelStrategy):
         self.ndb = ndb  # NDBRuntime when ft has ndb: this process may compute failed ranks' micro-batches too
         self._source = None  # the step-indexed batch source, for taken-over micro-batches
         self._extra_done: dict[int, tuple[float, list[int]]] = {}  # this step: taken-over rank -> (loss, sample)
+        self._own_grads: Optional[list] = None  # this step's own gradients, before any taken-over micro-batch
         self._t_batch = 0.0
         self.first_gen = first_gen  # the first generation this worker may belong to
         self.start_timeout_s = start_timeout_s
@@ -135,7 +136,11 @@ class ResilientStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs.get("batch")
         self._batch_sample = batch.get("sample") if isinstance(batch, dict) else None
         self._extra_done = {}
+        self._own_grads = None
         self._t_batch = time.perf_counter()
+        if self.status.latest_gen > self.comm.gen and self._recover_hook is not None and not self.joining:
+            self.status.phase = "recovering"
+            self._recover_hook(self, "planned")  # regroup at the step boundary, before any compute
         self.status.phase = "compute"
         out = super().training_step(*args, **kwargs)
         loss = out["loss"] if isinstance(out, dict) else out
@@ -180,11 +185,25 @@ class ResilientStrategy(ParallelStrategy):
             self._on_commit(step, extras, time.perf_counter() - t0)
 
     def _take_over(self, step: int) -> None:
-        """NDB: add the micro-batches of the failed ranks this process covers in the current generation."""
-        for lrank in self.comm.layout.extra_of(self.comm.wid):
+        """NDB: add the micro-batches of the failed ranks this process covers in the current generation.
+
+        If a regroup mid-step took a rank away again (it rejoined), its contribution is removed by
+        going back to this process's own gradients, kept aside before the first extra micro-batch.
+        """
+        wanted = self.comm.layout.extra_of(self.comm.wid)
+        if set(self._extra_done) - set(wanted):
+            for p, g in zip(self._grad_params(), self._own_grads):
+                p.grad = None if g is None else g.clone()
+            self._extra_done = {}
+        for lrank in wanted:
             if lrank not in self._extra_done:
+                if self._own_grads is None:
+                    self._own_grads = [None if p.grad is None else p.grad.clone() for p in self._grad_params()]
                 self.status.phase = "takeover"
                 self._extra_done[lrank] = self.ndb.backward(self._source, step, lrank, self.root_device)
+
+    def _grad_params(self) -> list[Tensor]:
+        return [p for p in self.lightning_module.parameters() if p.requires_grad]
 
     def _flatten(self, step: int) -> tuple[list[Tensor], Tensor]:
         """Copy local gradients into the buckets (local .grad stays intact for a retry)."""

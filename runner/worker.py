@@ -180,7 +180,7 @@ def _final_record(trainer, module, strategy) -> dict:
     record = {"global_step": trainer.global_step, "checksum": param_checksum(module),
               "logical_rank": strategy.logical_rank, "t": time.time()}
     if strategy.ndb is not None and strategy.ndb.step_times[True]:
-        record["takeover"] = {"extra_ranks": strategy.comm.layout.extra_of(strategy.comm.wid), **strategy.ndb.stats()}
+        record["takeover"] = strategy.ndb.stats()
     return record
 
 

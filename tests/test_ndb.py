@@ -54,3 +54,16 @@ def test_ndb_refuses_a_module_it_cannot_approximate(run_dir):
     run = run_cli("+recipe=gpt_tiny", "ft=[ndb]", "model._target_=lightning.pytorch.demos.boring_classes.BoringModel",
                   run_dir=run_dir, timeout=60)
     assert run.returncode == 2 and "ft=ndb" in run.output
+
+
+def test_a_repaired_rank_rejoins_from_a_peer_and_the_takeover_ends(fault_free, run_dir):
+    run = run_cli(*FOUR, "parallel.nodes=4", "parallel.procs_per_node=1", "ft=[ndb]", "ft.ndb.repair_after_s=0",
+                  "fault=kill_rank", "fault.rank=1", "fault.step=8", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert [e["logical"] for e in run.events("rejoined")] == [1]
+    assert [e["role"] for e in run.events("state_restored")] == ["joiner"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_committed"]) == (0, 0, fault_free["samples_committed"])
+    assert s["param_checksum"]  # every replica, the rejoined one included, ends bit-identical
+    (takeover,) = s["takeovers"]
+    assert takeover["extra_ranks"] == [1] and 0 < takeover["steps_taken_over"] < 40 - 8

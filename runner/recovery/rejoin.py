@@ -1,7 +1,8 @@
 """Worker side of a recovery: abandon the step, regroup, reconcile, hand state over, retry.
 
-Called by the strategy when a collective fails (healthy ranks never restart) and by a
-replacement process when it restores (``reason == "join"``). The loop runs until this worker is
+Called by the strategy when a collective fails (healthy ranks never restart), at a step boundary
+when the controller published a planned generation (``reason == "planned"``: a repaired rank
+rejoining), and by a replacement process when it restores (``reason == "join"``). The loop runs until this worker is
 in a complete generation whose members all hold the same committed state:
 
 1. abort the broken group (peers' pending collectives fail at once) and report the symptom;
@@ -38,7 +39,9 @@ class ReplicaRecovery:
     def __call__(self, strategy, reason: str) -> Optional[dict]:
         joining = reason == "join"
         need_new_group = not joining
-        if not joining:
+        if reason == "planned":  # the controller published a new generation; nothing failed
+            self.comm.abort()
+        elif not joining:
             self._abandon(strategy, reason)
             self.on_start()
         while True:
@@ -71,7 +74,8 @@ class ReplicaRecovery:
         table = [t.tolist() for t in self.comm.allgather(mine)]
         holders = [(c, r) for r, (c, j) in enumerate(table) if not j]
         if not holders:
-            raise RunFailedError("no surviving data-parallel replica holds the model and optimizer state")
+            raise RunFailedError(f"every data-parallel replica of the model and optimizer state was lost: no member of "
+                                 f"generation {self.comm.gen} holds it")
         newest = max(c for c, _ in holders)
         source = min(r for c, r in holders if c == newest)
         receivers = [r for r, (c, j) in enumerate(table) if j or c < newest]

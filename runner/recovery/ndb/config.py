@@ -25,6 +25,7 @@ class NDBConfig:
     dynamic_rank: bool = False
     base_rank: int | None = None
     exact_reference: bool = False
+    repair_after_s: float = -1.0
 
     def __post_init__(self) -> None:
         if self.neighbour not in NEIGHBOUR_POLICIES:
@@ -37,6 +38,8 @@ class NDBConfig:
             raise ValueError(f"ndb.svd_every={self.svd_every} must be >= 1 (steps between SVDs).")
         if self.warmup_steps < 0:
             raise ValueError(f"ndb.warmup_steps={self.warmup_steps} must be >= 0.")
+        if self.repair_after_s < 0 and self.repair_after_s != -1.0:
+            raise ValueError(f"ndb.repair_after_s={self.repair_after_s}: use -1 (never) or >= 0 seconds.")
         if self.base_rank is not None and self.base_rank < 1:
             raise ValueError(
                 f"ndb.base_rank={self.base_rank} must be >= 1, or null to use rank_ratio."
