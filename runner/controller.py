@@ -90,6 +90,7 @@ class Controller:
         self.takeovers: dict[int, int] = {}  # NDB: a failed logical rank -> the wid computing it too
         self.repairs: list[tuple[float, int]] = []  # NDB: (when, logical rank) to restart and rejoin
         self.rejoining: dict[int, int] = {}  # NDB: logical rank -> wid of its restarted process
+        self.spares: list[int] = []  # DeadPool: started, warm, not yet given a logical rank
         self.gen = -1
         self.recoveries: list[Recovery] = []
         self.active: Optional[Recovery] = None
@@ -112,7 +113,9 @@ class Controller:
                                   timeout=timedelta(seconds=self.cfg.launcher.start_timeout_s))
             self.port = self.store.port
         if self.fleet is None:
-            self.fleet = LocalFleet(self.cfg.parallel.nodes, self.queue, self.hb.interval_s, FORKSERVER_PRELOAD)
+            spare_nodes = -(-self.cfg.parallel.spares // self.cfg.parallel.procs_per_node)
+            self.fleet = LocalFleet(self.cfg.parallel.nodes + spare_nodes, self.queue, self.hb.interval_s,
+                                    FORKSERVER_PRELOAD)
         self.cfg_dict = OmegaConf.to_container(self.cfg, resolve=True)
         self.events.emit("run_start", world_size=self.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
                          recipe=self.cfg.recipe_name, store_port=self.port)
@@ -122,6 +125,9 @@ class Controller:
                 self._spawn(lrank, node, local, role="initial", first_gen=0)
             for w in self.workers.values():
                 w.ready = w.synced = True
+            for i in range(self.cfg.parallel.spares):  # hot spares live on nodes of their own
+                node, local = divmod(i, self.cfg.parallel.procs_per_node)
+                self.spares.append(self._spawn(-1, self.cfg.parallel.nodes + node, local, role="spare", first_gen=0).wid)
             self._publish()
             self._loop()
         except KeyboardInterrupt:
@@ -155,6 +161,7 @@ class Controller:
                 self._decide()
             if self._all_done():
                 self.status = "completed"
+                self.store.set("abort", "the run completed")  # releases spares still waiting for a rank
             elif now > deadline:
                 self._fail(f"the run exceeded launcher.run_timeout_s={self.cfg.launcher.run_timeout_s:.0f}s")
 
@@ -168,7 +175,8 @@ class Controller:
         self.fleet.spawn(main, (spec, self.cfg_dict), wid, node)
         worker = Worker(wid, node, local, lrank, role, t_spawn=time.monotonic())
         self.workers[wid] = worker
-        self.assigned[lrank] = wid
+        if lrank >= 0:
+            self.assigned[lrank] = wid
         return worker
 
     def _live(self) -> list[Worker]:
@@ -202,6 +210,11 @@ class Controller:
             w = self.workers[wid]
             if w.dead or (code == 0 and self.store.check([f"done/{wid}"])):
                 return  # already handled, or a normal end
+            if wid in self.spares:
+                self.spares.remove(wid)
+                w.dead = True
+                self.events.emit("spare_lost", wid=wid, code=code, spares_left=len(self.spares))
+                return
             self._symptom("exit", wid=wid, code=code, t=t)
 
     def _poll_reports(self) -> None:
@@ -264,6 +277,14 @@ class Controller:
         w.killed_for = why
         self._symptom("hang", wid=w.wid, why=why, t=time.time())
         self.fleet.signal(w.wid, w.node, signal.SIGKILL)
+
+    def _ready_spares(self) -> list[int]:
+        return [wid for wid in self.spares if self.workers[wid].node not in self._silent_nodes_now()
+                and self.store.check([f"ready/{wid}"])]
+
+    def _silent_nodes_now(self) -> set[int]:
+        limit = self.hb.interval_s * self.hb.misses
+        return {node for node, beat in self.fleet.node_beats().items() if time.monotonic() - beat > limit}
 
     def _poll_ready(self) -> None:
         changed = False
@@ -336,7 +357,7 @@ class Controller:
             lost_nodes=lost_nodes,
             lost_ranks=lost_ranks,
             survivors=[w.logical for w in self._live() if w.synced and w.wid not in dead and w.node not in lost_nodes],
-            restarts_left=self._restarts_left(),
+            restarts_left=self._restarts_left(), spares=len(self._ready_spares()),
         )
         rec.fault = rec.fault or decision.fault
         rec.victims = sorted(set(rec.victims) | set(decision.victims))
@@ -360,7 +381,20 @@ class Controller:
                 self._spawn(lrank, old.node, old.local_rank, role="joiner", first_gen=self.gen + 1)
         elif decision.action == "takeover":
             self._assign_takeovers(decision.victims)
+        elif decision.action == "swap_spare":
+            self._swap_in_spares(decision.victims)
         self._after_change()
+
+    def _swap_in_spares(self, failed: list[int]) -> None:
+        """DeadPool: warm spares take the failed logical ranks; they get state from a replica as joiners."""
+        ready = self._ready_spares()
+        for lrank in failed:
+            wid = ready.pop(0)
+            self.spares.remove(wid)
+            spare = self.workers[wid]
+            spare.logical, spare.role, spare.ready = lrank, "joiner", True  # warm: it joins this generation
+            self.assigned[lrank] = wid
+            self.events.emit("spare_assigned", logical=lrank, wid=wid, node=spare.node, spares_left=len(self.spares))
 
     def _poll_repairs(self, now: float) -> None:
         """NDB with ndb.repair_after_s: restart a taken-over rank once 'repaired'; publish when it is ready."""
@@ -417,8 +451,8 @@ class Controller:
         return sorted(w for w in dead if not self.workers[w].dead)
 
     def _restarts_left(self) -> int:
-        limit = self.cfg.ft.flashrecovery.max_restarts if "flashrecovery" in self.ft else 0
-        return limit - self.restarts
+        owner = next((n for n in ("flashrecovery", "deadpool") if n in self.ft), None)
+        return (self.cfg.ft[owner].max_restarts if owner else 0) - self.restarts
 
     def _all_done(self) -> bool:
         live = [w for w in self._live() if not w.dead and w.ready]  # a rejoining process still starting is no member

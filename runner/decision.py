@@ -15,24 +15,38 @@ from dataclasses import dataclass, field
 @dataclass
 class Decision:
     fault: str  # transient | process_crash | hang | node_loss
-    action: str  # retry | restart_rank | takeover | fail
+    action: str  # retry | restart_rank | swap_spare | takeover | fail
     victims: list[int] = field(default_factory=list)  # logical ranks
     reason: str = ""
 
 
-def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hung: bool, lost_nodes: list[int], lost_ranks: list[int],
-           survivors: list[int], restarts_left: int) -> Decision:
+def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hung: bool, lost_nodes: list[int],
+           lost_ranks: list[int], survivors: list[int], restarts_left: int, spares: int = 0) -> Decision:
     if lost_nodes:
         victims = sorted(set(lost_ranks) | set(dead))
+        if "deadpool" in ft and survivors and spares >= len(victims):
+            return Decision("node_loss", "swap_spare", victims, f"node(s) {lost_nodes} lost with logical ranks "
+                            f"{victims}: warm spares take their places ({spares} ready)")
         if "ndb" in ft and survivors:
             return Decision("node_loss", "takeover", victims, f"node(s) {lost_nodes} lost with logical ranks "
                             f"{victims} and no spare: live neighbours take over their micro-batches (NDB)")
+        if "deadpool" in ft:
+            return Decision("node_loss", "fail", victims,
+                            f"node(s) {lost_nodes} lost with logical ranks {victims}, but DeadPool has only {spares} "
+                            "ready spare(s) and nothing after it in ft handles node loss: raise parallel.spares or "
+                            "add ft=ndb")
         return Decision("node_loss", "fail", victims,
                         f"node(s) {lost_nodes} lost with logical ranks {victims}; a process restart in place needs "
                         "the node, and no strategy in ft handles node loss: add hot spares (parallel.spares with "
                         "ft=deadpool) or a takeover strategy (ft=ndb)")
     if dead:
         fault = "hang" if hung else "process_crash"
+        if "deadpool" in ft and survivors and cfg.ft.deadpool.crash_action == "swap" and spares >= len(dead):
+            return Decision(fault, "swap_spare", dead, f"{fault} of logical rank(s) {dead}: warm spares take their "
+                            "places (ft.deadpool.crash_action=swap)")
+        if "deadpool" in ft and "flashrecovery" not in ft and survivors and restarts_left >= len(dead):
+            return Decision(fault, "restart_rank", dead, f"{fault} of logical rank(s) {dead} on a healthy node: "
+                            "restart in place (ft.deadpool.crash_action=restart_in_place), state from a replica")
         if "flashrecovery" not in ft and "ndb" in ft and survivors:
             return Decision(fault, "takeover", dead, f"{fault} of logical rank(s) {dead}: live neighbours take "
                             "over their micro-batches (NDB); nobody restarts")
@@ -48,10 +62,10 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
                             "launcher owns the processes, so the job ends here for the launcher to restart it "
                             "(torchrun --max-restarts); run without torchrun/srun for in-place restarts")
         if restarts_left < len(dead):
-            return Decision(fault, "fail", dead, f"restart budget spent (ft.flashrecovery.max_restarts="
-                            f"{cfg.ft.flashrecovery.max_restarts}); raise it if failures are expected this often")
+            return Decision(fault, "fail", dead, "restart budget spent (ft.flashrecovery.max_restarts); raise it "
+                            "if failures are expected this often")
         return Decision(fault, "restart_rank", dead,
                         f"{fault} of logical rank(s) {dead}: restart in place, state from a surviving replica")
-    if "flashrecovery" in ft and cfg.ft.flashrecovery.retry_transient:
+    if ("flashrecovery" in ft and cfg.ft.flashrecovery.retry_transient) or "deadpool" in ft:
         return Decision("transient", "retry", [], "collective error with every process alive: rebuild the group and retry the step")
     return Decision("transient", "fail", [], f"a collective failed and ft={ft or '[]'} does not retry transient errors")

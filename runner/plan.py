@@ -92,7 +92,7 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
         if cfg.trainer.precision != "32-true":
             changes.append(f"precision {cfg.trainer.precision} -> 32-true")
             cfg.trainer.precision = "32-true"
-        for key in ("zero", "spares", "dp_group_size"):
+        for key in ("zero", "dp_group_size"):
             if p[key]:
                 changes.append(f"parallel.{key} {p[key]} -> 0 (not available yet)")
                 p[key] = 0

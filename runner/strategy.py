@@ -102,7 +102,6 @@ class ResilientStrategy(ParallelStrategy):
     # -- set-up: the group of the current generation --------------------------------------------
     def setup_environment(self) -> None:
         super().setup_environment()
-        rank_zero_only.rank = self.status.logical_rank  # Lightning's rank-zero prints follow the logical rank
         self.status.phase = "rendezvous"
         if self.joining:
             self.comm.store.set(f"ready/{self.comm.wid}", str(time.time()))
@@ -116,6 +115,8 @@ class ResilientStrategy(ParallelStrategy):
                 if not self.joining or self._recover_hook is None:
                     raise
                 newer_than = layout.gen
+        self.status.logical_rank = self.comm.logical_rank  # a spare learns its rank here
+        rank_zero_only.rank = self.comm.logical_rank  # Lightning's rank-zero prints follow the logical rank
         self.events.emit("group_formed", gen=layout.gen, members=len(layout.members), joining=self.joining)
 
     def setup(self, trainer: Any) -> None:

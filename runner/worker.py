@@ -101,11 +101,12 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     # Workers never decide a run's fate: even without fault tolerance a failed collective is reported
     # and the controller answers (here: ends the run naming the fault).
     recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s)
-    joining = spec.role == "joiner"
+    joining = spec.role in ("joiner", "spare")  # a spare joins like a replacement once given a rank
     ndb = NDBRuntime(module.model, NDBConfig(**cfg.ft.ndb), cfg.seed) if "ndb" in cfg.ft else None
     strategy = ResilientStrategy(
         comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
-        recover=recovery, joining=joining, ndb=ndb, first_gen=spec.first_gen, start_timeout_s=cfg.launcher.start_timeout_s,
+        recover=recovery, joining=joining, ndb=ndb, first_gen=spec.first_gen,
+        start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
     )
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, strategy,
                             tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,

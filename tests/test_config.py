@@ -55,7 +55,7 @@ def test_recipe_override_of_parallel_group_is_honoured():
         (["fault=kill_node", "fault.node=5"], "fault.node=5"),
         (["fault=kill_rank", "fault.step=500"], "never fire"),
         (["heartbeat.stall_timeout_s=0.01"], "stall_timeout_s"),
-        (["ft=deadpool"], "not available"),
+        (["ft=deadpool"], "parallel.spares=0"),
         (["ft=ndb", "ft.ndb.rank_ratio=3"], "rank_ratio"),
         (["+ft.flashrecovery.bogus=1", "ft=flashrecovery"], "ft.flashrecovery"),
     ],

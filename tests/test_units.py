@@ -85,3 +85,14 @@ def test_decision_tree_with_ndb():
     assert decide(ft=["flashrecovery", "ndb"], dead=[2], lost_nodes=[], **kw).action == "restart_rank"
     node = decide(ft=["flashrecovery", "ndb"], dead=[], lost_nodes=[1], **{**kw, "lost_ranks": [2, 3]})
     assert (node.fault, node.action, node.victims) == ("node_loss", "takeover", [2, 3])
+
+
+def test_decision_tree_with_deadpool():
+    cfg = OmegaConf.create({"ft": {"deadpool": {"crash_action": "restart_in_place", "max_restarts": 3}}})
+    kw = dict(cfg=cfg, hung=False, survivors=[0, 1], restarts_left=3)
+    node = decide(ft=["deadpool"], dead=[], lost_nodes=[1], lost_ranks=[2, 3], spares=2, **kw)
+    assert (node.action, node.victims) == ("swap_spare", [2, 3])
+    assert decide(ft=["deadpool"], dead=[], lost_nodes=[1], lost_ranks=[2, 3], spares=1, **kw).action == "fail"
+    assert decide(ft=["deadpool", "ndb"], dead=[], lost_nodes=[1], lost_ranks=[2, 3], spares=1, **kw).action == "takeover"
+    assert decide(ft=["deadpool"], dead=[2], lost_nodes=[], lost_ranks=[], spares=2, **kw).action == "restart_rank"
+    assert decide(ft=["deadpool"], dead=[], lost_nodes=[], lost_ranks=[], spares=2, **kw).action == "retry"

@@ -20,7 +20,11 @@ class FlashRecoveryConfig:
 @dataclass
 class DeadPoolConfig:
     crash_action: str = "restart_in_place"
-    replicate_every_n_steps: int = 1
+    max_restarts: int = 10
+
+    def __post_init__(self) -> None:
+        if self.crash_action not in ("restart_in_place", "swap"):
+            raise ValueError(f"ft.deadpool.crash_action={self.crash_action!r}: use restart_in_place or swap.")
 
 
 @dataclass
@@ -41,4 +45,4 @@ FT_SCHEMAS = {
 
 # Strategies whose recovery path is built into the runner today; the others compose and validate,
 # and are refused at run time with a clear message until they land.
-IMPLEMENTED = ("flashrecovery", "ndb")
+IMPLEMENTED = ("flashrecovery", "ndb", "deadpool")

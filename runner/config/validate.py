@@ -102,13 +102,18 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
     elif gbs % dp:
         out.append(f"trainer.global_batch_size={gbs} must be divisible by the data-parallel size {dp}.")
     if for_training:
-        unused = [f"parallel.{k}={v}" for k, v, off in (("zero", p.zero, 0), ("spares", p.spares, 0),
-                                                         ("dp_group_size", p.dp_group_size, 0)) if v != off]
+        unused = [f"parallel.{k}={v}" for k, v in (("zero", p.zero), ("dp_group_size", p.dp_group_size)) if v]
         if unused:
             out.append(
-                f"{', '.join(unused)}: ZeRO-1 sharding, hot spares and DP replica groups arrive with the DeadPool and "
-                "NDB strategies and are not available yet; set them to 0 (a recipe's plan may still show them)."
+                f"{', '.join(unused)}: ZeRO-1 sharding and DP replica groups are not available yet; set them to 0 "
+                "(a recipe's plan may still show them)."
             )
+        if "deadpool" in ft_names(cfg) and not p.spares and "ndb" not in ft_names(cfg):
+            out.append("ft=deadpool swaps failed ranks for hot spares, but parallel.spares=0 and nothing after it in "
+                       "ft handles a lost node: set parallel.spares >= 1 (or add ft=ndb).")
+        if p.spares and "deadpool" not in ft_names(cfg):
+            out.append(f"parallel.spares={p.spares} starts hot spares that only DeadPool uses: add ft=deadpool or set "
+                       "parallel.spares=0.")
     if for_training and (p.tp > 1 or p.pp > 1):
         out.append(
             f"Training with tp={p.tp}/pp={p.pp} is not supported yet (only planning is); set parallel.tp=1 parallel.pp=1."
