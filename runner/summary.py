@@ -13,7 +13,8 @@ from pathlib import Path
 from runner import protocol
 from runner.events import read_jsonl
 from runner.loggers import run_name
-from runner.model import GPTConfig, mfu
+from runner.model import mfu
+from runner.plan import gpt_config
 
 
 def write_summary(ctl) -> dict:
@@ -97,9 +98,7 @@ def _train_seconds(metrics: list[dict]) -> float:
 def _mfu(cfg, tokens_per_s: float, ranks: int) -> float:
     if cfg.model._target_ is not None:
         return 0.0
-    m = cfg.model
-    gpt = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.ffn_mult, m.dropout, m.bias)
-    return mfu(gpt, tokens_per_s, cfg.runner.peak_flops_per_rank * ranks)
+    return mfu(gpt_config(cfg), tokens_per_s, cfg.runner.peak_flops_per_rank * ranks)
 
 
 def _ettr(train_s: float, recoveries: list[dict]) -> float:

@@ -31,7 +31,7 @@ from runner.data import MemmapTokens, SyntheticTokens
 from runner.events import EventLog, JsonLines
 from runner.lightning_module import GPTModule, StepDataModule
 from runner.loggers import build_logger
-from runner.model import GPTConfig
+from runner.plan import gpt_config
 from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.ndb.runtime import NDBRuntime
 from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
@@ -161,10 +161,8 @@ def build_module_and_data(cfg: DictConfig, micro_batch: int):
     if cfg.model._target_:
         module = instantiate({"_target_": cfg.model._target_, **cfg.model.kwargs})
     else:
-        m = cfg.model
-        gpt_cfg = GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.ffn_mult, m.dropout, m.bias)
         t = cfg.trainer
-        module = GPTModule(gpt_cfg, t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.weight_decay, tuple(t.betas))
+        module = GPTModule(gpt_config(cfg), t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.weight_decay, tuple(t.betas))
     if cfg.data._target_:
         return module, instantiate({"_target_": cfg.data._target_, **cfg.data.kwargs})
     if cfg.model._target_:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -38,29 +39,33 @@ class Run:
         return [json.loads(x) for x in (self.dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def _forkservers() -> set[int]:
+def _processes_of(token: str) -> set[int]:
+    """Every process (controller, fork server, workers) started for one run, found by its environment."""
     out = set()
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "multiprocessing.forkserver" in cmd:
-            out.add(p.info["pid"])
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("RR_TEST_TOKEN") == token:
+                out.add(p.info["pid"])
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
     return out
 
 
 def run_cli(*overrides: str, run_dir: Path, timeout: float = 240, quiet: bool = True, cwd: Path = ROOT) -> Run:
     """``python -m runner`` with overrides; asserts afterwards that no process or port is left behind."""
-    before = _forkservers()
+    token = uuid.uuid4().hex
     args = [sys.executable, "-m", "runner", *overrides, f"hydra.run.dir={run_dir}", *(QUIET if quiet else [])]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "RR_TEST_TOKEN": token}
     proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     run = Run(proc, Path(run_dir))
-    assert_nothing_left(before, run)
+    assert_nothing_left(token, run)
     return run
 
 
-def assert_nothing_left(before: set[int], run: Run) -> None:
+def assert_nothing_left(token: str, run: Run) -> None:
     deadline = time.monotonic() + 10
-    while (left := _forkservers() - before) and time.monotonic() < deadline:
+    while (left := _processes_of(token)) and time.monotonic() < deadline:
         time.sleep(0.1)  # the fork server exits when it sees its parent gone
     assert not left, f"processes left behind: {left}"
     if (run.dir / "events.jsonl").exists():
