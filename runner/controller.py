@@ -93,6 +93,7 @@ class Controller:
         self.spares: list[int] = []  # DeadPool: started, warm, not yet given a logical rank
         self.gen = -1
         self.recoveries: list[Recovery] = []
+        self._recovery_ids = 0
         self.active: Optional[Recovery] = None
         self.decide_at: Optional[float] = None
         self.restarts = 0
@@ -305,7 +306,8 @@ class Controller:
             return
         now = time.time()
         if self.active is None:
-            self.active = Recovery(id=len(self.recoveries), t_detect=now, t_detect_mono=time.monotonic())
+            self.active = Recovery(id=self._recovery_ids, t_detect=now, t_detect_mono=time.monotonic())
+            self._recovery_ids += 1
             self.recoveries.append(self.active)
             self.events.emit("fault_detected", recovery=self.active.id, symptom=kind, **_short(details))
         self.active.symptoms.append({"kind": kind, **details})
@@ -349,7 +351,17 @@ class Controller:
             self.decide_at = now + min(self.hb.interval_s, 0.05)  # a transient needs proof of life from everyone
             return
         self.decide_at = None
+        self.silent_reported |= set(lost_nodes)  # handled now: their silence is no new symptom later
+        for wid in [w for w in self.spares if self.workers[w].node in lost_nodes]:
+            self.spares.remove(wid)
+            self.workers[wid].dead = True
+            self.events.emit("spare_lost", wid=wid, node=self.workers[wid].node, spares_left=len(self.spares))
         lost_ranks = [w.logical for w in self._live() if w.node in lost_nodes]
+        if not dead and not lost_ranks and not hung and lost_nodes:
+            self.events.emit("recovery_not_needed", recovery=rec.id, reason=f"node(s) {lost_nodes} held no rank")
+            self.recoveries.remove(rec)
+            self.active = None
+            return
         dead_ranks = [self.workers[w].logical for w in dead]
         dead_ranks += [l for l, wid in self.takeovers.items() if wid in dead]  # what the dead had taken over
         decision: Decision = decide(

@@ -141,3 +141,12 @@ def test_under_torchrun_a_transient_error_is_retried_in_place(tmp_path):
     summary = json.loads((tmp_path / "tr" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["samples_lost"] == 0
     assert [r["action"] for r in summary["recoveries"]] == ["retry"]
+
+
+def test_a_user_datamodule_plugs_in_through_the_config(run_dir):
+    run = run_cli("+recipe=gpt_tiny", "model._target_=lightning.pytorch.demos.boring_classes.BoringModel",
+                  "data._target_=lightning.pytorch.demos.boring_classes.BoringDataModule", "trainer.max_steps=6",
+                  run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-3000:]
+    assert s["global_step"] == 6 and s["samples_lost"] == 0 and s["param_checksum"]
