@@ -56,8 +56,8 @@ class Heartbeat(Callback):
             payload = {"seq": seq, "step": self.status.step, "phase": self.status.phase, "rss": rss_bytes(), "t": time.time()}
             try:
                 store.set(key, json.dumps(payload))
-                if store.check(["gen"]):  # planned membership changes reach the trainer without a per-step cost
-                    self.status.latest_gen = int(store.get("gen"))
+                if self.status.latest_gen >= 0 or store.check(["gen"]):  # planned membership changes reach
+                    self.status.latest_gen = int(store.get("gen"))  # the trainer without a per-step cost
                 last_ok = time.monotonic()
             except Exception:
                 if time.monotonic() - last_ok > self.orphan_after_s:

@@ -94,6 +94,7 @@ class Controller:
         self.gen = -1
         self.recoveries: list[Recovery] = []
         self._recovery_ids = 0
+        self._done_seen = 0
         self.active: Optional[Recovery] = None
         self.decide_at: Optional[float] = None
         self.restarts = 0
@@ -246,15 +247,17 @@ class Controller:
             if judging and node not in self.silent_reported and now - last_beat > interval * misses:
                 self.silent_reported.add(node)
                 self._symptom("node_silent", node=node, t=time.time())
+        beating = []
         for w in self._live():
             if w.done or w.node in self.silent_reported:
                 continue
-            key = f"hb/{w.wid}"
-            if not self.store.check([key]):
-                if now - w.t_spawn > self.cfg.launcher.start_timeout_s:
-                    self._kill_hung(w, f"no heartbeat within launcher.start_timeout_s={self.cfg.launcher.start_timeout_s}")
-                continue
-            hb = json.loads(self.store.get(key))
+            if w.hb_seq >= 0 or self.store.check([f"hb/{w.wid}"]):
+                beating.append(w)
+            elif now - w.t_spawn > self.cfg.launcher.start_timeout_s:
+                self._kill_hung(w, f"no heartbeat within launcher.start_timeout_s={self.cfg.launcher.start_timeout_s}")
+        payloads = self.store.multi_get([f"hb/{w.wid}" for w in beating]) if beating else []
+        for w, raw in zip(beating, payloads):  # one round trip for every beating worker
+            hb = json.loads(raw)
             if hb["seq"] != w.hb_seq:
                 w.hb_seq, w.hb_change = hb["seq"], now
             if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:
@@ -297,9 +300,12 @@ class Controller:
                                  startup_s=time.monotonic() - w.t_spawn)
         if changed and self.active is not None and self.decide_at is None:
             self._after_change()
-        for w in self._live():
-            if not w.done and self.store.check([f"done/{w.wid}"]):
-                w.done = True
+        done_count = self.store.add("done_count", 0)
+        if done_count != self._done_seen:  # only then look at the individual keys
+            self._done_seen = done_count
+            for w in self._live():
+                if not w.done and self.store.check([f"done/{w.wid}"]):
+                    w.done = True
 
     def _symptom(self, kind: str, **details) -> None:
         if self.status != "running":

@@ -10,7 +10,7 @@ Keys (all under the job's store, or a namespace of it under torchrun):
   fault/claim/<i>     counter that makes fault i fire once per job
   fault/hit/<i>       fault i's victim reached its trigger point (JSON)
   fault/released/<i>  the controller carried fault i out
-  done/<wid>          a worker finished training (JSON: step, checksum, logical rank)
+  done/<wid>          a worker finished training (JSON: step, checksum, logical rank); counter done_count
   abort               the run is over (controller to all): the reason
 """
 

@@ -138,6 +138,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     status.phase = "done"
     final = _final_record(trainer, module, strategy)
     protocol.set_json(store, f"done/{spec.wid}", final)
+    store.add("done_count", 1)  # one counter for the controller to watch instead of a key per worker
     events.emit("worker_done", wid=spec.wid, **{k: v for k, v in final.items() if k != "checksum"})
     heartbeat.stop()
 
