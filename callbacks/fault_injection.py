@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from runner import protocol
 
-RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank")
+RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip")
 
 
 class FaultTrigger(Callback):
@@ -30,7 +31,7 @@ class FaultTrigger(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
         for i, fault in self.faults:
-            if not self._targets_me(fault) or fault.during != "step":
+            if not self._targets_me(fault) or fault.during != "step" or fault.kind == "bitflip":
                 continue
             if fault.kind == "slow_rank":
                 if step >= max(fault.step, 0):
@@ -39,6 +40,18 @@ class FaultTrigger(Callback):
             if not self._due(fault, step) or self.comm.store.add(f"fault/claim/{i}", 1) != 1:
                 continue
             self._fire(i, fault, step)
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        """bitflip: flip the top exponent bit of one gradient element on the victim, once per job."""
+        step = trainer.global_step
+        for i, fault in self.faults:
+            if fault.kind != "bitflip" or not self._targets_me(fault) or not self._due(fault, step):
+                continue
+            if self.comm.store.add(f"fault/claim/{i}", 1) != 1:
+                continue
+            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None and p.grad.dtype == torch.float32)
+            grad.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 30)
+            self.events.emit("fault_injected", fault=fault.kind, index=i, victims=[self.comm.logical_rank])
 
     def on_recovery_start(self) -> None:
         """Called by the worker's recovery loop: faults with ``during: recovery`` fire here."""

@@ -43,6 +43,7 @@ class ResilientStrategy(ParallelStrategy):
         on_commit: Callable[[int, Tensor, float], None] | None = None,
         joining: bool = False,
         ndb=None,
+        guard=None,
         first_gen: int = 0,
         start_timeout_s: float = 120.0,
     ) -> None:
@@ -63,6 +64,7 @@ class ResilientStrategy(ParallelStrategy):
         self._on_commit = on_commit
         self.joining = joining  # a replacement: Lightning's setup collectives stay local until it is in sync
         self.ndb = ndb  # NDBRuntime when ft has ndb: this process may compute failed ranks' micro-batches too
+        self.guard = guard  # GradientGuard: silent-corruption check of every committed reduction
         self._source = None  # the step-indexed batch source, for taken-over micro-batches
         self._extra_done: dict[int, tuple[float, list[int]]] = {}  # this step: taken-over rank -> (loss, sample)
         self._own_grads: Optional[list] = None  # this step's own gradients, before any taken-over micro-batch
@@ -151,13 +153,14 @@ class ResilientStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def reduced_closure() -> Any:
             loss = closure()
-            self._commit_step()
+            self._commit_step(closure)
             return loss
 
         return super().optimizer_step(optimizer, reduced_closure, model, **kwargs)
 
-    def _commit_step(self) -> None:
-        """All-reduce this step's gradients; on a failure recover and retry until committed."""
+    def _commit_step(self, closure: Callable[[], Any]) -> None:
+        """All-reduce this step's gradients; on a failure recover and retry until committed; a
+        reduction the corruption guard rejects is recomputed from the same batch and seed."""
         trainer = self.lightning_module.trainer
         step = trainer.global_step
         t0 = time.perf_counter()
@@ -167,7 +170,11 @@ class ResilientStrategy(ParallelStrategy):
             try:
                 flats, extras = self._flatten(step)
                 self.comm.allreduce(flats + [extras])
-                break
+                if self.guard is None or self._guard_accepts(flats, step):
+                    break
+                closure()  # recompute this rank's gradients (every rank reached the same verdict)
+                self._extra_done, self._own_grads = {}, None
+                continue
             except CollectiveFailure as err:
                 self.status.phase = "recovering"
                 self.events.emit("collective_failed", gen=self.comm.gen, error=str(err))
@@ -184,6 +191,13 @@ class ResilientStrategy(ParallelStrategy):
         self.status.phase = "compute"
         if self._on_commit is not None:
             self._on_commit(step, extras, time.perf_counter() - t0)
+
+    def _guard_accepts(self, flats: list[Tensor], step: int) -> bool:
+        accepted, norm, median = self.guard.verdict(flats)
+        if not accepted and self.logical_rank == 0:
+            self.events.emit("sdc_detected", gen=self.comm.gen, grad_norm=norm, recent_median=median,
+                             action="recompute_step")
+        return accepted
 
     def _take_over(self, step: int) -> None:
         """NDB: add the micro-batches of the failed ranks this process covers in the current generation.

@@ -52,6 +52,7 @@ def write_summary(ctl) -> dict:
         "param_checksum": checksums[0] if len(checksums) == 1 else None,
         "recoveries": recoveries,
         "takeovers": [{"wid": wid, **d["takeover"]} for wid, d in done.items() if "takeover" in d],
+        "sdc_recomputed_steps": [e["step"] for e in events if e["kind"] == "sdc_detected"],
         **accounting,
     }
     summary["effective_training_time_ratio"] = _ettr(train_s, recoveries)

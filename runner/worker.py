@@ -35,6 +35,7 @@ from runner.plan import gpt_config
 from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.ndb.runtime import NDBRuntime
 from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
+from runner.recovery.sdc import GradientGuard
 from runner.status import WorkerStatus
 from runner.strategy import PEER_CKPT, ResilientStrategy
 
@@ -106,6 +107,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     strategy = ResilientStrategy(
         comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
         recover=recovery, joining=joining, ndb=ndb, first_gen=spec.first_gen,
+        guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
         start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
     )
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, strategy,

@@ -101,3 +101,13 @@ def test_without_fault_tolerance_a_kill_fails_the_run_with_the_reason(run_dir):
                   run_dir=run_dir)
     assert run.summary["status"] == "failed"
     assert "ft=flashrecovery" in run.summary["error"]
+
+
+def test_bitflip_is_detected_and_the_step_recomputed_exactly(fault_free, run_dir):
+    run = run_cli(*FOUR, *FR, "fault=bitflip", "fault.rank=1", "fault.step=14", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["sdc_recomputed_steps"] == [14]
+    assert s["param_checksum"] == fault_free["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
+    assert len(run.events("worker_started")) == 4

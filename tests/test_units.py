@@ -96,3 +96,17 @@ def test_decision_tree_with_deadpool():
     assert decide(ft=["deadpool", "ndb"], dead=[], lost_nodes=[1], lost_ranks=[2, 3], spares=1, **kw).action == "takeover"
     assert decide(ft=["deadpool"], dead=[2], lost_nodes=[], lost_ranks=[], spares=2, **kw).action == "restart_rank"
     assert decide(ft=["deadpool"], dead=[], lost_nodes=[], lost_ranks=[], spares=2, **kw).action == "retry"
+
+
+def test_gradient_guard_rejects_a_flipped_exponent_and_keeps_its_history_clean():
+    from runner.recovery.sdc import GradientGuard
+
+    guard = GradientGuard(factor=100.0, window=10)
+    for scale in (1.0, 1.2, 0.9, 1.1, 1.0):
+        assert guard.verdict([torch.full((4,), scale)])[0]
+    flipped = torch.ones(4)
+    flipped[:1].view(torch.int32).bitwise_xor_(1 << 30)
+    assert guard.verdict([flipped])[0] is False
+    assert guard.verdict([torch.tensor([float("inf")])])[0] is False
+    assert guard.verdict([torch.full((4,), 3.0)])[0]  # a real, moderate rise is accepted
+    assert len(guard.norms) == 6

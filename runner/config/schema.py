@@ -87,6 +87,8 @@ class TrainerConfig:
     grad_clip: float = 1.0
     precision: str = "32-true"
     bucket_mb: float = 25.0  # gradient all-reduce bucket size
+    sdc_factor: float = 100.0  # reject a reduced gradient whose norm exceeds this x the recent median; 0 = off
+    sdc_window: int = 20  # accepted steps the median is taken over
     log_every_n_steps: int = 1
     progress_bar: bool = True
 

@@ -14,7 +14,7 @@ from runner.config.ft_schema import FT_SCHEMAS, IMPLEMENTED
 from runner.config.registry import recipe_names
 from runner.config.schema import FaultConfig
 
-FAULT_KINDS = ("none", "kill_rank", "kill_node", "hang_rank", "transient", "slow_rank")
+FAULT_KINDS = ("none", "kill_rank", "kill_node", "hang_rank", "transient", "slow_rank", "bitflip")
 LOGGERS = ("wandb", "csv", "none")
 LAUNCHERS = ("auto", "local", "torchrun", "slurm")
 
@@ -157,7 +157,7 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         where = "fault" if i == 0 else f"fault.extra[{i - 1}]"
         if one.kind not in FAULT_KINDS:
             out.append(f"{where}.kind={one.kind!r} is unknown; use one of {', '.join(FAULT_KINDS)}.")
-        if one.kind in ("kill_rank", "hang_rank", "transient", "slow_rank") and not 0 <= one.rank < dp_size(cfg):
+        if one.kind in ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip") and not 0 <= one.rank < dp_size(cfg):
             out.append(f"{where}.rank={one.rank} is not a rank of this {dp_size(cfg)}-rank job; use 0..{dp_size(cfg) - 1}.")
         if one.kind == "kill_node" and not 0 <= one.node < cfg.parallel.nodes:
             out.append(f"{where}.node={one.node} is not a node of this job; use 0..{cfg.parallel.nodes - 1}.")
@@ -173,6 +173,9 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         out.append(f"logger.kind={cfg.logger.kind!r} is unknown; use logger=wandb, logger=csv or logger=none.")
     if cfg.launcher.kind not in LAUNCHERS:
         out.append(f"launcher.kind={cfg.launcher.kind!r} is unknown; use one of {', '.join(LAUNCHERS)}.")
+    if cfg.fault.kind == "bitflip" and cfg.trainer.sdc_factor <= 0:
+        out.append("fault=bitflip with trainer.sdc_factor=0: the corruption guard is off, so the flipped bit would "
+                   "silently enter the model; set trainer.sdc_factor > 0 (default 100).")
     if cfg.trainer.max_steps < 1:
         out.append(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1.")
     return out
