@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from runner import protocol
+from runner.config.validate import RANK_FAULTS
 
-RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip")
 
 
 class FaultTrigger(Callback):
@@ -72,8 +72,13 @@ class FaultTrigger(Callback):
         return fault.after_s >= 0 and time.monotonic() - self._t_start >= fault.after_s
 
     def _fire(self, i: int, fault, step: int) -> None:
-        if fault.kind == "transient":
-            self.comm.inject_transient = True
+        if fault.kind in ("transient", "slow_link", "partition"):  # network faults: the victim's own links
+            if fault.kind == "transient":
+                self.comm.inject_transient = True
+            elif fault.kind == "slow_link":
+                self.comm.link_delay_s = fault.delay_s
+            else:
+                self.comm.partitioned_until = time.monotonic() + (fault.duration_s if fault.duration_s >= 0 else 1e9)
             self.events.emit("fault_injected", fault=fault.kind, index=i, victims=[self.comm.logical_rank])
             return
         protocol.set_json(self.comm.store, f"fault/hit/{i}", {"wid": self.comm.wid, "step": step, "t": time.time()})

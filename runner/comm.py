@@ -36,6 +36,8 @@ class Comm:
         self.pg: dist.ProcessGroup | None = None
         self.layout: Layout | None = None
         self.inject_transient = False  # set by the fault injector: the next collective fails once
+        self.link_delay_s = 0.0  # slow_link fault: added before every collective (like a tc delay)
+        self.partitioned_until = 0.0  # partition fault: collectives and rendezvous fail until then
 
     # -- membership -----------------------------------------------------------------------------
     @property
@@ -96,11 +98,21 @@ class Comm:
         The constructor holds the GIL while it waits for peers, which would silence this process's
         heartbeat thread; the store's wait releases it.
         """
+        if time.monotonic() < self.partitioned_until:
+            raise CollectiveFailure("network partition: this rank cannot reach its peers")
         prefix.set(f"arrived/{self.rank}", "1")
-        try:
-            prefix.wait([f"arrived/{r}" for r in range(self.size)], wait)
-        except Exception as err:
-            raise CollectiveFailure(f"gen {self.layout.gen}: not every member arrived within {wait.total_seconds():.0f}s") from None
+        keys = [f"arrived/{r}" for r in range(self.size)]
+        deadline = time.monotonic() + wait.total_seconds()
+        while True:  # in slices, so that a generation the controller already replaced is given up at once
+            try:
+                prefix.wait(keys, timedelta(seconds=max(0.01, min(0.5, deadline - time.monotonic()))))
+                return
+            except Exception:
+                pass
+            if self.store.check([f"gen/{self.layout.gen + 1}"]):
+                raise CollectiveFailure(f"gen {self.layout.gen} was replaced before every member arrived")
+            if time.monotonic() >= deadline:
+                raise CollectiveFailure(f"gen {self.layout.gen}: not every member arrived within {wait.total_seconds():.0f}s")
 
     def abort(self) -> None:
         """Drop this process's group: its sockets close, so peers' pending collectives fail immediately."""
@@ -122,6 +134,11 @@ class Comm:
             self.inject_transient = False
             self.abort()
             raise CollectiveFailure("injected transient connection error")
+        if time.monotonic() < self.partitioned_until:
+            self.abort()
+            raise CollectiveFailure("network partition: this rank cannot reach its peers")
+        if self.link_delay_s:
+            time.sleep(self.link_delay_s)  # the fault itself: a slow link
         try:
             for op in ops:
                 op(self.pg).wait()

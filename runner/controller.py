@@ -19,7 +19,7 @@ from queue import Empty, Queue
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
 from runner import protocol
 from runner.agent import LocalFleet
@@ -95,6 +95,8 @@ class Controller:
         self.recoveries: list[Recovery] = []
         self._recovery_ids = 0
         self._done_seen = 0
+        self.layouts: dict[int, Layout] = {}
+        self.published_at: dict[int, float] = {}
         self.active: Optional[Recovery] = None
         self.decide_at: Optional[float] = None
         self.restarts = 0
@@ -198,6 +200,8 @@ class Controller:
             recovery=recovery.id if recovery else -1,
             extra=extra if any(extra) else [],
         )
+        self.layouts[self.gen] = layout
+        self.published_at[self.gen] = time.monotonic()
         self.store.set(f"gen/{self.gen}", layout.to_json())
         self.store.set("gen", str(self.gen))
         self.events.emit("generation", gen=self.gen, members=layout.members, pending=layout.pending,
@@ -275,11 +279,11 @@ class Controller:
             elif w.hb_phase == "compute" and now - w.hb_step_change > self.hb.stall_timeout_s:
                 self._kill_hung(w, f"step {w.hb_step} not advancing for {self.hb.stall_timeout_s}s")
 
-    def _kill_hung(self, w: Worker, why: str) -> None:
+    def _kill_hung(self, w: Worker, why: str, kind: str = "hang") -> None:
         if w.killed_for:
             return
         w.killed_for = why
-        self._symptom("hang", wid=w.wid, why=why, t=time.time())
+        self._symptom(kind, wid=w.wid, why=why, t=time.time())
         self.fleet.signal(w.wid, w.node, signal.SIGKILL)
 
     def _ready_spares(self) -> list[int]:
@@ -322,7 +326,7 @@ class Controller:
 
     def _poll_faults(self) -> None:
         for i, fault in enumerate(self.faults):
-            if i in self.fault_hits or fault.kind in ("transient", "slow_rank"):
+            if i in self.fault_hits or fault.kind in ("transient", "slow_rank", "bitflip", "slow_link", "partition"):
                 continue
             key = f"fault/hit/{i}"
             if not self.store.check([key]):
@@ -350,6 +354,9 @@ class Controller:
     def _decide(self) -> None:
         rec = self.active
         now = time.monotonic()
+        if self._isolate_unreachable(rec, now):
+            self.decide_at = now + min(self.hb.interval_s, 0.05)
+            return
         dead = self._collect_dead()
         lost_nodes = self._silent_nodes(now)
         hung = any(s["kind"] == "hang" for s in rec.symptoms)
@@ -377,6 +384,8 @@ class Controller:
             survivors=[w.logical for w in self._live() if w.synced and w.wid not in dead and w.node not in lost_nodes],
             restarts_left=self._restarts_left(), spares=len(self._ready_spares()),
         )
+        if any(s["kind"] == "unreachable" for s in rec.symptoms):
+            decision.fault = "partition"
         rec.fault = rec.fault or decision.fault
         rec.victims = sorted(set(rec.victims) | set(decision.victims))
         rec.action, rec.reason = decision.action, decision.reason
@@ -442,6 +451,27 @@ class Controller:
             if self.cfg.ft.ndb.repair_after_s >= 0:
                 self.repairs.append((time.monotonic() + self.cfg.ft.ndb.repair_after_s, lrank))
 
+    def _isolate_unreachable(self, rec: Recovery, now: float) -> bool:
+        """A retry whose own generation failed again: members that do not arrive at its rendezvous
+        while the others do are alive but cut off from their peers (a partition); they are killed and
+        handled as failed ranks. Returns True while the arrivals are still being waited for."""
+        last = next((r for r in reversed(self.recoveries) if r is not rec and r.action), None)
+        if last is None or last.action != "retry" or last.full_gen is None:
+            return False
+        if not any(s.get("gen") == last.full_gen for s in rec.symptoms if s["kind"] == "report"):
+            return False
+        gen = last.full_gen
+        rendezvous = PrefixStore(f"pg/{gen}/", self.store)  # where Comm._arrive writes
+        missing = [wid for rank, wid in enumerate(self.layouts[gen].members)
+                   if not rendezvous.check([f"arrived/{rank}"]) and not self.workers[wid].dead]
+        grace = self.hb.interval_s * self.hb.misses  # healthy members arrive in milliseconds
+        if missing and now - self.published_at[gen] < grace:
+            return True
+        for wid in missing:
+            self._kill_hung(self.workers[wid], f"did not reach gen {gen}'s rendezvous after a retry while its peers "
+                                               "did: alive but cut off from them", kind="unreachable")
+        return False
+
     def _all_proved_alive(self, since: float) -> bool:
         """Every live worker and agent has beaten since the first symptom (a silent one is caught by the
         heartbeat rules within the miss window, and the decision then sees it as dead)."""
@@ -465,7 +495,7 @@ class Controller:
             rec.survivors_gen = layout.gen
 
     def _collect_dead(self) -> list[int]:
-        dead = {s["wid"] for s in self.active.symptoms if s["kind"] in ("exit", "hang") and "wid" in s}
+        dead = {s["wid"] for s in self.active.symptoms if s["kind"] in ("exit", "hang", "unreachable") and "wid" in s}
         return sorted(w for w in dead if not self.workers[w].dead)
 
     def _restarts_left(self) -> int:

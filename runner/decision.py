@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Decision:
-    fault: str  # transient | process_crash | hang | node_loss
+    fault: str  # transient | process_crash | hang | node_loss (the controller relabels partition)
     action: str  # retry | restart_rank | swap_spare | takeover | fail
     victims: list[int] = field(default_factory=list)  # logical ranks
     reason: str = ""

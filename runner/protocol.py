@@ -3,7 +3,7 @@
 Keys (all under the job's store, or a namespace of it under torchrun):
   gen                 latest generation number (decimal string), written after gen/<g>
   gen/<g>             the Layout of generation g (JSON)
-  pg/<g>/...          generation g's process-group rendezvous; pg/<g>/arrived/<rank> first
+  pg/<g>/...          generation g's process-group rendezvous (a PrefixStore: arrived/<rank> first)
   ready/<wid>         a replacement finished its start-up and can join
   hb/<wid>            heartbeat payload (JSON: seq, step, phase, rss, t)
   reports, report/<n> counter and the n-th symptom a worker reported (JSON)

@@ -111,3 +111,20 @@ def test_bitflip_is_detected_and_the_step_recomputed_exactly(fault_free, run_dir
     assert s["param_checksum"] == fault_free["param_checksum"]
     assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
     assert len(run.events("worker_started")) == 4
+
+
+def test_slow_link_slows_the_job_without_a_recovery(fault_free, run_dir):
+    run = run_cli(*FOUR, *FR, "fault=slow_link", "fault.rank=2", "fault.step=10", "fault.delay_s=0.05",
+                  run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed" and s["recoveries"] == []
+    assert s["param_checksum"] == fault_free["param_checksum"]
+    times = {m["step"]: m["reduce_s"] for m in run.metrics()}
+    assert min(times[k] for k in range(10, 30)) >= 0.05  # every reduction waited for the slow link
+
+
+def test_partition_is_retried_then_the_cut_off_rank_is_isolated_and_replaced(fault_free, run_dir):
+    run = run_cli(*FOUR, *FR, "fault=partition", "fault.rank=1", "fault.step=10", run_dir=run_dir)
+    s = assert_exact(run, fault_free, recoveries=2)
+    assert [(r["fault"], r["action"]) for r in s["recoveries"]] == [("transient", "retry"), ("partition", "restart_rank")]
+    assert s["recoveries"][1]["victims"] == [1]

@@ -46,7 +46,8 @@ class FaultConfig:
     step: int = -1  # inject at the start of this step; -1 = use after_s
     during: str = "step"  # step: at the start of `step`; recovery: when the victim enters its next recovery
     after_s: float = -1.0  # or after this many seconds of training
-    delay_s: float = 0.0  # slow_rank: delay added to every step of the victim
+    delay_s: float = 0.0  # slow_rank: delay per step; slow_link: delay per collective
+    duration_s: float = -1.0  # partition: how long the rank's connections stay cut; -1 = for good
     extra: List[Dict[str, Any]] = field(default_factory=list)  # further faults: same keys
 
 

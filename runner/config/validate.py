@@ -14,7 +14,9 @@ from runner.config.ft_schema import FT_SCHEMAS, IMPLEMENTED
 from runner.config.registry import recipe_names
 from runner.config.schema import FaultConfig
 
-FAULT_KINDS = ("none", "kill_rank", "kill_node", "hang_rank", "transient", "slow_rank", "bitflip")
+FAULT_KINDS = ("none", "kill_rank", "kill_node", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link",
+               "partition")
+RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition")
 LOGGERS = ("wandb", "csv", "none")
 LAUNCHERS = ("auto", "local", "torchrun", "slurm")
 
@@ -157,7 +159,7 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         where = "fault" if i == 0 else f"fault.extra[{i - 1}]"
         if one.kind not in FAULT_KINDS:
             out.append(f"{where}.kind={one.kind!r} is unknown; use one of {', '.join(FAULT_KINDS)}.")
-        if one.kind in ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip") and not 0 <= one.rank < dp_size(cfg):
+        if one.kind in RANK_FAULTS and not 0 <= one.rank < dp_size(cfg):
             out.append(f"{where}.rank={one.rank} is not a rank of this {dp_size(cfg)}-rank job; use 0..{dp_size(cfg) - 1}.")
         if one.kind == "kill_node" and not 0 <= one.node < cfg.parallel.nodes:
             out.append(f"{where}.node={one.node} is not a node of this job; use 0..{cfg.parallel.nodes - 1}.")
