@@ -13,8 +13,7 @@ from datetime import timedelta
 from lightning.pytorch.callbacks import Callback
 
 from runner import protocol
-
-RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank")
+from runner.config.validate import RANK_FAULTS
 
 
 class FaultTrigger(Callback):

@@ -28,6 +28,9 @@ from runner.decision import Decision, decide
 from runner.events import EventLog
 from runner.protocol import Layout
 from runner.loggers import log_summary_to_wandb
+from runner.recovery import memory_faults
+from runner.recovery.flash_ckpt import cleanup as cleanup_snapshots
+from runner.recovery.flash_names import flash_job_id, partner_node
 from runner.summary import write_summary
 
 FORKSERVER_PRELOAD = ["runner.worker"]
@@ -97,6 +100,7 @@ class Controller:
         self.restarts = 0
         self.reports_seen = 0
         self.status, self.error = "running", ""
+        self.flash_job = flash_job_id(self.run_dir) if "flash_ckpt" in self.ft else None
         self.faults = [f for f in all_faults(cfg) if f.kind != "none"]
         self.fault_hits: dict[int, dict] = {}
         self.silent_reported: set[int] = set()
@@ -128,6 +132,8 @@ class Controller:
             self._fail("interrupted by the user (Ctrl-C)")
         finally:
             self.fleet.shutdown(completed=self.status == "completed")
+            if self.flash_job is not None:  # every worker is gone: no restart can need the snapshots now
+                self.events.emit("snapshots_removed", segments=len(cleanup_snapshots(self.flash_job)))
             self.events.emit("run_end", status=self.status, error=self.error)
         summary = write_summary(self)
         log_summary_to_wandb(self.cfg, self.run_dir, summary)
@@ -217,7 +223,9 @@ class Controller:
             if rep.get("fatal"):
                 self._fail(f"worker {rep['wid']} failed: {rep['reason']}")
                 return
-            stale = rep.get("gen", self.gen) < self.gen  # about a generation already replaced: nothing new
+            # about a generation already replaced, or from a worker already written off (a restart of every
+            # rank kills the reporters before the next generation exists): nothing new
+            stale = rep.get("gen", self.gen) < self.gen or self.workers[rep["wid"]].dead
             self.events.emit("symptom_reported", stale=stale, **_short(rep))
             if not stale:
                 self._symptom("report", **rep)
@@ -306,16 +314,33 @@ class Controller:
         """Carry out a fault the victim announced: the kill comes from this process, not the victim."""
         w = self.workers[hit["wid"]]
         t = time.time()
+        memory = {}
         if fault.kind == "kill_rank":
             self.fleet.signal(w.wid, w.node, signal.SIGKILL)
             victims = [w.logical]
         elif fault.kind == "hang_rank":
             self.fleet.signal(w.wid, w.node, signal.SIGSTOP)
             victims = [w.logical]
-        else:  # kill_node
+        elif fault.kind == "kill_node":
             victims = [self.workers[v].logical for v in self.fleet.lose_node(fault.node)]
+            if self.flash_job is not None:  # the node's memory went with it (all nodes share this host's /dev/shm)
+                memory["segments_lost"] = len(memory_faults.drop_node_memory(self.flash_job, victims))
+        else:  # kill_all, wipe_shm, corrupt_snapshot: every rank dies (the last two damage the snapshots first)
+            victims = self._kill_all()
+            if fault.kind == "wipe_shm" and self.flash_job is not None:
+                memory["segments_lost"] = len(memory_faults.drop_host_memory(self.flash_job))
+            elif fault.kind == "corrupt_snapshot" and self.flash_job is not None:
+                memory["corrupted_step"] = memory_faults.corrupt_newest(self.flash_job, w.logical)
         self.store.set(f"fault/released/{i}", "1")
-        self.events.emit("fault_injected", fault=fault.kind, index=i, victims=victims, at_step=hit["step"], t_fault=t)
+        self.events.emit("fault_injected", fault=fault.kind, index=i, victims=victims, at_step=hit["step"], t_fault=t,
+                         **memory)
+
+    def _kill_all(self) -> list[int]:
+        """SIGKILL every live worker (a stopped one too); returns their logical ranks."""
+        live = [w for w in self._live() if not w.dead]
+        for w in live:
+            self.fleet.signal(w.wid, w.node, signal.SIGKILL)
+        return sorted(w.logical for w in live)
 
     # -- decision and action ------------------------------------------------------------------------
     def _decide(self) -> None:
@@ -360,7 +385,30 @@ class Controller:
                 self._spawn(lrank, old.node, old.local_rank, role="joiner", first_gen=self.gen + 1)
         elif decision.action == "takeover":
             self._assign_takeovers(decision.victims)
+        elif decision.action == "restart_all":
+            self._restart_all(lost_nodes)
         self._after_change()
+
+    def _restart_all(self, lost_nodes: list[int]) -> None:
+        """ft=flash_ckpt: kill what is left and start every logical rank again, role restore, from the
+        snapshots. Ranks of a lost node start on its partner node (which holds their memory copies),
+        or on the first node still up, with local ranks after that node's own."""
+        self._kill_all()
+        for w in self._live():
+            w.dead = True
+        self.takeovers.clear()
+        self.repairs.clear()
+        self.rejoining.clear()
+        gone = set(lost_nodes) | self.silent_reported
+        ppn = self.cfg.parallel.procs_per_node
+        for lrank in range(self.dp):
+            node, local = divmod(lrank, ppn)
+            if node in gone:
+                partner = partner_node(node, self.cfg.parallel.nodes)
+                node = partner if partner is not None and partner not in gone else min(
+                    n for n in range(self.cfg.parallel.nodes) if n not in gone)
+                local += ppn
+            self._spawn(lrank, node, local, role="restore", first_gen=self.gen + 1)
 
     def _poll_repairs(self, now: float) -> None:
         """NDB with ndb.repair_after_s: restart a taken-over rank once 'repaired'; publish when it is ready."""
@@ -402,8 +450,11 @@ class Controller:
         return sorted(silent | {s["node"] for s in self.active.symptoms if s["kind"] == "node_silent"})
 
     def _after_change(self) -> None:
-        """Publish survivors-only or complete generations as replacements become ready."""
+        """Publish survivors-only or complete generations as replacements become ready; a restart of
+        every rank publishes only its complete generation (nobody holds state to wait with)."""
         rec = self.active
+        if rec.action == "restart_all" and not all(w.ready for w in self._live()):
+            return
         layout = self._publish(rec)
         if layout.complete:
             rec.t_ready = rec.t_ready or time.time()

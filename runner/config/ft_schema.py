@@ -41,4 +41,4 @@ FT_SCHEMAS = {
 
 # Strategies whose recovery path is built into the runner today; the others compose and validate,
 # and are refused at run time with a clear message until they land.
-IMPLEMENTED = ("flashrecovery", "ndb")
+IMPLEMENTED = ("flashrecovery", "flash_ckpt", "ndb")
