@@ -98,6 +98,7 @@ class Controller:
         self.active: Optional[Recovery] = None
         self.decide_at: Optional[float] = None
         self.restarts = 0
+        self.full_restarts = 0  # restart_all actions (ft=flash_ckpt)
         self.reports_seen = 0
         self.status, self.error = "running", ""
         self.flash_job = flash_job_id(self.run_dir) if "flash_ckpt" in self.ft else None
@@ -362,6 +363,7 @@ class Controller:
             lost_ranks=lost_ranks,
             survivors=[w.logical for w in self._live() if w.synced and w.wid not in dead and w.node not in lost_nodes],
             restarts_left=self._restarts_left(),
+            full_restarts_left=self.cfg.ft.flash_ckpt.max_restarts - self.full_restarts if self.flash_job else 0,
         )
         rec.fault = rec.fault or decision.fault
         rec.victims = sorted(set(rec.victims) | set(decision.victims))
@@ -393,6 +395,7 @@ class Controller:
         """ft=flash_ckpt: kill what is left and start every logical rank again, role restore, from the
         snapshots. Ranks of a lost node start on its partner node (which holds their memory copies),
         or on the first node still up, with local ranks after that node's own."""
+        self.full_restarts += 1
         self._kill_all()
         for w in self._live():
             w.dead = True

@@ -22,7 +22,7 @@ class Decision:
 
 
 def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hung: bool, lost_nodes: list[int], lost_ranks: list[int],
-           survivors: list[int], restarts_left: int) -> Decision:
+           survivors: list[int], restarts_left: int, full_restarts_left: int = 0) -> Decision:
     first = _decide(ft=ft, cfg=cfg, can_restart=can_restart, dead=dead, hung=hung, lost_nodes=lost_nodes,
                     lost_ranks=lost_ranks, survivors=survivors, restarts_left=restarts_left)
     if first.action != "fail" or "flash_ckpt" not in ft or not can_restart:
@@ -30,6 +30,10 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
     if lost_nodes and len(lost_nodes) >= cfg.parallel.nodes:
         return Decision(first.fault, "fail", first.victims, f"every node {lost_nodes} was lost: there is no node "
                         "left to restart the ranks on")
+    if full_restarts_left < 1:
+        return Decision(first.fault, "fail", first.victims, f"{first.fault} of logical rank(s) {first.victims}: restart "
+                        f"budget spent (ft.flash_ckpt.max_restarts={cfg.ft.flash_ckpt.max_restarts} restarts of every "
+                        "rank); raise it if failures are expected this often")
     return Decision(first.fault, "restart_all", first.victims, f"{first.fault} of logical rank(s) "
                     f"{first.victims or 'none (all alive)'} and no faster strategy in ft={ft} handles it: restart every "
                     "rank from the newest flash snapshot all of them hold (flash_ckpt)")

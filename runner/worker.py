@@ -130,7 +130,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         precision=cfg.trainer.precision,
         gradient_clip_val=cfg.trainer.grad_clip or None,
         logger=build_logger(cfg, run_dir) if is_rank0 else False,  # a replacement of rank 0 resumes the logging
-        callbacks=[heartbeat, faults, metrics, *([flash] if flash else [])],
+        # flash first: its teardown (draining the persister) runs while the heartbeat still beats
+        callbacks=[*([flash] if flash else []), heartbeat, faults, metrics],
         enable_checkpointing=False,
         enable_progress_bar=bool(cfg.trainer.progress_bar and is_rank0 and not joining),
         enable_model_summary=is_rank0 and not joining,
@@ -155,7 +156,7 @@ def flash_callback(cfg: DictConfig, spec: WorkerSpec, events: EventLog) -> Flash
     partner = partner_rank(spec.logical_rank, cfg.parallel.nodes, cfg.parallel.procs_per_node) if fc.neighbour_backup else None
 
     def on_event(event: Event) -> None:
-        if event.kind != "committed":  # one per snapshot and rank would drown the log
+        if event.kind not in ("committed", "backed_up"):  # one per snapshot and rank would drown the log
             events.emit(f"snapshot_{event.kind}", snapshot_step=event.step, where=event.where, detail=event.detail)
 
     return FlashCheckpoint(fc.every_n_steps, fc.persist_every_n_steps or None, Path(spec.run_dir) / "checkpoints",

@@ -30,6 +30,7 @@ class FlashCkptConfig:
     overlap: bool = True
     keep: int = 2
     neighbour_backup: bool = True
+    max_restarts: int = 5
 
 
 FT_SCHEMAS = {
