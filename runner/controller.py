@@ -402,7 +402,8 @@ class Controller:
         self.takeovers.clear()
         self.repairs.clear()
         self.rejoining.clear()
-        gone = set(lost_nodes) | self.silent_reported
+        self.silent_reported |= set(lost_nodes)  # handled here: its silence is no new symptom
+        gone = self.silent_reported
         ppn = self.cfg.parallel.procs_per_node
         for lrank in range(self.dp):
             node, local = divmod(lrank, ppn)

@@ -85,3 +85,18 @@ def test_decision_tree_with_ndb():
     assert decide(ft=["flashrecovery", "ndb"], dead=[2], lost_nodes=[], **kw).action == "restart_rank"
     node = decide(ft=["flashrecovery", "ndb"], dead=[], lost_nodes=[1], **{**kw, "lost_ranks": [2, 3]})
     assert (node.fault, node.action, node.victims) == ("node_loss", "takeover", [2, 3])
+
+
+def test_decision_tree_falls_back_to_a_restart_from_snapshots():
+    cfg = OmegaConf.create({"ft": {"flashrecovery": {"max_restarts": 2, "retry_transient": True},
+                                   "flash_ckpt": {"max_restarts": 1}}, "parallel": {"nodes": 2}})
+    kw = dict(cfg=cfg, hung=False, lost_nodes=[], lost_ranks=[], survivors=[], restarts_left=2, full_restarts_left=1)
+    assert decide(ft=["flash_ckpt"], dead=[0, 1, 2, 3], **kw).action == "restart_all"
+    assert decide(ft=["flashrecovery", "flash_ckpt"], dead=[0, 1], **kw).action == "restart_all"  # no replica left
+    assert decide(ft=["flashrecovery", "flash_ckpt"], dead=[1], **{**kw, "survivors": [0]}).action == "restart_rank"
+    node = decide(ft=["flash_ckpt"], dead=[], **{**kw, "lost_nodes": [1], "lost_ranks": [2, 3]})
+    assert (node.fault, node.action, node.victims) == ("node_loss", "restart_all", [2, 3])
+    assert decide(ft=["flash_ckpt"], dead=[], **{**kw, "lost_nodes": [0, 1]}).action == "fail"  # no node left
+    spent = decide(ft=["flash_ckpt"], dead=[0], **{**kw, "full_restarts_left": 0})
+    assert spent.action == "fail" and "ft.flash_ckpt.max_restarts=1" in spent.reason
+    assert decide(ft=["flash_ckpt"], dead=[0], **kw, can_restart=False).action == "fail"  # torchrun owns processes
