@@ -29,13 +29,15 @@ class SnapshotRestore:
         self.job_id, self.ckpt_dir = job_id, ckpt_dir
 
     def __call__(self, strategy) -> dict:
+        regroup = False
         while True:
             try:
+                if regroup:
+                    self.comm.join(self.comm.await_layout(self.recovery.recovery_timeout_s, newer_than=self.comm.gen))
                 return self._agree_and_load()
             except CollectiveFailure as err:  # a rank died meanwhile: the controller restarts everyone again
                 self.recovery.abandon(strategy, f"during snapshot restore: {err}")
-                layout = self.comm.await_layout(self.recovery.recovery_timeout_s, newer_than=self.comm.gen)
-                self.comm.join(layout)
+                regroup = True
 
     def _agree_and_load(self) -> dict:
         t0 = time.time()
