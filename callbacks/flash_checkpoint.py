@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from time import perf_counter
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -23,9 +25,11 @@ from runner.recovery.flash_ckpt import (
     Event,
     PersistClient,
     Snapshotter,
+    backup_to_partner,
     cleanup_stale,
     spawn_persister,
 )
+from runner.recovery.flash_ckpt.events import emit
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +49,12 @@ class FlashCheckpoint(Callback):
     """Snapshot every `every_n_steps` optimizer steps; persist every `persist_every_n_steps` into `dir`.
 
     `persister` is a client of a persister the launcher runs (the node agent); without one the
-    callback spawns its own. `job_id` must stay the same across restarts of a run for memory
-    restores to find the snapshots (default: TORCHELASTIC_RUN_ID). Segments are unlinked after a
-    successful fit and kept after a failure, for a restart or a breakpoint persist.
+    callback spawns its own (only if this fit reaches a persist step). `job_id` must stay the same
+    across restarts of a run for memory restores to find the snapshots (default:
+    TORCHELASTIC_RUN_ID). `rank` names the segment (default: the trainer's global rank). With
+    `partner` set, each committed snapshot is copied into the backup segment that rank keeps for
+    this one (neighbour backup), in the background during the next step. Segments are unlinked
+    after a successful fit and kept after a failure, for a restart or a breakpoint persist.
     """
 
     def __init__(
@@ -63,6 +70,8 @@ class FlashCheckpoint(Callback):
         exclude_keys: tuple[str, ...] = HPARAM_KEYS,
         unlink_on_success: bool = True,
         on_event=None,
+        rank: int | None = None,
+        partner: int | None = None,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
@@ -72,21 +81,30 @@ class FlashCheckpoint(Callback):
         self.dir, self.overlap, self.keep = Path(dir), overlap, keep
         self.job_id = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
         self.exclude_keys, self.unlink_on_success = exclude_keys, unlink_on_success
+        self.rank, self.partner = rank, partner
         self.blocked_s: list[float] = []  # per snapshot: time the training loop was held
         self._user_sink = on_event
         self._client, self._own_client = persister, persister is None
         self._snap: Snapshotter | None = None
         self._last_step = -1
         self._to_persist: int | None = None
+        self._to_backup: int | None = None
+        self._backup: Future | None = None
+        self._backup_pool: ThreadPoolExecutor | None = None
         self._failed = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         cleanup_stale(self.job_id)
-        self._snap = Snapshotter(self.job_id, trainer.global_rank, on_event=self._on_event)
-        if self.persist_every_n_steps and self._client is None:
+        if self.rank is None:
+            self.rank = trainer.global_rank
+        self._snap = Snapshotter(self.job_id, self.rank, on_event=self._on_event)
+        persists = self.persist_every_n_steps and (trainer.max_steps < 0 or trainer.max_steps >= self.persist_every_n_steps)
+        if persists and self._client is None:
             self._client = spawn_persister(self.dir, self.keep, on_event=self._on_event)
+        if self.partner is not None:
+            self._backup_pool = ThreadPoolExecutor(1, thread_name_prefix=f"flash-backup-r{self.rank}")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dropped = self._snap.invalidate_after(trainer.global_step)
@@ -108,6 +126,7 @@ class FlashCheckpoint(Callback):
         save = self._snap.save_async if self.overlap else self._snap.save
         self.blocked_s.append(save(checkpoint, step))
         self._last_step = step
+        self._to_backup = step
         if self.persist_every_n_steps and step % self.persist_every_n_steps == 0:
             self._to_persist = step
 
@@ -123,6 +142,7 @@ class FlashCheckpoint(Callback):
         keep_segments = self._failed or not self.unlink_on_success
         try:
             self._snap.wait()
+            self._settle_backup()
             if self._own_client and self._client is not None:
                 client, self._client = self._client, None  # a later fit spawns a fresh persister
                 client.close()
@@ -134,19 +154,42 @@ class FlashCheckpoint(Callback):
                 raise
             log.exception("flash checkpoint: cleanup after a failed fit also failed")
         finally:
+            if self._backup_pool is not None:
+                self._backup_pool.shutdown(wait=True)
+                self._backup_pool = None
             self._snap.close(unlink=not keep_segments)
             self._snap = None
 
     def _settle(self) -> float:
-        """Finish the snapshot in flight, then hand a committed step to the persister."""
-        waited = self._snap.wait()
+        """Finish the snapshot in flight, then hand a committed step to the partner copy and the persister."""
+        waited = self._snap.wait() + self._settle_backup()
+        if self._to_backup is not None and self._backup_pool is not None:
+            self._to_backup = None
+            self._backup = self._backup_pool.submit(self._copy_to_partner)
         if self._to_persist is not None:
             step, self._to_persist = self._to_persist, None
             self._client.request(self._snap.segment, step)
         return waited
 
+    def _settle_backup(self) -> float:
+        """Wait for the partner copy in flight (started one step earlier, normally long done)."""
+        if self._backup is None:
+            return 0.0
+        t0 = perf_counter()
+        backup, self._backup = self._backup, None
+        backup.result()
+        return perf_counter() - t0
+
+    def _copy_to_partner(self) -> None:
+        """A failed copy leaves the previous one in place: reported, never fatal to training."""
+        try:
+            step = backup_to_partner(self.job_id, self.rank, self.partner)
+            emit(self._on_event, "backed_up", step, f"rank {self.partner}")
+        except Exception as e:
+            emit(self._on_event, "backup_failed", None, f"rank {self.partner}", f"{type(e).__name__}: {e}")
+
     def _on_event(self, event: Event) -> None:
-        if event.kind in ("persist_failed", "skipped"):
+        if event.kind in ("persist_failed", "skipped", "backup_failed"):
             log.error("flash checkpoint: %s step %s at %s: %s", event.kind, event.step, event.where, event.detail)
         if self._user_sink is not None:
             self._user_sink(event)

@@ -43,6 +43,9 @@ class Heartbeat(Callback):
         if self._thread.is_alive():
             self._thread.join(timeout=5 * self.interval_s + 1)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.status.phase = "finishing"  # callbacks' end-of-fit work (a persist drain) is no stalled step
+
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.stop()
 

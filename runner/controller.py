@@ -28,6 +28,9 @@ from runner.decision import Decision, decide
 from runner.events import EventLog
 from runner.protocol import Layout
 from runner.loggers import log_summary_to_wandb
+from runner.recovery import memory_faults
+from runner.recovery.flash_ckpt import cleanup as cleanup_snapshots
+from runner.recovery.flash_names import flash_job_id, partner_node
 from runner.summary import write_summary
 
 FORKSERVER_PRELOAD = ["runner.worker"]
@@ -100,8 +103,10 @@ class Controller:
         self.active: Optional[Recovery] = None
         self.decide_at: Optional[float] = None
         self.restarts = 0
+        self.full_restarts = 0  # restart_all actions (ft=flash_ckpt)
         self.reports_seen = 0
         self.status, self.error = "running", ""
+        self.flash_job = flash_job_id(self.run_dir) if "flash_ckpt" in self.ft else None
         self.faults = [f for f in all_faults(cfg) if f.kind != "none"]
         self.fault_hits: dict[int, dict] = {}
         self.silent_reported: set[int] = set()
@@ -138,6 +143,8 @@ class Controller:
             self._fail("interrupted by the user (Ctrl-C)")
         finally:
             self.fleet.shutdown(completed=self.status == "completed")
+            if self.flash_job is not None:  # every worker is gone: no restart can need the snapshots now
+                self.events.emit("snapshots_removed", segments=len(cleanup_snapshots(self.flash_job)))
             self.events.emit("run_end", status=self.status, error=self.error)
         summary = write_summary(self)
         log_summary_to_wandb(self.cfg, self.run_dir, summary)
@@ -236,7 +243,9 @@ class Controller:
             if rep.get("fatal"):
                 self._fail(f"worker {rep['wid']} failed: {rep['reason']}")
                 return
-            stale = rep.get("gen", self.gen) < self.gen  # about a generation already replaced: nothing new
+            # about a generation already replaced, or from a worker already written off (a restart of every
+            # rank kills the reporters before the next generation exists): nothing new
+            stale = rep.get("gen", self.gen) < self.gen or self.workers[rep["wid"]].dead
             self.events.emit("symptom_reported", stale=stale, **_short(rep))
             if not stale:
                 self._symptom("report", **rep)
@@ -339,16 +348,33 @@ class Controller:
         """Carry out a fault the victim announced: the kill comes from this process, not the victim."""
         w = self.workers[hit["wid"]]
         t = time.time()
+        memory = {}
         if fault.kind == "kill_rank":
             self.fleet.signal(w.wid, w.node, signal.SIGKILL)
             victims = [w.logical]
         elif fault.kind == "hang_rank":
             self.fleet.signal(w.wid, w.node, signal.SIGSTOP)
             victims = [w.logical]
-        else:  # kill_node
+        elif fault.kind == "kill_node":
             victims = [self.workers[v].logical for v in self.fleet.lose_node(fault.node)]
+            if self.flash_job is not None:  # the node's memory went with it (all nodes share this host's /dev/shm)
+                memory["segments_lost"] = len(memory_faults.drop_node_memory(self.flash_job, victims))
+        else:  # kill_all, wipe_shm, corrupt_snapshot: every rank dies (the last two damage the snapshots first)
+            victims = self._kill_all()
+            if fault.kind == "wipe_shm" and self.flash_job is not None:
+                memory["segments_lost"] = len(memory_faults.drop_host_memory(self.flash_job))
+            elif fault.kind == "corrupt_snapshot" and self.flash_job is not None:
+                memory["corrupted_step"] = memory_faults.corrupt_newest(self.flash_job, w.logical)
         self.store.set(f"fault/released/{i}", "1")
-        self.events.emit("fault_injected", fault=fault.kind, index=i, victims=victims, at_step=hit["step"], t_fault=t)
+        self.events.emit("fault_injected", fault=fault.kind, index=i, victims=victims, at_step=hit["step"], t_fault=t,
+                         **memory)
+
+    def _kill_all(self) -> list[int]:
+        """SIGKILL every live worker (a stopped one too); returns their logical ranks."""
+        live = [w for w in self._live() if not w.dead]
+        for w in live:
+            self.fleet.signal(w.wid, w.node, signal.SIGKILL)
+        return sorted(w.logical for w in live)
 
     # -- decision and action ------------------------------------------------------------------------
     def _decide(self) -> None:
@@ -383,6 +409,7 @@ class Controller:
             lost_ranks=lost_ranks,
             survivors=[w.logical for w in self._live() if w.synced and w.wid not in dead and w.node not in lost_nodes],
             restarts_left=self._restarts_left(), spares=len(self._ready_spares()),
+            full_restarts_left=self.cfg.ft.flash_ckpt.max_restarts - self.full_restarts if self.flash_job else 0,
         )
         if any(s["kind"] == "unreachable" for s in rec.symptoms):
             decision.fault = "partition"
@@ -410,6 +437,8 @@ class Controller:
             self._assign_takeovers(decision.victims)
         elif decision.action == "swap_spare":
             self._swap_in_spares(decision.victims)
+        elif decision.action == "restart_all":
+            self._restart_all(lost_nodes)
         self._after_change()
 
     def _swap_in_spares(self, failed: list[int]) -> None:
@@ -422,6 +451,29 @@ class Controller:
             spare.logical, spare.role, spare.ready = lrank, "joiner", True  # warm: it joins this generation
             self.assigned[lrank] = wid
             self.events.emit("spare_assigned", logical=lrank, wid=wid, node=spare.node, spares_left=len(self.spares))
+
+    def _restart_all(self, lost_nodes: list[int]) -> None:
+        """ft=flash_ckpt: kill what is left and start every logical rank again, role restore, from the
+        snapshots. Ranks of a lost node start on its partner node (which holds their memory copies),
+        or on the first node still up, with local ranks after that node's own."""
+        self.full_restarts += 1
+        self._kill_all()
+        for w in self._live():
+            w.dead = True
+        self.takeovers.clear()
+        self.repairs.clear()
+        self.rejoining.clear()
+        self.silent_reported |= set(lost_nodes)  # handled here: its silence is no new symptom
+        gone = self.silent_reported
+        ppn = self.cfg.parallel.procs_per_node
+        for lrank in range(self.dp):
+            node, local = divmod(lrank, ppn)
+            if node in gone:
+                partner = partner_node(node, self.cfg.parallel.nodes)
+                node = partner if partner is not None and partner not in gone else min(
+                    n for n in range(self.cfg.parallel.nodes) if n not in gone)
+                local += ppn
+            self._spawn(lrank, node, local, role="restore", first_gen=self.gen + 1)
 
     def _poll_repairs(self, now: float) -> None:
         """NDB with ndb.repair_after_s: restart a taken-over rank once 'repaired'; publish when it is ready."""
@@ -484,8 +536,11 @@ class Controller:
         return sorted(silent | {s["node"] for s in self.active.symptoms if s["kind"] == "node_silent"})
 
     def _after_change(self) -> None:
-        """Publish survivors-only or complete generations as replacements become ready."""
+        """Publish survivors-only or complete generations as replacements become ready; a restart of
+        every rank publishes only its complete generation (nobody holds state to wait with)."""
         rec = self.active
+        if rec.action == "restart_all" and not all(w.ready for w in self._live()):
+            return
         layout = self._publish(rec)
         if layout.complete:
             rec.t_ready = rec.t_ready or time.time()

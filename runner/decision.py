@@ -3,8 +3,9 @@
 A pure function of what the controller observed, so the tree is unit-tested without processes:
 transient error -> retry in a rebuilt group, nobody restarts; process crash or hang -> restart
 that process in place (FlashRecovery), state from a surviving replica, or without FlashRecovery let
-a neighbour take over its micro-batch (NDB); node loss -> NDB takeover, or fail until DeadPool's
-spares exist; anything the mix cannot handle -> fail with the reason.
+a neighbour take over its micro-batch (NDB); node loss -> NDB takeover. Whatever those cannot
+handle (no surviving replica, a lost node, FlashRecovery not in ft) restarts every rank from the
+newest flash snapshot when ft has flash_ckpt (restart_all); anything else fails with the reason.
 """
 
 from __future__ import annotations
@@ -15,13 +16,33 @@ from dataclasses import dataclass, field
 @dataclass
 class Decision:
     fault: str  # transient | process_crash | hang | node_loss (the controller relabels partition)
-    action: str  # retry | restart_rank | swap_spare | takeover | fail
+    action: str  # retry | restart_rank | swap_spare | takeover | restart_all | fail
     victims: list[int] = field(default_factory=list)  # logical ranks
     reason: str = ""
 
 
 def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hung: bool, lost_nodes: list[int],
-           lost_ranks: list[int], survivors: list[int], restarts_left: int, spares: int = 0) -> Decision:
+           lost_ranks: list[int], survivors: list[int], restarts_left: int, spares: int = 0,
+           full_restarts_left: int = 0) -> Decision:
+    first = _decide(ft=ft, cfg=cfg, can_restart=can_restart, dead=dead, hung=hung, lost_nodes=lost_nodes,
+                    lost_ranks=lost_ranks, survivors=survivors, restarts_left=restarts_left, spares=spares)
+    if first.action != "fail" or "flash_ckpt" not in ft or not can_restart:
+        return first
+    if lost_nodes and len(lost_nodes) >= cfg.parallel.nodes:
+        return Decision(first.fault, "fail", first.victims, f"every node {lost_nodes} was lost: there is no node "
+                        "left to restart the ranks on")
+    if full_restarts_left < 1:
+        return Decision(first.fault, "fail", first.victims, f"{first.fault} of logical rank(s) {first.victims}: restart "
+                        f"budget spent (ft.flash_ckpt.max_restarts={cfg.ft.flash_ckpt.max_restarts} restarts of every "
+                        "rank); raise it if failures are expected this often")
+    return Decision(first.fault, "restart_all", first.victims, f"{first.fault} of logical rank(s) "
+                    f"{first.victims or 'none (all alive)'} and no faster strategy in ft={ft} handles it: restart every "
+                    "rank from the newest flash snapshot all of them hold (flash_ckpt)")
+
+
+def _decide(*, ft: list[str], cfg, can_restart: bool, dead: list[int], hung: bool, lost_nodes: list[int],
+            lost_ranks: list[int], survivors: list[int], restarts_left: int, spares: int) -> Decision:
+    """The tree without snapshots: what the in-memory strategies (FlashRecovery, DeadPool, NDB) can do."""
     if lost_nodes:
         victims = sorted(set(lost_ranks) | set(dead))
         if "deadpool" in ft and survivors and spares >= len(victims):

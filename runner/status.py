@@ -16,5 +16,5 @@ class WorkerStatus:
     logical_rank: int
     dp: int
     step: int = 0
-    phase: str = "starting"  # starting | rendezvous | compute | takeover | reduce | recovering | done
+    phase: str = "starting"  # starting | rendezvous | compute | takeover | reduce | recovering | finishing | done
     latest_gen: int = -1  # newest generation the controller published (read by the heartbeat thread)

@@ -25,6 +25,7 @@ from runner.events import EventLog
 from runner.status import WorkerStatus
 
 PEER_CKPT = "peer://replica"  # ckpt_path a replacement passes to fit(): state comes from a live replica
+SNAPSHOT_CKPT = "flash://snapshot"  # ckpt_path of a restarted rank: the newest flash snapshot every rank holds
 
 
 class ResilientStrategy(ParallelStrategy):
@@ -40,6 +41,7 @@ class ResilientStrategy(ParallelStrategy):
         events: EventLog,
         status: WorkerStatus,
         recover: Callable[["ResilientStrategy", str], None] | None = None,
+        restore_snapshot: Callable[["ResilientStrategy"], dict] | None = None,
         on_commit: Callable[[int, Tensor, float], None] | None = None,
         joining: bool = False,
         ndb=None,
@@ -61,6 +63,7 @@ class ResilientStrategy(ParallelStrategy):
         self.events = events
         self.status = status
         self._recover_hook = recover
+        self._restore_snapshot = restore_snapshot
         self._on_commit = on_commit
         self.joining = joining  # a replacement: Lightning's setup collectives stay local until it is in sync
         self.ndb = ndb  # NDBRuntime when ft has ndb: this process may compute failed ranks' micro-batches too
@@ -301,6 +304,9 @@ class ResilientStrategy(ParallelStrategy):
         if checkpoint_path == PEER_CKPT:
             assert self._recover_hook is not None
             return self._recover_hook(self, "join")  # type: ignore[return-value]
+        if checkpoint_path == SNAPSHOT_CKPT:
+            assert self._restore_snapshot is not None
+            return self._restore_snapshot(self)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     # -- data: every loader follows the (seed, step, logical rank) contract ---------------------

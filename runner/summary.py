@@ -28,7 +28,8 @@ def write_summary(ctl) -> dict:
         status, error = "failed", f"replicas ended with different parameters: {len(checksums)} distinct checksums"
     wall = time.time() - ctl.t_start
     recoveries = [_recovery_entry(r, events, metrics) for r in ctl.recoveries if r.action]
-    accounting = _accounting(metrics, cfg, ctl.dp)
+    committed = _last_per_step(metrics)
+    accounting = _accounting(committed, cfg, ctl.dp)
     steps_in_metrics = len({m["step"] for m in metrics})
     train_s = _train_seconds(metrics)
     tokens_per_s = accounting["tokens_committed"] / train_s if train_s > 0 else 0.0
@@ -53,6 +54,7 @@ def write_summary(ctl) -> dict:
         "recoveries": recoveries,
         "takeovers": [{"wid": wid, **d["takeover"]} for wid, d in done.items() if "takeover" in d],
         "sdc_recomputed_steps": [e["step"] for e in events if e["kind"] == "sdc_detected"],
+        "steps_redone": len(metrics) - len(committed),
         **accounting,
     }
     summary["effective_training_time_ratio"] = _ettr(train_s, recoveries)
@@ -67,6 +69,13 @@ def _done_records(ctl) -> dict:
         if ctl.assigned.get(w.logical) == w.wid and ctl.store.check([key]):
             out[w.wid] = protocol.get_json(ctl.store, key)
     return out
+
+
+def _last_per_step(metrics: list[dict]) -> list[dict]:
+    """Each step's last commit: a restart from a snapshot redoes the steps after it, and the commits
+    it abandoned are not part of the final model."""
+    last = {m["step"]: m for m in metrics}
+    return [last[step] for step in sorted(last)]
 
 
 def _accounting(metrics: list[dict], cfg, dp: int) -> dict:

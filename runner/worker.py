@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks.fault_injection import FaultTrigger
+from callbacks.flash_checkpoint import FlashCheckpoint
 from callbacks.heartbeat import Heartbeat
 from callbacks.metrics import CommitMetrics
 from runner import protocol
@@ -33,11 +34,14 @@ from runner.lightning_module import GPTModule, StepDataModule
 from runner.loggers import build_logger
 from runner.plan import gpt_config
 from runner.recovery.ndb.config import NDBConfig
+from runner.recovery.flash_ckpt import Event
 from runner.recovery.ndb.runtime import NDBRuntime
+from runner.recovery.flash_names import flash_job_id, partner_rank
 from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
 from runner.recovery.sdc import GradientGuard
+from runner.recovery.snapshot_restore import SnapshotRestore
 from runner.status import WorkerStatus
-from runner.strategy import PEER_CKPT, ResilientStrategy
+from runner.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy
 
 EXIT_ABORTED = 3  # the controller ended the run
 EXIT_FAILED = 4  # recovery impossible
@@ -50,7 +54,7 @@ class WorkerSpec:
     node: int
     local_rank: int
     logical_rank: int
-    role: str  # initial | joiner
+    role: str  # initial | joiner (state from a live replica) | restore (state from flash snapshots)
     first_gen: int
     host: str
     port: int
@@ -102,11 +106,13 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     # Workers never decide a run's fate: even without fault tolerance a failed collective is reported
     # and the controller answers (here: ends the run naming the fault).
     recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s)
-    joining = spec.role in ("joiner", "spare")  # a spare joins like a replacement once given a rank
+    joining = spec.role in ("joiner", "spare", "restore")  # none holds the state yet: setup collectives stay local
     ndb = NDBRuntime(module.model, NDBConfig(**cfg.ft.ndb), cfg.seed) if "ndb" in cfg.ft else None
+    flash = flash_callback(cfg, spec, events) if "flash_ckpt" in cfg.ft else None
+    restore = SnapshotRestore(comm, events, recovery, flash.job_id, flash.dir) if flash else None
     strategy = ResilientStrategy(
         comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
-        recover=recovery, joining=joining, ndb=ndb, first_gen=spec.first_gen,
+        recover=recovery, restore_snapshot=restore, joining=joining, ndb=ndb, first_gen=spec.first_gen,
         guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
         start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
     )
@@ -126,7 +132,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         precision=cfg.trainer.precision,
         gradient_clip_val=cfg.trainer.grad_clip or None,
         logger=build_logger(cfg, run_dir) if is_rank0 else False,  # a replacement of rank 0 resumes the logging
-        callbacks=[heartbeat, faults, metrics],
+        # flash first: its teardown (draining the persister) runs while the heartbeat still beats
+        callbacks=[*([flash] if flash else []), heartbeat, faults, metrics],
         enable_checkpointing=False,
         enable_progress_bar=bool(cfg.trainer.progress_bar and is_rank0 and not joining),
         enable_model_summary=is_rank0 and not joining,
@@ -136,13 +143,28 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         default_root_dir=str(run_dir),
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=PEER_CKPT if joining else None)
+    ckpt_path = {"joiner": PEER_CKPT, "restore": SNAPSHOT_CKPT}.get(spec.role)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     status.phase = "done"
     final = _final_record(trainer, module, strategy)
     protocol.set_json(store, f"done/{spec.wid}", final)
     store.add("done_count", 1)  # one counter for the controller to watch instead of a key per worker
     events.emit("worker_done", wid=spec.wid, **{k: v for k, v in final.items() if k != "checksum"})
     heartbeat.stop()
+
+
+def flash_callback(cfg: DictConfig, spec: WorkerSpec, events: EventLog) -> FlashCheckpoint:
+    """ft=flash_ckpt: snapshots of this logical rank, a copy on the partner node, persists to <run dir>/checkpoints."""
+    fc = cfg.ft.flash_ckpt
+    partner = partner_rank(spec.logical_rank, cfg.parallel.nodes, cfg.parallel.procs_per_node) if fc.neighbour_backup else None
+
+    def on_event(event: Event) -> None:
+        if event.kind not in ("committed", "backed_up"):  # one per snapshot and rank would drown the log
+            events.emit(f"snapshot_{event.kind}", snapshot_step=event.step, where=event.where, detail=event.detail)
+
+    return FlashCheckpoint(fc.every_n_steps, fc.persist_every_n_steps or None, Path(spec.run_dir) / "checkpoints",
+                           overlap=fc.overlap, job_id=flash_job_id(spec.run_dir), keep=fc.keep, rank=spec.logical_rank,
+                           partner=partner, on_event=on_event)
 
 
 def select_device(cfg: DictConfig, logical_rank: int) -> tuple[torch.device, str]:

@@ -110,3 +110,18 @@ def test_gradient_guard_rejects_a_flipped_exponent_and_keeps_its_history_clean()
     assert guard.verdict([torch.tensor([float("inf")])])[0] is False
     assert guard.verdict([torch.full((4,), 3.0)])[0]  # a real, moderate rise is accepted
     assert len(guard.norms) == 6
+
+
+def test_decision_tree_falls_back_to_a_restart_from_snapshots():
+    cfg = OmegaConf.create({"ft": {"flashrecovery": {"max_restarts": 2, "retry_transient": True},
+                                   "flash_ckpt": {"max_restarts": 1}}, "parallel": {"nodes": 2}})
+    kw = dict(cfg=cfg, hung=False, lost_nodes=[], lost_ranks=[], survivors=[], restarts_left=2, full_restarts_left=1)
+    assert decide(ft=["flash_ckpt"], dead=[0, 1, 2, 3], **kw).action == "restart_all"
+    assert decide(ft=["flashrecovery", "flash_ckpt"], dead=[0, 1], **kw).action == "restart_all"  # no replica left
+    assert decide(ft=["flashrecovery", "flash_ckpt"], dead=[1], **{**kw, "survivors": [0]}).action == "restart_rank"
+    node = decide(ft=["flash_ckpt"], dead=[], **{**kw, "lost_nodes": [1], "lost_ranks": [2, 3]})
+    assert (node.fault, node.action, node.victims) == ("node_loss", "restart_all", [2, 3])
+    assert decide(ft=["flash_ckpt"], dead=[], **{**kw, "lost_nodes": [0, 1]}).action == "fail"  # no node left
+    spent = decide(ft=["flash_ckpt"], dead=[0], **{**kw, "full_restarts_left": 0})
+    assert spent.action == "fail" and "ft.flash_ckpt.max_restarts=1" in spent.reason
+    assert decide(ft=["flash_ckpt"], dead=[0], **kw, can_restart=False).action == "fail"  # torchrun owns processes

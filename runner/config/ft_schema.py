@@ -34,6 +34,7 @@ class FlashCkptConfig:
     overlap: bool = True
     keep: int = 2
     neighbour_backup: bool = True
+    max_restarts: int = 5
 
 
 FT_SCHEMAS = {
@@ -45,4 +46,4 @@ FT_SCHEMAS = {
 
 # Strategies whose recovery path is built into the runner today; the others compose and validate,
 # and are refused at run time with a clear message until they land.
-IMPLEMENTED = ("flashrecovery", "ndb", "deadpool")
+IMPLEMENTED = ("flashrecovery", "deadpool", "ndb", "flash_ckpt")

@@ -15,8 +15,9 @@ from runner.config.registry import recipe_names
 from runner.config.schema import FaultConfig
 
 FAULT_KINDS = ("none", "kill_rank", "kill_node", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link",
-               "partition")
-RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition")
+               "partition", "kill_all", "wipe_shm", "corrupt_snapshot")
+RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
+               "wipe_shm", "corrupt_snapshot")
 LOGGERS = ("wandb", "csv", "none")
 LAUNCHERS = ("auto", "local", "torchrun", "slurm")
 
@@ -133,6 +134,8 @@ def _ft_problems(cfg: DictConfig, for_training: bool) -> list[str]:
             OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FT_SCHEMAS[name]), cfg.ft[name]))
         except (OmegaConfBaseException, ValueError) as err:
             out.append(f"ft.{name}: {str(err).splitlines()[0].rstrip('.')}; see conf/ft/{name}.yaml for the valid keys.")
+        if name == "flash_ckpt":
+            out += _flash_ckpt_problems(cfg.ft.flash_ckpt)
         if name == "ndb" and cfg.model._target_:
             out.append("ft=ndb approximates the built-in GPT's attention and FFN branches; it cannot drive "
                        f"model._target_={cfg.model._target_}: use ft=flashrecovery for your own module.")
@@ -140,6 +143,19 @@ def _ft_problems(cfg: DictConfig, for_training: bool) -> list[str]:
             out.append(
                 f"ft={name} is not available in this version yet (available: {', '.join(IMPLEMENTED)}, or ft=[] for none)."
             )
+    return out
+
+
+def _flash_ckpt_problems(fc: DictConfig) -> list[str]:
+    every, persist = fc.get("every_n_steps", 1), fc.get("persist_every_n_steps", 0)
+    out = []
+    if not isinstance(every, int) or every < 1:
+        out.append(f"ft.flash_ckpt.every_n_steps={every} must be >= 1 (a snapshot every that many steps).")
+    elif not isinstance(persist, int) or persist < 0 or persist % every:
+        out.append(f"ft.flash_ckpt.persist_every_n_steps={persist} must be 0 (never to disk) or a multiple of "
+                   f"ft.flash_ckpt.every_n_steps={every}: only snapshots are persisted.")
+    if isinstance(fc.get("keep", 1), int) and fc.get("keep", 1) < 1:
+        out.append(f"ft.flash_ckpt.keep={fc.keep} must be >= 1 (persisted checkpoints kept on disk).")
     return out
 
 

@@ -42,7 +42,7 @@ class ReplicaRecovery:
         if reason == "planned":  # the controller published a new generation; nothing failed
             self.comm.abort()
         elif not joining:
-            self._abandon(strategy, reason)
+            self.abandon(strategy, reason)
             self.on_start()
         while True:
             try:
@@ -57,10 +57,10 @@ class ReplicaRecovery:
                     return ckpt
                 need_new_group = True  # survivors-only: wait for the replacement's generation
             except CollectiveFailure as err:
-                self._abandon(strategy, f"during recovery: {err}")
+                self.abandon(strategy, f"during recovery: {err}")
                 need_new_group = True
 
-    def _abandon(self, strategy, reason: str) -> None:
+    def abandon(self, strategy, reason: str) -> None:
         self.comm.abort()
         self.status.phase = "recovering"
         protocol.report(self.comm.store, {

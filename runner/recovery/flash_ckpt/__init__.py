@@ -7,7 +7,16 @@ from .events import Event
 from .hygiene import cleanup, cleanup_stale
 from .persister import PersistClient, PersistError, PersistOutcome, Persister, persist_latest, spawn_persister
 from .replica import backup_to_partner
-from .restore import Candidate, NoSnapshot, Restored, Skipped, list_snapshots, load_newest, newest_common_step
+from .restore import (
+    Candidate,
+    NoSnapshot,
+    Restored,
+    Skipped,
+    invalidate_newer,
+    list_snapshots,
+    load_newest,
+    newest_common_step,
+)
 from .segment import CorruptSnapshot
 from .shm import ShmSpaceError, segment_name
 from .snapshotter import Snapshotter
@@ -28,6 +37,7 @@ __all__ = [
     "backup_to_partner",
     "cleanup",
     "cleanup_stale",
+    "invalidate_newer",
     "list_snapshots",
     "load_newest",
     "newest_common_step",

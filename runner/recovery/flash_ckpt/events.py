@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 @dataclass(frozen=True)
 class Event:
-    """kind is one of: committed, persisted, persist_failed, skipped."""
+    """kind is one of: committed, persisted, persist_failed, skipped, backed_up, backup_failed."""
 
     kind: str
     step: int | None

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from .codec import flatten
-from .disk import list_checkpoints, read_verified
+from .disk import list_checkpoints, read_verified, sidecar_path
 from .events import EventSink, emit
 from .segment import CorruptSnapshot
-from .slots import committed_steps, load_slot
+from .slots import SlotWriter, committed_steps, load_slot
 from .shm import backup_names, segment_name
 
 _PREFERENCE = {"memory": 0, "partner": 1, "disk": 2}
@@ -93,3 +93,22 @@ def newest_common_step(per_rank_steps: Iterable[Iterable[int]]) -> int | None:
     sets = [set(steps) for steps in per_rank_steps]
     common = set.intersection(*sets) if sets else set()
     return max(common, default=None)
+
+
+def invalidate_newer(job_id: str, rank: int, step: int, ckpt_dir: str | Path | None = None) -> list[Candidate]:
+    """After the job resumed at `step`: drop `rank`'s snapshots of later steps everywhere (own
+    memory, partner copies, disk), so a later restore can never mix in the abandoned timeline."""
+    dropped = []
+    for name, source in [(segment_name(job_id, rank), "memory")] + [(b, "partner") for b in backup_names(job_id, rank)]:
+        writer = SlotWriter(name)
+        try:
+            dropped += [Candidate(s, source, Path(name)) for s in writer.invalidate_after(step)]
+        finally:
+            writer.close()
+    if ckpt_dir is not None:
+        for held, path in list_checkpoints(Path(ckpt_dir), rank):
+            if held > step:
+                path.unlink(missing_ok=True)
+                sidecar_path(path).unlink(missing_ok=True)
+                dropped.append(Candidate(held, "disk", path))
+    return dropped

@@ -1,0 +1,84 @@
+"""ft=flash_ckpt on real processes: every rank restarts from the newest snapshot all of them hold,
+from memory, a partner node's copy or disk; a corrupt snapshot is refused; /dev/shm is left clean."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner.recovery.flash_ckpt.shm import job_files
+from runner.recovery.flash_names import flash_job_id
+from tests.conftest import run_cli
+
+TWO = ["+recipe=gpt_tiny", "trainer.max_steps=30", "ft=[flash_ckpt]", "ft.flash_ckpt.every_n_steps=5"]
+FOUR = [*TWO, "parallel.nodes=2", "parallel.procs_per_node=2"]
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    """Fault-free references of the same length: 2 ranks on one node, 4 ranks on two nodes."""
+    two = run_cli(*TWO, run_dir=tmp_path_factory.mktemp("ff2") / "run")
+    four = run_cli(*FOUR, run_dir=tmp_path_factory.mktemp("ff4") / "run")
+    for run in (two, four):
+        assert run.summary["status"] == "completed", run.output[-3000:]
+        assert not job_files(flash_job_id(run.dir))
+    return {2: two.summary, 4: four.summary}
+
+
+def assert_restarted(run, reference, resumed_at: int, fault_step: int = 23) -> dict:
+    """Completed, bit-identical to the fault-free run, resumed at `resumed_at`, /dev/shm clean."""
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert not job_files(flash_job_id(run.dir)), "shared-memory segments of the job left behind"
+    assert s["global_step"] == reference["global_step"]
+    assert s["param_checksum"] == reference["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert s["samples_committed"] == reference["samples_committed"]
+    assert s["steps_redone"] == fault_step - resumed_at
+    (rec,) = s["recoveries"]
+    assert rec["action"] == "restart_all" and rec["step"] == fault_step
+    assert rec["rpo_steps"] == fault_step - resumed_at
+    assert rec["rto_s"] > 0
+    restored = run.events("snapshot_restored")
+    assert len(restored) == s["world_size"] and {e["step"] for e in restored} == {resumed_at}
+    assert [e["role"] for e in run.events("worker_started")].count("restore") == s["world_size"]
+    return {e["rank"]: e for e in restored}
+
+
+def test_kill_all_resumes_from_memory_exactly(fault_free, run_dir):
+    run = run_cli(*TWO, "ft.flash_ckpt.persist_every_n_steps=50", "fault=kill_all", "fault.step=23", run_dir=run_dir)
+    restored = assert_restarted(run, fault_free[2], resumed_at=20)
+    assert {e["source"] for e in restored.values()} == {"memory"}
+    assert "restart_all" in run.output  # the decision is shown live
+
+
+def test_node_loss_restores_the_lost_ranks_from_the_partner_nodes_memory(fault_free, run_dir):
+    run = run_cli(*FOUR, "fault=kill_node", "fault.node=1", "fault.step=23", run_dir=run_dir)
+    restored = assert_restarted(run, fault_free[4], resumed_at=20)
+    assert {r: e["source"] for r, e in restored.items()} == {0: "memory", 1: "memory", 2: "partner", 3: "partner"}
+    assert run.summary["recoveries"][0]["fault"] == "node_loss"
+    moved = [e for e in run.events("worker_started") if e["role"] == "restore" and e["rank"] in (2, 3)]
+    assert {e["node"] for e in moved} == {0}  # the lost node's ranks restart on its partner
+
+
+def test_whole_host_loss_restores_from_disk(fault_free, run_dir):
+    run = run_cli(*FOUR, "ft.flash_ckpt.persist_every_n_steps=10", "fault=wipe_shm", "fault.step=23", run_dir=run_dir)
+    restored = assert_restarted(run, fault_free[4], resumed_at=20)
+    assert {e["source"] for e in restored.values()} == {"disk"}
+    assert run.events("fault_injected")[0]["segments_lost"] > 0
+
+
+def test_a_corrupt_snapshot_is_refused_and_the_previous_one_used(fault_free, run_dir):
+    run = run_cli(*TWO, "fault=corrupt_snapshot", "fault.rank=1", "fault.step=23", run_dir=run_dir)
+    # one node: no partner copy of step 20, so both ranks agree on 15; the resume is still exact
+    restored = assert_restarted(run, fault_free[2], resumed_at=15)
+    (skipped,) = run.events("snapshot_skipped")
+    assert (skipped["rank"], skipped["step"], skipped["source"]) == (1, 20, "memory")
+    assert "checksum mismatch" in skipped["reason"]
+    assert all(e["refused"] == [20] and e["invalidated"] == [20] for e in restored.values())
+
+
+def test_without_flash_ckpt_kill_all_fails_with_the_reason(run_dir):
+    run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=20", "ft=[flashrecovery]", "fault=kill_all", "fault.step=5",
+                  run_dir=run_dir)
+    assert run.returncode == 1 and run.summary["status"] == "failed"
+    assert "ft=flash_ckpt" in run.summary["error"]
