@@ -54,7 +54,7 @@ class WorkerSpec:
     node: int
     local_rank: int
     logical_rank: int
-    role: str  # initial | joiner (state from a live replica) | restore (state from flash snapshots)
+    role: str  # initial | joiner (state from a live replica) | spare (a joiner once given a rank) | restore (snapshots)
     first_gen: int
     host: str
     port: int
@@ -143,7 +143,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         default_root_dir=str(run_dir),
     )
-    ckpt_path = {"joiner": PEER_CKPT, "restore": SNAPSHOT_CKPT}.get(spec.role)
+    ckpt_path = {"joiner": PEER_CKPT, "spare": PEER_CKPT, "restore": SNAPSHOT_CKPT}.get(spec.role)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     status.phase = "done"
     final = _final_record(trainer, module, strategy)
