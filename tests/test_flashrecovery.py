@@ -119,8 +119,10 @@ def test_slow_link_slows_the_job_without_a_recovery(fault_free, run_dir):
     s = run.summary
     assert s["status"] == "completed" and s["recoveries"] == []
     assert s["param_checksum"] == fault_free["param_checksum"]
-    times = {m["step"]: m["reduce_s"] for m in run.metrics()}
-    assert min(times[k] for k in range(10, 30)) >= 0.05  # every reduction waited for the slow link
+    times = {m["step"]: m["step_time_s"] for m in run.metrics()}
+    before = sum(times[k] for k in range(1, 10)) / 9
+    after = sum(times[k] for k in range(11, 30)) / 19
+    assert after - before >= 0.03  # the victim reaches each reduction 0.05 s late (less what overlaps compute)
 
 
 def test_partition_is_retried_then_the_cut_off_rank_is_isolated_and_replaced(fault_free, run_dir):
