@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -36,3 +37,12 @@ def steady_steps_per_s(metrics: list[dict], skip: int) -> float:
 
 def median_spread(values: list[float]) -> str:
     return f"median {statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f}, n={len(values)})"
+
+
+def throughput_args(doc: str) -> argparse.Namespace:
+    """--ranks, --steps and --rounds of the interleaved steps/s comparisons."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--rounds", type=int, default=3)
+    return ap.parse_args()

@@ -9,21 +9,16 @@ while no fault happens. Target ratio >= 0.99.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
-from common import median_spread
+from common import median_spread, throughput_args
 from throughput import ours_steps_per_s
 
 MIXES = {"ft=[]": "ft=[]", "ft=[flashrecovery]": "ft=[flashrecovery]"}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    args = throughput_args(__doc__)
     skip = 10
     results: dict[str, list[float]] = {name: [] for name in MIXES}
     for _ in range(args.rounds):

@@ -8,7 +8,6 @@ both alike; prints the median of each and their ratio (target >= 0.98).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -16,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, median_spread, run_cli, steady_steps_per_s
+from common import ROOT, median_spread, run_cli, steady_steps_per_s, throughput_args
 
 
 def ddp_steps_per_s(ranks: int, steps: int, skip: int) -> float:
@@ -36,11 +35,7 @@ def ours_steps_per_s(ranks: int, steps: int, skip: int, *extra: str) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    args = throughput_args(__doc__)
     skip = 10
     ours, ddp = [], []
     for _ in range(args.rounds):
