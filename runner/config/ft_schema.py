@@ -16,6 +16,10 @@ class FlashRecoveryConfig:
     max_restarts: int = 10
     retry_transient: bool = True
 
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"ft.flashrecovery.max_restarts={self.max_restarts} must be >= 0.")
+
 
 @dataclass
 class DeadPoolConfig:
@@ -23,6 +27,8 @@ class DeadPoolConfig:
     max_restarts: int = 10
 
     def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"ft.deadpool.max_restarts={self.max_restarts} must be >= 0.")
         if self.crash_action not in ("restart_in_place", "swap"):
             raise ValueError(f"ft.deadpool.crash_action={self.crash_action!r}: use restart_in_place or swap.")
 

@@ -164,6 +164,8 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
     hb = cfg.heartbeat
     if hb.interval_s <= 0 or hb.misses < 1:
         out.append(f"heartbeat.interval_s ({hb.interval_s}) must be > 0 and heartbeat.misses ({hb.misses}) >= 1.")
+    if hb.decide_window_s < 0:
+        out.append(f"heartbeat.decide_window_s ({hb.decide_window_s}) must be >= 0.")
     if hb.stall_timeout_s <= hb.interval_s:
         out.append(f"heartbeat.stall_timeout_s ({hb.stall_timeout_s}) must exceed heartbeat.interval_s ({hb.interval_s}).")
     f = cfg.fault
@@ -179,6 +181,9 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
             out.append(f"{where}.rank={one.rank} is not a rank of this {dp_size(cfg)}-rank job; use 0..{dp_size(cfg) - 1}.")
         if one.kind == "kill_node" and not 0 <= one.node < cfg.parallel.nodes:
             out.append(f"{where}.node={one.node} is not a node of this job; use 0..{cfg.parallel.nodes - 1}.")
+        if one.delay_s < 0 or (one.duration_s < 0 and one.duration_s != -1):
+            out.append(f"{where}: delay_s ({one.delay_s}) must be >= 0 and duration_s ({one.duration_s}) -1 (for good) "
+                       "or >= 0.")
         if one.during not in ("step", "recovery"):
             out.append(f"{where}.during={one.during!r} is unknown; use step or recovery.")
         if one.during == "recovery" and one.kind not in ("kill_rank", "hang_rank"):
@@ -191,6 +196,9 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         out.append(f"logger.kind={cfg.logger.kind!r} is unknown; use logger=wandb, logger=csv or logger=none.")
     if cfg.launcher.kind not in LAUNCHERS:
         out.append(f"launcher.kind={cfg.launcher.kind!r} is unknown; use one of {', '.join(LAUNCHERS)}.")
+    if cfg.trainer.sdc_factor < 0 or cfg.trainer.sdc_window < 1:
+        out.append(f"trainer.sdc_factor ({cfg.trainer.sdc_factor}) must be >= 0 (0 = guard off) and "
+                   f"trainer.sdc_window ({cfg.trainer.sdc_window}) >= 1.")
     if cfg.fault.kind == "bitflip" and cfg.trainer.sdc_factor <= 0:
         out.append("fault=bitflip with trainer.sdc_factor=0: the corruption guard is off, so the flipped bit would "
                    "silently enter the model; set trainer.sdc_factor > 0 (default 100).")
