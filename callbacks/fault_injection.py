@@ -31,7 +31,7 @@ class FaultTrigger(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
         for i, fault in self.faults:
-            if not self._targets_me(fault) or fault.during != "step" or fault.kind == "bitflip":
+            if not self._targets_me(fault) or fault.during not in ("step", "after_reduce") or fault.kind == "bitflip":
                 continue
             if fault.kind == "slow_rank":
                 if step >= max(fault.step, 0):
@@ -59,6 +59,15 @@ class FaultTrigger(Callback):
             if fault.during == "recovery" and self._targets_me(fault) and self.comm.store.add(f"fault/claim/{i}", 1) == 1:
                 self._fire(i, fault, self.status.step)
 
+    def replication_fault(self, step: int):
+        """``during: replication``: a kill due at ``step`` strikes while this rank's shard copy is in flight.
+        Returns the trigger to pull once the copy has started, or None."""
+        for i, fault in self.faults:
+            if (fault.during == "replication" and self._targets_me(fault) and self._due(fault, step)
+                    and self.comm.store.add(f"fault/claim/{i}", 1) == 1):
+                return lambda i=i, fault=fault: self._fire(i, fault, step + 1)  # the copy overlaps step + 1
+        return None
+
     def _targets_me(self, fault) -> bool:
         if fault.kind in RANK_FAULTS:
             return fault.rank == self.comm.logical_rank
@@ -73,7 +82,9 @@ class FaultTrigger(Callback):
 
     def _fire(self, i: int, fault, step: int) -> None:
         if fault.kind in ("transient", "slow_link", "partition"):  # network faults: the victim's own links
-            if fault.kind == "transient":
+            if fault.kind == "transient" and fault.during == "after_reduce":
+                self.comm.inject_after_success = True  # the others commit the step; the victim alone lags
+            elif fault.kind == "transient":
                 self.comm.inject_transient = True
             elif fault.kind == "slow_link":
                 self.comm.link_delay_s = fault.delay_s

@@ -27,6 +27,10 @@ class RunAborted(RuntimeError):
     """The controller ended the run, or no usable generation came in time."""
 
 
+class RunFailedError(RuntimeError):
+    """Recovery cannot succeed; the worker reports it and the run ends 'failed'."""
+
+
 class Comm:
     def __init__(self, store: TCPStore, wid: int, backend: str, device: torch.device, timeouts) -> None:
         self.store, self.wid, self.backend, self.device = store, wid, backend, device
@@ -34,8 +38,11 @@ class Comm:
         self.rendezvous_timeout_s = timeouts.rendezvous_timeout_s
         self.recovery_timeout_s = timeouts.recovery_timeout_s
         self.pg: dist.ProcessGroup | None = None
+        self.want_side_group = False  # DeadPool's shard replication: a second, gloo-only group per generation
+        self.side_pg: dist.ProcessGroup | None = None
         self.layout: Layout | None = None
         self.inject_transient = False  # set by the fault injector: the next collective fails once
+        self.inject_after_success = False  # ... or the next all-reduce fails here only, once it completed everywhere
         self.link_delay_s = 0.0  # slow_link fault: added before every collective (like a tc delay)
         self.partitioned_until = 0.0  # partition fault: collectives and rendezvous fail until then
 
@@ -88,8 +95,12 @@ class Comm:
                 self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.size, opts)
             else:
                 self.pg = _gloo_group(prefix, self.rank, self.size, wait, self.collective_timeout)
+            if self.want_side_group:  # host-memory traffic beside the main group, never queued behind it
+                side = PrefixStore(f"pg/{layout.gen}/side/", self.store)
+                self._arrive(side, wait)
+                self.side_pg = _gloo_group(side, self.rank, self.size, wait, self.collective_timeout)
         except Exception as err:  # a member died during the rendezvous
-            self.pg = None
+            self.pg = self.side_pg = None
             raise CollectiveFailure(f"rendezvous of gen {layout.gen} failed: {err}") from err
 
     def _arrive(self, prefix: PrefixStore, wait: timedelta) -> None:
@@ -120,12 +131,13 @@ class Comm:
             if self.backend == "nccl":
                 self.pg.abort()  # NCCL: abort the communicator instead of waiting for its timeout
             self.pg = None
+        self.side_pg = None  # an exchange still in flight holds it until its peers' groups close too
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
     # No frame may keep a reference to the group or its work objects once a collective failed: the
     # group's connections close only when the last reference goes, and closing them is what makes
     # peers fail at once (gloo's abort()/shutdown() leave the sockets open).
-    def _run(self, ops) -> None:
+    def _run(self, ops, *, reduction: bool = False) -> None:
         """Run collectives one at a time: with nothing left in flight after an error, dropping the
         group is immediate (gloo's destructor joins its worker threads while holding the GIL)."""
         if self.pg is None:
@@ -142,7 +154,10 @@ class Comm:
         try:
             for op in ops:
                 op(self.pg).wait()
-            return
+            if not (reduction and self.inject_after_success):
+                return
+            self.inject_after_success = False
+            message = "injected connection error after the collective completed on every peer"
         except Exception as err:
             message = str(err).splitlines()[0] if str(err) else type(err).__name__
         self.abort()
@@ -150,7 +165,7 @@ class Comm:
 
     def allreduce(self, tensors: list[torch.Tensor], op=dist.ReduceOp.SUM) -> None:
         opts = _opts(op)
-        self._run([lambda pg, t=t: pg.allreduce([t], opts) for t in tensors])
+        self._run([lambda pg, t=t: pg.allreduce([t], opts) for t in tensors], reduction=True)
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.size)]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig, open_dict
 
-from runner.config.validate import dp_size, world_size
+from runner.config.validate import dp_size, world_size, zero_problems
 from runner.model import GPTConfig, count_params, flops_per_token
 
 GiB = 2**30
@@ -92,15 +92,17 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
         if cfg.trainer.precision != "32-true":
             changes.append(f"precision {cfg.trainer.precision} -> 32-true")
             cfg.trainer.precision = "32-true"
-        for key in ("zero", "dp_group_size"):
-            if p[key]:
-                changes.append(f"parallel.{key} {p[key]} -> 0 (not available yet)")
-                p[key] = 0
+        if p.dp_group_size:
+            changes.append(f"parallel.dp_group_size {p.dp_group_size} -> 0 (not available yet)")
+            p.dp_group_size = 0
         if p.nodes * p.procs_per_node > limit:
             nodes = min(p.nodes, limit)
             per = max(1, limit // nodes)
             changes.append(f"layout {p.nodes}x{p.procs_per_node} -> {nodes}x{per} (runner.smoke_max_ranks={limit})")
             p.nodes, p.procs_per_node = nodes, per
+        if p.zero and zero_problems(cfg):
+            changes.append(f"parallel.zero {p.zero} -> 0 (not usable with ft={list(cfg.ft.keys())} on this layout)")
+            p.zero = 0
         dp = dp_size(cfg)
         cfg.trainer.global_batch_size = 2 * dp
         if cfg.trainer.max_steps > 20:

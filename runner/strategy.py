@@ -10,6 +10,7 @@ Lightning's ``global_step``, schedulers and loop counters count each committed s
 from __future__ import annotations
 
 import io
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -22,7 +23,10 @@ from runner.comm import Comm, CollectiveFailure
 from runner.data import IndexedDatasetSource, StepLoader, derive_seed
 from runner.environment import RunnerEnvironment
 from runner.events import EventLog
+from runner.recovery.deadpool.replicator import ShardReplicator
+from runner.recovery.deadpool.shard_state import ShardState
 from runner.status import WorkerStatus
+from runner.zero import ZeroOne
 
 PEER_CKPT = "peer://replica"  # ckpt_path a replacement passes to fit(): state comes from a live replica
 SNAPSHOT_CKPT = "flash://snapshot"  # ckpt_path of a restarted rank: the newest flash snapshot every rank holds
@@ -48,6 +52,9 @@ class ResilientStrategy(ParallelStrategy):
         guard=None,
         first_gen: int = 0,
         start_timeout_s: float = 120.0,
+        zero_stage: int = 0,
+        replicate_shards: bool = False,
+        procs_per_node: int = 1,
     ) -> None:
         super().__init__(
             accelerator=None,
@@ -78,6 +85,14 @@ class ResilientStrategy(ParallelStrategy):
         self._buckets: list[tuple[Tensor, list[Tensor]]] = []
         self._batch_sample: Optional[Tensor] = None
         self._batch_loss: Optional[float] = None
+        self.zero_stage = zero_stage
+        self.replicate_shards = replicate_shards  # DeadPool: copy this rank's shard to a neighbour every step
+        self.procs_per_node = procs_per_node
+        self.zero: Optional[ZeroOne] = None  # built in setup(), once the optimizer exists
+        self.replicator: Optional[ShardReplicator] = None
+        self.fault_hooks = None  # the fault injector, for faults that strike during a shard replication
+        self._inner_step: Optional[Callable[[], Any]] = None  # the optimizer's own step, under the gate
+        self._failed = False
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -124,16 +139,37 @@ class ResilientStrategy(ParallelStrategy):
         rank_zero_only.rank = self.comm.logical_rank  # Lightning's rank-zero prints follow the logical rank
         self.events.emit("group_formed", gen=layout.gen, members=len(layout.members), joining=self.joining)
 
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """ZeRO-1: a replacement restores after setup(), so its optimizer is already sharded when its shard comes."""
+        return self.zero_stage > 0
+
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
+        if self.zero_stage:
+            self._shard_optimizer()
         for opt in self.optimizers:
             _gate_optimizer_step(opt, self)
         if not self.joining:  # replicas start identical whatever the module's init did (as DDP does)
             for p in self.lightning_module.state_dict().values():
                 if isinstance(p, Tensor):
                     self.comm.broadcast(p.data, src=0)
+            if self.replicator is not None:  # a replica of the initial shard too: nothing is ever unprotected
+                self.replicator.start(self.comm, trainer.global_step)
         # every process (a replacement too) builds the user's dataloader from the same RNG state
         torch.manual_seed(derive_seed(self.seed, 0xDA7A))
+
+    def _shard_optimizer(self) -> None:
+        if len(self.optimizers) != 1:
+            raise ValueError(f"parallel.zero=1 supports a module with one optimizer; configure_optimizers() returned "
+                             f"{len(self.optimizers)}: use one optimizer or parallel.zero=0")
+        self.zero = ZeroOne(self.lightning_module, self.optimizers[0], self.dp_size)
+        self.zero.shard_for(self.logical_rank)
+        # Lightning clips the gradients of the optimizer's parameters (main_params); the norm must stay the whole
+        # gradient's (every rank holds it after the full all-reduce), summed in the same order as unsharded.
+        self.precision_plugin.main_params = lambda optimizer: self.zero.unsharded
+        if self.replicate_shards:
+            self.replicator = ShardReplicator(self.zero, self.procs_per_node, self.comm.collective_timeout.total_seconds())
 
     # -- per-step seeding and the committed, failure-aware reduction ----------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -147,6 +183,8 @@ class ResilientStrategy(ParallelStrategy):
         if self.status.latest_gen > self.comm.gen and self._recover_hook is not None and not self.joining:
             self.status.phase = "recovering"
             self._recover_hook(self, "planned")  # regroup at the step boundary, before any compute
+        if self.zero is not None and self.zero.stale:
+            self._sync_params()
         self.status.phase = "compute"
         out = super().training_step(*args, **kwargs)
         loss = out["loss"] if isinstance(out, dict) else out
@@ -194,6 +232,74 @@ class ResilientStrategy(ParallelStrategy):
         self.status.phase = "compute"
         if self._on_commit is not None:
             self._on_commit(step, extras, time.perf_counter() - t0)
+
+    # -- ZeRO-1: each rank updates its own shard; everyone's parameters are synced at the next step --
+    def apply_update(self, inner: Callable[[], Any]) -> None:
+        """The optimizer update of a committed step (called by the gated ``optimizer.step``)."""
+        if self.consume_skip():
+            return
+        if self.zero is None:
+            inner()
+            return
+        gen = self.lightning_module.trainer.global_step + 1  # updates applied once this one is
+        if self.replicator is not None:
+            self._await_replication()
+            self.replicator.record(self.logical_rank, gen)
+        inner()
+        self.zero.stale = True
+        if self.replicator is not None:
+            fire = self.fault_hooks.replication_fault(gen - 1) if self.fault_hooks is not None else None
+            if fire is not None:  # fault injection: the copy stops half-way while the controller kills us
+                self.replicator.pause_before_data = threading.Event()
+            self.replicator.start(self.comm, gen)
+            if fire is not None:
+                fire()
+                self.replicator.pause_before_data.set()  # not killed after all: let the copy finish
+
+    def _await_replication(self) -> None:
+        """The previous exchange must be complete before the shard changes again. A failed one is logged
+        only: the main group's next collective meets the same fault, and recovery starts there, at a
+        point where every rank agrees on the step."""
+        try:
+            self.replicator.wait()
+        except CollectiveFailure as err:
+            self.events.emit("replication_failed", gen=self.comm.gen, error=str(err))
+
+    def _sync_params(self) -> None:
+        while self.zero.stale:  # a recovery ends with a sync of its own, so it is not retried after one
+            try:
+                self.status.phase = "sync"
+                self.zero.sync(self.comm)
+            except CollectiveFailure as err:
+                self.status.phase = "recovering"
+                self.events.emit("collective_failed", gen=self.comm.gen, error=str(err))
+                if self._recover_hook is None:
+                    raise
+                self._recover_hook(self, str(err))
+
+    def final_gradients(self) -> list[Tensor]:
+        """The gradients the last update used: kept in ``.grad`` until the next backward, which no rank can
+        have started while a laggard still misses that update (it waits in the parameter sync)."""
+        return [p.grad for p in self.zero.params]
+
+    def finish_update(self, grads: list[Tensor]) -> None:
+        """A laggard applies the update it missed, with the final gradients every other rank used."""
+        for p, g in zip(self.zero.params, grads):
+            p.grad = g
+        gen = self.lightning_module.trainer.global_step + 1
+        if self.replicator is not None:
+            self.replicator.record(self.logical_rank, gen)
+        self._inner_step()
+        self.zero.stale = True
+        self._skip_update = True
+
+    def adopt_shard_state(self, ckpt: dict, shard: ShardState) -> None:
+        """A joiner's Lightning state from the source, with its own shard's optimizer state in it (the
+        source's is the source's shard; the parameters are everyone's, synced before the source dumped them)."""
+        mine = self.optimizers[0].state_dict()["param_groups"]
+        source = ckpt["optimizer_states"][0]["param_groups"]
+        ckpt["optimizer_states"] = [{"state": shard.state,
+                                     "param_groups": [{**s, "params": m["params"]} for s, m in zip(source, mine)]}]
 
     def _guard_accepts(self, flats: list[Tensor], step: int) -> bool:
         accepted, norm, median = self.guard.verdict(flats)
@@ -272,14 +378,17 @@ class ResilientStrategy(ParallelStrategy):
                 offset += n
 
     # -- state transfer between replicas --------------------------------------------------------
-    def send_or_receive_state(self, src_pg_rank: int, *, receive: bool) -> Optional[dict]:
-        """Broadcast the source replica's full Lightning checkpoint over the current group."""
+    def dump_state(self) -> dict:
+        """This replica's full Lightning checkpoint."""
+        return self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+    def exchange(self, obj: Any, src_pg_rank: int, *, receive: bool) -> Any:
+        """Broadcast ``obj`` (given on the source only) over the current group; receivers get a copy."""
         dev = self.root_device
         size = torch.zeros(1, dtype=torch.int64, device=dev)
         payload = None
-        if not receive and self.comm.rank == src_pg_rank:
-            ckpt = self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            payload = _to_bytes(ckpt).to(dev)
+        if self.comm.rank == src_pg_rank:
+            payload = _to_bytes(obj).to(dev)
             size[0] = payload.numel()
         self.comm.broadcast(size, src_pg_rank)
         if payload is None:
@@ -295,6 +404,11 @@ class ResilientStrategy(ParallelStrategy):
         for opt, state in zip(self.optimizers, ckpt["optimizer_states"]):
             opt.load_state_dict(state)
         self._skip_update = True
+
+    def committed_steps(self) -> int:
+        """Steps whose update this replica holds: a laggard that already adopted or finished the newest one
+        counts it, so a recovery that is retried never applies it twice."""
+        return self.lightning_module.trainer.global_step + int(self._skip_update)
 
     def consume_skip(self) -> bool:
         skip, self._skip_update = self._skip_update, False
@@ -366,7 +480,15 @@ class ResilientStrategy(ParallelStrategy):
         self.comm.allreduce([t])
         return bool(t.item() == self.comm.size) if all else bool(t.item() > 0)
 
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
     def teardown(self) -> None:
+        if self.zero is not None and self.zero.stale and not self._failed:
+            self._sync_params()  # the last update's shards, before the group goes
+        if self.replicator is not None:
+            self.replicator.close()
         super().teardown()
         self.comm.abort()
 
@@ -406,14 +528,14 @@ def _make_buckets(module: torch.nn.Module, bucket_bytes: int) -> list[tuple[Tens
 
 
 def _gate_optimizer_step(optimizer: torch.optim.Optimizer, strategy: ResilientStrategy) -> None:
-    """Make ``optimizer.step`` skip the update when the step's committed state was adopted instead."""
+    """Route ``optimizer.step`` through the strategy: it skips the update when the step's committed state was
+    adopted instead, and under ZeRO-1 surrounds it with the shard's replication."""
     inner = optimizer.step
+    strategy._inner_step = inner
 
     def step(closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = closure() if closure is not None else None
-        if strategy.consume_skip():
-            return loss
-        inner()
+        strategy.apply_update(inner)
         return loss
 
     # The gate calls the scheduler-wrapped step, so torch's "step before scheduler" bookkeeping holds.

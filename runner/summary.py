@@ -53,6 +53,7 @@ def write_summary(ctl) -> dict:
         "param_checksum": checksums[0] if len(checksums) == 1 else None,
         "recoveries": recoveries,
         "takeovers": [{"wid": wid, **d["takeover"]} for wid, d in done.items() if "takeover" in d],
+        **_replication(done),
         "sdc_recomputed_steps": [e["step"] for e in events if e["kind"] == "sdc_detected"],
         "steps_redone": len(metrics) - len(committed),
         **accounting,
@@ -111,6 +112,16 @@ def _mfu(cfg, tokens_per_s: float, ranks: int) -> float:
     return mfu(gpt_config(cfg), tokens_per_s, cfg.runner.peak_flops_per_rank * ranks)
 
 
+def _replication(done: dict) -> dict:
+    """DeadPool with ZeRO-1: shard bytes copied to neighbours per step (all ranks) and the host memory
+    the replication holds on the busiest rank (send buffer, two replica slots, replay records)."""
+    reps = [d["replication"] for d in done.values() if "replication" in d]
+    if not reps:
+        return {}
+    return {"replication_bytes_per_step": sum(r["bytes_per_step"] for r in reps),
+            "replication_buffer_bytes_max": max(r["buffer_bytes"] for r in reps)}
+
+
 def _ettr(train_s: float, recoveries: list[dict]) -> float:
     """Effective training time ratio: the share of the training span not spent recovering."""
     if train_s <= 0:
@@ -137,7 +148,8 @@ def _recovery_entry(rec, events: list[dict], metrics: list[dict]) -> dict:
         "step": fault_step,
         "action": rec.action,
         "reason": rec.reason,
-        "rpo_steps": (fault_step - after[0]["step"]) if after and fault_step >= 0 else None,
+        # steps of work to redo; 0 when the struck step was committed anyway (a fault after its reduction)
+        "rpo_steps": max(0, fault_step - after[0]["step"]) if after and fault_step >= 0 else None,
         "rto_s": (t_commit - t_fault) if t_commit else None,
         "detect_s": rec.t_detect - t_fault,
         "decide_s": t_decide - rec.t_detect,

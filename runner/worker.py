@@ -110,11 +110,14 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     ndb = NDBRuntime(module.model, NDBConfig(**cfg.ft.ndb), cfg.seed) if "ndb" in cfg.ft else None
     flash = flash_callback(cfg, spec, events) if "flash_ckpt" in cfg.ft else None
     restore = SnapshotRestore(comm, events, recovery, flash.job_id, flash.dir) if flash else None
+    replicate = bool(cfg.parallel.zero) and "deadpool" in cfg.ft
+    comm.want_side_group = replicate
     strategy = ResilientStrategy(
         comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
         recover=recovery, restore_snapshot=restore, joining=joining, ndb=ndb, first_gen=spec.first_gen,
         guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
         start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
+        zero_stage=cfg.parallel.zero, replicate_shards=replicate, procs_per_node=cfg.parallel.procs_per_node,
     )
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, strategy,
                             tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
@@ -123,6 +126,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     faults = FaultTrigger([f for f in all_faults(cfg) if f.kind != "none"], comm, status, events,
                           release_timeout_s=cfg.launcher.recovery_timeout_s)
     recovery.on_start = faults.on_recovery_start
+    strategy.fault_hooks = faults
     is_rank0 = spec.logical_rank == 0
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
@@ -205,6 +209,9 @@ def _final_record(trainer, module, strategy) -> dict:
               "logical_rank": strategy.logical_rank, "t": time.time()}
     if strategy.ndb is not None and strategy.ndb.step_times[True]:
         record["takeover"] = strategy.ndb.stats()
+    if strategy.replicator is not None:
+        record["replication"] = {"bytes_per_step": strategy.replicator.bytes_per_step,
+                                 "buffer_bytes": strategy.replicator.memory_bytes()}
     return record
 
 

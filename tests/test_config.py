@@ -62,6 +62,12 @@ def test_recipe_override_of_parallel_group_is_honoured():
         (["ft=deadpool"], "parallel.spares=0"),
         (["ft=ndb", "ft.ndb.rank_ratio=3"], "rank_ratio"),
         (["+ft.flashrecovery.bogus=1", "ft=flashrecovery"], "ft.flashrecovery"),
+        (["parallel.zero=2"], "parallel.zero=2"),
+        (["parallel.zero=1", "ft=flashrecovery"], "add deadpool to ft"),
+        (["parallel.zero=1", "ft=deadpool", "parallel.spares=1"], "parallel.nodes >= 2"),
+        (["parallel.zero=1", "parallel.nodes=2", "parallel.procs_per_node=1", "ft=[deadpool,ndb]"], "not supported together"),
+        (["fault=kill_rank", "fault.during=replication"], "during=replication"),
+        (["fault=kill_rank", "fault.during=after_reduce"], "during=after_reduce"),
     ],
 )
 def test_impossible_or_unsupported_configs_fail_with_what_to_change(overrides, expected):
@@ -70,6 +76,12 @@ def test_impossible_or_unsupported_configs_fail_with_what_to_change(overrides, e
         validate(cfg)
     assert expected in str(err.value)
     assert "\n" not in str(err.value)  # one paragraph
+
+
+@pytest.mark.parametrize("overrides", [["parallel.zero=1"],  # no fault tolerance
+                                       ["parallel.zero=1", "parallel.nodes=2", "parallel.spares=1", "ft=[flashrecovery,deadpool]"]])
+def test_zero1_trains_alone_or_with_deadpool(overrides):
+    validate(_compose("+recipe=gpt_tiny", *overrides))
 
 
 def test_no_recipe_is_an_error_listing_recipes():

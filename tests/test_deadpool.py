@@ -49,3 +49,61 @@ def test_no_spare_left_falls_through_to_ndb(run_dir):
 def test_spares_without_deadpool_are_refused(run_dir):
     run = run_cli("+recipe=gpt_tiny", "parallel.spares=1", run_dir=run_dir, timeout=60)
     assert run.returncode == 2 and "ft=deadpool" in run.output
+
+
+# -- ZeRO-1: sharded optimizer state, replicated to a neighbour on another node every step ---------
+ZERO = [*SIX, "parallel.zero=1"]
+
+
+def test_zero1_with_replication_trains_exactly_like_replicated_state(fault_free, run_dir):
+    run = run_cli(*ZERO, run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-3000:]
+    assert s["param_checksum"] == fault_free["param_checksum"]  # same update math, shard by shard
+    assert s["replication_bytes_per_step"] > 0 and s["replication_buffer_bytes_max"] > 0
+    assert not run.events("replication_failed")
+
+
+def test_zero1_node_loss_spares_get_their_shards_from_the_neighbour_replicas(fault_free, run_dir):
+    run = run_cli(*ZERO, "fault=kill_node", "fault.node=1", "fault.step=20", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == fault_free["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_committed"]) == (0, 0, fault_free["samples_committed"])
+    (rec,) = s["recoveries"]
+    assert (rec["action"], rec["victims"]) == ("swap_spare", [2, 3]) and rec["rpo_steps"] <= 1
+    restored = {e["rank"]: e for e in run.events("shard_restored")}
+    assert sorted(restored) == [2, 3]
+    assert {r: e["holder"] for r, e in restored.items()} == {2: 4, 3: 5}  # the replicas on the next node
+
+
+def test_zero1_kill_during_an_in_flight_replication_replays_the_previous_generation(fault_free, run_dir):
+    run = run_cli(*ZERO, "fault=kill_rank", "fault.rank=2", "fault.step=20", "fault.during=replication",
+                  run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == fault_free["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_committed"]) == (0, 0, fault_free["samples_committed"])
+    (restored,) = run.events("shard_restored")
+    # the copy of update 21 was cut half-way: update 20's replica plus a replay of update 21
+    assert (restored["rank"], restored["step"], restored["replayed_updates"]) == (2, 21, 1)
+
+
+def test_zero1_laggard_finishes_its_update_from_the_peers_gradients(fault_free, run_dir):
+    run = run_cli(*ZERO, "fault=transient", "fault.rank=1", "fault.step=12", "fault.during=after_reduce",
+                  run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == fault_free["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_committed"]) == (0, 0, fault_free["samples_committed"])
+    (finished,) = run.events("shard_update_finished")
+    assert (finished["rank"], finished["step"]) == (1, 13)
+    assert s["recoveries"][0]["action"] == "retry" and s["recoveries"][0]["rpo_steps"] == 0
+
+
+def test_zero1_owner_and_replica_lost_together_fails_clearly(run_dir):
+    run = run_cli(*ZERO, "fault=kill_rank", "fault.rank=2", "fault.step=10",
+                  "+fault.extra=[{kind: kill_rank, rank: 4, step: 10}]", run_dir=run_dir)
+    s = run.summary
+    assert run.returncode == 1 and s["status"] == "failed"
+    assert "logical rank 2's ZeRO-1 optimizer shard was lost with its replica on logical rank 4" in s["error"]

@@ -68,6 +68,15 @@ def test_transient_error_is_retried_without_restarting_anyone(fault_free, run_di
     assert len(run.events("worker_started")) == 4
 
 
+def test_a_rank_that_alone_misses_a_completed_reduction_adopts_the_committed_state(fault_free, run_dir):
+    run = run_cli(*FOUR, *FR, "fault=transient", "fault.rank=1", "fault.step=8", "fault.during=after_reduce",
+                  run_dir=run_dir)
+    s = assert_exact(run, fault_free, recoveries=1)
+    assert s["recoveries"][0]["action"] == "retry" and s["recoveries"][0]["rpo_steps"] == 0
+    (laggard,) = [e for e in run.events("state_restored") if e["role"] == "laggard"]
+    assert (laggard["rank"], laggard["step"]) == (1, 9)  # the others had committed step 8
+
+
 def test_two_kills_at_different_steps(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=kill_rank", "fault.rank=0", "fault.step=6",
                   "+fault.extra=[{kind: kill_rank, rank: 3, step: 20}]", run_dir=run_dir)

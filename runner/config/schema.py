@@ -44,7 +44,9 @@ class FaultConfig:
     rank: int = 0  # victim logical rank (rank faults)
     node: int = 0  # victim node (node faults)
     step: int = -1  # inject at the start of this step; -1 = use after_s
-    during: str = "step"  # step: at the start of `step`; recovery: when the victim enters its next recovery
+    during: str = "step"  # step: at the start of `step`; recovery: when the victim enters its next recovery;
+    #   replication: while the victim's ZeRO-1 shard copy after `step`'s update is in flight (DeadPool);
+    #   after_reduce (transient): the victim's link fails just after `step`'s reduction completed everywhere
     after_s: float = -1.0  # or after this many seconds of training
     delay_s: float = 0.0  # slow_rank: delay per step; slow_link: delay per collective
     duration_s: float = -1.0  # partition: how long the rank's connections stay cut; -1 = for good

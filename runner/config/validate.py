@@ -105,12 +105,10 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
     elif gbs % dp:
         out.append(f"trainer.global_batch_size={gbs} must be divisible by the data-parallel size {dp}.")
     if for_training:
-        unused = [f"parallel.{k}={v}" for k, v in (("zero", p.zero), ("dp_group_size", p.dp_group_size)) if v]
-        if unused:
-            out.append(
-                f"{', '.join(unused)}: ZeRO-1 sharding and DP replica groups are not available yet; set them to 0 "
-                "(a recipe's plan may still show them)."
-            )
+        if p.dp_group_size:
+            out.append(f"parallel.dp_group_size={p.dp_group_size}: DP replica groups are not available yet; set it to 0 "
+                       "(a recipe's plan may still show it).")
+        out += zero_problems(cfg)
         if "deadpool" in ft_names(cfg) and not p.spares and "ndb" not in ft_names(cfg):
             out.append("ft=deadpool swaps failed ranks for hot spares, but parallel.spares=0 and nothing after it in "
                        "ft handles a lost node: set parallel.spares >= 1 (or add ft=ndb).")
@@ -121,6 +119,27 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         out.append(
             f"Training with tp={p.tp}/pp={p.pp} is not supported yet (only planning is); set parallel.tp=1 parallel.pp=1."
         )
+    return out
+
+
+def zero_problems(cfg: DictConfig) -> list[str]:
+    """ZeRO-1 trains without fault tolerance, or with DeadPool, whose per-step replicas are the only copy of
+    a lost rank's optimizer shard; the other strategies would need a full replica of it."""
+    p, names = cfg.parallel, ft_names(cfg)
+    if p.zero != 1 or not names:
+        return []
+    if "deadpool" not in names:
+        return [f"parallel.zero=1 shards the optimizer state, so a failed rank's shard exists nowhere else and "
+                f"ft={names} cannot rebuild it: add deadpool to ft (it replicates every shard to a neighbour each "
+                "step) or set parallel.zero=0."]
+    out = []
+    if p.nodes < 2:
+        out.append("parallel.zero=1 with ft=deadpool keeps each shard's replica on another node, but parallel.nodes=1: "
+                   "use parallel.nodes >= 2 (e.g. parallel.nodes=2 parallel.procs_per_node=1).")
+    unsupported = [n for n in names if n in ("ndb", "flash_ckpt")]
+    if unsupported:
+        out.append(f"parallel.zero=1 is not supported together with ft={unsupported} yet (their state hand-over "
+                   "assumes every rank holds the whole optimizer state): remove them from ft or set parallel.zero=0.")
     return out
 
 
@@ -184,11 +203,18 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         if one.delay_s < 0 or (one.duration_s < 0 and one.duration_s != -1):
             out.append(f"{where}: delay_s ({one.delay_s}) must be >= 0 and duration_s ({one.duration_s}) -1 (for good) "
                        "or >= 0.")
-        if one.during not in ("step", "recovery"):
-            out.append(f"{where}.during={one.during!r} is unknown; use step or recovery.")
+        if one.during not in ("step", "recovery", "replication", "after_reduce"):
+            out.append(f"{where}.during={one.during!r} is unknown; use step, recovery, replication or after_reduce.")
+        if one.during == "after_reduce" and one.kind != "transient":
+            out.append(f"{where}: during=after_reduce is for transient faults (the victim alone misses a reduction "
+                       "that completed everywhere else).")
         if one.during == "recovery" and one.kind not in ("kill_rank", "hang_rank"):
             out.append(f"{where}: during=recovery is for kill_rank and hang_rank faults.")
-        if one.kind not in ("none", "slow_rank") and one.during == "step" and one.step < 0 and one.after_s < 0:
+        if one.during == "replication" and (one.kind != "kill_rank" or one.step < 0 or not cfg.parallel.zero
+                                            or "deadpool" not in ft_names(cfg)):
+            out.append(f"{where}: during=replication kills a rank while its ZeRO-1 shard is being copied: it needs "
+                       "kind=kill_rank, a fault.step, parallel.zero=1 and ft=deadpool.")
+        if one.kind not in ("none", "slow_rank") and one.during in ("step", "after_reduce") and one.step < 0 and one.after_s < 0:
             out.append(f"{where}: set fault.step (a step) or fault.after_s (seconds) to say when to inject.")
         if one.step >= cfg.trainer.max_steps:
             out.append(f"{where}.step={one.step} is not before trainer.max_steps={cfg.trainer.max_steps}; the fault would never fire.")

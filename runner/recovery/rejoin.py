@@ -12,7 +12,7 @@ in a complete generation whose members all hold the same committed state:
    step fewer than the others (the failure hit while some ranks had finished the reduction) is
    a laggard; replacements are joiners. The lowest-ranked member holding the newest committed
    state broadcasts its full Lightning checkpoint; joiners restore from it, laggards adopt its
-   model and optimizer state and skip their own update;
+   model and optimizer state and skip their own update (ZeRO-1: ``deadpool.reconcile``);
 5. a survivors-only generation (replacement still starting) waits for the next one.
 Any failure on the way goes back to step 1; every wait is bounded.
 """
@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 
 from runner import protocol
-from runner.comm import CollectiveFailure, Comm
+from runner.comm import CollectiveFailure, Comm, RunFailedError
+from runner.recovery.deadpool.reconcile import reconcile_shards
 from runner.events import EventLog
 from runner.status import WorkerStatus
 
@@ -69,13 +70,15 @@ class ReplicaRecovery:
         })
 
     def _reconcile(self, strategy, joining: bool) -> Optional[dict]:
-        committed = -1 if joining else strategy.lightning_module.trainer.global_step
+        committed = -1 if joining else strategy.committed_steps()
         mine = torch.tensor([committed, int(joining)], dtype=torch.int64, device=self.comm.device)
         table = [t.tolist() for t in self.comm.allgather(mine)]
         holders = [(c, r) for r, (c, j) in enumerate(table) if not j]
         if not holders:
             raise RunFailedError(f"every data-parallel replica of the model and optimizer state was lost: no member of "
                                  f"generation {self.comm.gen} holds it")
+        if strategy.zero is not None:  # sharded optimizer state: laggards and joiners are served differently
+            return reconcile_shards(strategy, table, self.events)
         newest = max(c for c, _ in holders)
         source = min(r for c, r in holders if c == newest)
         receivers = [r for r, (c, j) in enumerate(table) if j or c < newest]
@@ -83,7 +86,7 @@ class ReplicaRecovery:
             return None
         t0 = time.time()
         me = self.comm.rank
-        ckpt = strategy.send_or_receive_state(source, receive=me in receivers)
+        ckpt = strategy.exchange(strategy.dump_state() if me == source else None, source, receive=me in receivers)
         if me == source:
             self.events.emit("state_sent", gen=self.comm.gen, receivers=len(receivers), step=newest)
         if me in receivers:
@@ -97,7 +100,3 @@ class ReplicaRecovery:
     def _emit_once(self, kind: str, **details) -> None:
         if self.comm.rank == 0:
             self.events.emit(kind, **details)
-
-
-class RunFailedError(RuntimeError):
-    """Recovery cannot succeed; the worker reports it and the run ends 'failed'."""

@@ -1,0 +1,195 @@
+"""DeadPool's per-step replication of ZeRO-1 optimizer shards to a neighbour on another node.
+
+After every optimizer update each rank packs its shard (its parameters and their optimizer state)
+and sends it to its *holder*, the logical rank one node further on (``procs_per_node`` ranks
+later, wrapping around), while it receives the shard of its *partner* (one node back). The
+exchange runs on the generation's side group (``Comm.side_pg``, gloo) in a background thread, so
+it overlaps the next step's parameter sync, forward and backward; the next update waits for it.
+
+The holder keeps two replica slots (ping-pong): a new replica is received into the slot that does
+*not* hold the newest complete one, so a failure in the middle of a copy always leaves the
+previous generation intact. Because the copy of generation k can still be in flight when the
+owner dies, the holder also keeps what each of its partner's updates since its newest complete
+replica used (the final gradients of the partner's shard, which every rank has after the full
+all-reduce, and the group hyper-parameters): generation k is then rebuilt exactly as generation
+k-1 plus a replay of update k (``shard_state.replay``).
+
+Why not a torch.distributed.checkpoint or torchft component: both copy whole state to storage or
+to a peer on demand; neither keeps a rolling per-step replica with a replay log, which is what
+lets a spare take over with at most zero steps lost.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from runner.comm import CollectiveFailure
+from runner.recovery.deadpool.shard_state import (ShardLayout, ShardState, UpdateRecord, describe, pack, replay,
+                                                  unpack)
+from runner.zero import ZeroOne
+
+TAG_HEADER, TAG_LAYOUT, TAG_DATA = 0, 1, 2
+
+
+class ReplicaLost(RuntimeError):
+    """The holder cannot produce the requested generation of its partner's shard."""
+
+
+@dataclass
+class _Slot:
+    gen: int = -1  # -1: empty or being written
+    layout: Optional[ShardLayout] = None
+    data: Optional[Tensor] = None
+
+
+class ShardReplicator:
+    def __init__(self, zero: ZeroOne, procs_per_node: int, timeout_s: float) -> None:
+        self.zero = zero
+        self.dp = zero.plan.dp
+        self.ppn = procs_per_node
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="deadpool-replicate")
+        self._job: Optional[Future] = None
+        self._slots = [_Slot(), _Slot()]
+        self._records: list[UpdateRecord] = []  # the partner's updates newer than its newest complete replica
+        self._send = torch.empty(0, dtype=torch.uint8)
+        self._partner_layout: Optional[ShardLayout] = None
+        self._layout_sent: tuple[int, bytes] = (-1, b"")  # (group generation, layout bytes) last sent to the holder
+        self.pause_before_data: Optional[threading.Event] = None  # fault injection: hold the copy half-way
+        self.bytes_per_step = 0
+
+    # -- who backs up whom -----------------------------------------------------------------------
+    def holder(self, logical_rank: int) -> int:
+        return (logical_rank + self.ppn) % self.dp
+
+    def partner(self, logical_rank: int) -> int:
+        return (logical_rank - self.ppn) % self.dp
+
+    # -- the owner's side: one exchange per update -----------------------------------------------
+    def record(self, logical_rank: int, gen: int) -> None:
+        """Before this rank's update producing ``gen``: keep what the partner's update uses (for a replay)."""
+        params = self.zero.params
+        grads = [params[i].grad.detach().clone() for i in self.zero.plan.flat_shard(self.partner(logical_rank))]
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.zero.optimizer.param_groups]
+        self._records = [r for r in self._records if r.gen < gen] + [UpdateRecord(gen, grads, hyper)]
+
+    def start(self, comm, gen: int) -> None:
+        """Send this rank's shard (``gen`` updates applied) to its holder; receive the partner's."""
+        if self._job is not None:
+            raise RuntimeError("a replication is still in flight; wait() for it before the next update")
+        me = comm.logical_rank
+        pg_of = {lr: i for i, lr in enumerate(comm.layout.logical)}
+        self._job = self._pool.submit(self._exchange, comm.side_pg, comm.gen, pg_of[self.holder(me)],
+                                      pg_of[self.partner(me)], me, gen)
+
+    def wait(self) -> None:
+        """Block until the exchange in flight is complete; a failed one raises CollectiveFailure."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        try:
+            job.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise CollectiveFailure(f"shard replication did not finish within {self.timeout_s:.0f}s") from None
+        except Exception as err:
+            message = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CollectiveFailure(f"shard replication failed: {message}") from None
+
+    def drain(self) -> None:
+        """Recovery: let an exchange of a broken generation end (its group is gone, so it fails soon)."""
+        try:
+            self.wait()
+        except CollectiveFailure:
+            pass
+
+    def _exchange(self, pg, group_gen: int, holder: int, partner: int, me: int, gen: int) -> None:
+        if pg is None:
+            raise CollectiveFailure("no side group (aborted)")
+        own = [self.zero.params[i] for i in self.zero.plan.flat_shard(me)]
+        layout = describe(own, self.zero.optimizer)
+        if self._send.numel() < layout.nbytes:
+            self._send = torch.empty(layout.nbytes, dtype=torch.uint8)
+        pack(own, self.zero.optimizer, layout, self._send)
+        encoded = _encode_layout(layout)
+        layout_bytes = b"" if self._layout_sent == (group_gen, encoded) else encoded  # the holder has it already
+        header = torch.tensor([gen, layout.nbytes, len(layout_bytes)], dtype=torch.int64)
+        sends = [pg.send([header], holder, TAG_HEADER)]
+        if layout_bytes:
+            sends.append(pg.send([torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8)], holder, TAG_LAYOUT))
+        if self.pause_before_data is not None:
+            self.pause_before_data.wait(self.timeout_s)
+        sends.append(pg.send([self._send[:layout.nbytes]], holder, TAG_DATA))
+        self._receive(pg, partner)
+        for work in sends:
+            work.wait()
+        self._layout_sent = (group_gen, encoded)
+        self.bytes_per_step = layout.nbytes
+
+    def _receive(self, pg, partner: int) -> None:
+        header = torch.zeros(3, dtype=torch.int64)
+        pg.recv([header], partner, TAG_HEADER).wait()
+        gen, nbytes, layout_len = (int(v) for v in header.tolist())
+        if layout_len:
+            raw = torch.empty(layout_len, dtype=torch.uint8)
+            pg.recv([raw], partner, TAG_LAYOUT).wait()
+            self._partner_layout = _decode_layout(raw)
+        newest = self._newest()
+        slot = self._slots[1] if newest is self._slots[0] else self._slots[0]
+        slot.gen = -1  # a half-written replica is never taken for a complete one
+        if slot.data is None or slot.data.numel() < nbytes:
+            slot.data = torch.empty(nbytes, dtype=torch.uint8)
+        pg.recv([slot.data[:nbytes]], partner, TAG_DATA).wait()
+        slot.layout, slot.gen = self._partner_layout, gen
+        self._records = [r for r in self._records if r.gen > gen]
+
+    def _newest(self) -> Optional[_Slot]:
+        complete = [s for s in self._slots if s.gen >= 0]
+        return max(complete, key=lambda s: s.gen) if complete else None
+
+    # -- the holder's side: a replacement asks for its shard -------------------------------------
+    def replica_of(self, partner: int, gen: int) -> ShardState:
+        """The partner's shard after ``gen`` updates: a complete replica, plus a replay of what it missed."""
+        base = max((s for s in self._slots if 0 <= s.gen <= gen), key=lambda s: s.gen, default=None)
+        if base is None:
+            raise ReplicaLost(f"no complete replica of logical rank {partner}'s shard at or before update {gen} "
+                              f"(replicas held: {sorted(s.gen for s in self._slots if s.gen >= 0)})")
+        missing = [r for r in self._records if base.gen < r.gen <= gen]
+        if [r.gen for r in missing] != list(range(base.gen + 1, gen + 1)):
+            raise ReplicaLost(f"logical rank {partner}'s replica is at update {base.gen}, and the updates up to {gen} "
+                              f"were not all recorded (have {[r.gen for r in self._records]})")
+        shard = unpack(base.layout, base.data, base.gen)
+        if not missing:
+            return shard
+        groups = [g for g, idx in enumerate(self.zero.plan.shard(partner)) for _ in idx]
+        return replay(self.zero.optimizer, shard, groups, missing)
+
+    def memory_bytes(self) -> int:
+        """Host memory the replication holds: the send buffer, both replica slots and the replay records."""
+        slots = sum(s.data.numel() for s in self._slots if s.data is not None)
+        records = sum(g.numel() * g.element_size() for r in self._records for g in r.grads)
+        return self._send.numel() + slots + records
+
+    def close(self) -> None:
+        self.drain()
+        self._pool.shutdown(wait=True)
+
+
+def _encode_layout(layout: ShardLayout) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"entries": [list(e) for e in layout.entries], "values": [[k[0], k[1], v] for k, v in layout.values.items()],
+                "nbytes": layout.nbytes}, buf)
+    return buf.getvalue()
+
+
+def _decode_layout(raw: Tensor) -> ShardLayout:
+    d = torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
+    return ShardLayout([(e[0], e[1], e[2], tuple(e[3]), e[4]) for e in d["entries"]],
+                       {(v[0], v[1]): v[2] for v in d["values"]}, d["nbytes"])

@@ -1,0 +1,123 @@
+"""A ZeRO-1 shard as bytes: its parameters and optimizer state, packed without pickling tensors.
+
+The owner packs its shard into one flat byte buffer per step (cheap: one copy per tensor) plus a
+small layout description that changes only when the optimizer's state gains keys (its first
+step). The holder of the replica keeps the bytes as they came and decodes them only when a
+replacement needs them, possibly replaying the updates it missed (``replay``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ALIGN = 8  # byte offsets stay aligned so a slice can be viewed as any dtype
+
+
+@dataclass
+class ShardLayout:
+    """Where each tensor of a shard lives in the packed bytes; ``values`` holds non-tensor state."""
+
+    entries: list[tuple[int, str, str, tuple[int, ...], int]]  # (position, key, dtype, shape, offset); key "" = the parameter
+    values: dict[tuple[int, str], Any] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+@dataclass
+class ShardState:
+    """A shard decoded: parameters in optimizer order and the optimizer state by position."""
+
+    gen: int  # optimizer updates it includes
+    params: list[Tensor]
+    state: dict[int, dict[str, Any]]
+    base_gen: int = -1  # the replica it was rebuilt from (gen - base_gen updates replayed)
+
+    def to_payload(self) -> dict:
+        """Plain containers and tensors only: what ``torch.load(weights_only=True)`` accepts."""
+        return {"gen": self.gen, "base_gen": self.base_gen, "params": self.params, "state": self.state}
+
+    @staticmethod
+    def from_payload(payload: dict) -> "ShardState":
+        return ShardState(payload["gen"], payload["params"], payload["state"], payload["base_gen"])
+
+
+def describe(params: list[Tensor], optimizer: torch.optim.Optimizer) -> ShardLayout:
+    """The packed layout of this rank's shard as it is now."""
+    entries, values, offset = [], {}, 0
+    for pos, p in enumerate(params):
+        tensors = [("", p.detach())]
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(value, Tensor):
+                tensors.append((key, value))
+            else:
+                values[(pos, key)] = value
+        for key, t in tensors:
+            entries.append((pos, key, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+            offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return ShardLayout(entries, values, offset)
+
+
+def pack(params: list[Tensor], optimizer: torch.optim.Optimizer, layout: ShardLayout, out: Tensor) -> None:
+    """Copy the shard's tensors into ``out`` (uint8, ``layout.nbytes`` long)."""
+    for pos, key, _, _, offset in layout.entries:
+        t = params[pos].detach() if key == "" else optimizer.state[params[pos]][key]
+        raw = t.reshape(-1).view(torch.uint8)
+        out[offset:offset + raw.numel()].copy_(raw)
+
+
+def unpack(layout: ShardLayout, data: Tensor, gen: int) -> ShardState:
+    """Fresh tensors (never views of ``data``, which the next replication overwrites)."""
+    params: dict[int, Tensor] = {}
+    state: dict[int, dict[str, Any]] = defaultdict(dict)
+    for pos, key, dtype, shape, offset in layout.entries:
+        dt = getattr(torch, dtype)
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+        t = data[offset:offset + n].view(dt).reshape(shape).clone()
+        if key == "":
+            params[pos] = t
+        else:
+            state[pos][key] = t
+    for (pos, key), value in layout.values.items():
+        state[pos][key] = value
+    return ShardState(gen, [params[i] for i in range(len(params))], dict(state), gen)
+
+
+@dataclass
+class UpdateRecord:
+    """What one optimizer update of a shard used: its final (reduced, clipped) gradients and hyper-parameters."""
+
+    gen: int  # the update produced this generation
+    grads: list[Tensor]
+    hyper: list[dict[str, Any]]
+
+
+def replay(template: torch.optim.Optimizer, shard: ShardState, groups: list[int], records: list[UpdateRecord]) -> ShardState:
+    """Apply ``records`` to ``shard`` with a fresh optimizer of the template's kind: the very same update math.
+
+    ``groups[pos]`` is the optimizer group of the shard's parameter at ``pos`` (positions are group-major).
+    """
+    params = [torch.nn.Parameter(t.clone()) for t in shard.params]
+    opt = copy.copy(template)  # a new optimizer object: defaults only, no parameters, no state, no wrappers
+    opt.param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in template.param_groups]
+    opt.state = defaultdict(dict)
+    for pos, p in enumerate(params):
+        opt.param_groups[groups[pos]]["params"].append(p)
+    for pos, p in enumerate(params):
+        opt.state[p] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in shard.state.get(pos, {}).items()}
+    gen = shard.gen
+    for record in records:
+        if record.gen != gen + 1:
+            raise ValueError(f"replay gap: shard at update {gen}, next record produces {record.gen}")
+        for group, hyper in zip(opt.param_groups, record.hyper):
+            group.update(hyper)
+        for p, g in zip(params, record.grads):
+            p.grad = g.clone()
+        type(opt).step(opt)
+        gen = record.gen
+    return ShardState(gen, [p.detach() for p in params], {pos: opt.state[p] for pos, p in enumerate(params) if opt.state[p]},
+                      shard.base_gen)
