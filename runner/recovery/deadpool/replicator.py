@@ -62,6 +62,8 @@ class ShardReplicator:
         self._records: list[UpdateRecord] = []  # the partner's updates newer than its newest complete replica
         self._send = torch.empty(0, dtype=torch.uint8)
         self._partner_layout: Optional[ShardLayout] = None
+        self._layout: Optional[ShardLayout] = None  # this rank's shard layout, and encoded for the holder
+        self._encoded = b""
         self._layout_sent: tuple[int, bytes] = (-1, b"")  # (group generation, layout bytes) last sent to the holder
         self.pause_before_data: Optional[threading.Event] = None  # fault injection: hold the copy half-way
         self.bytes_per_step = 0
@@ -118,7 +120,9 @@ class ShardReplicator:
         if self._send.numel() < layout.nbytes:
             self._send = torch.empty(layout.nbytes, dtype=torch.uint8)
         pack(own, self.zero.optimizer, layout, self._send)
-        encoded = _encode_layout(layout)
+        if layout != self._layout:  # the layout changes only when the optimizer state gains keys
+            self._layout, self._encoded = layout, _encode_layout(layout)
+        encoded = self._encoded
         layout_bytes = b"" if self._layout_sent == (group_gen, encoded) else encoded  # the holder has it already
         header = torch.tensor([gen, layout.nbytes, len(layout_bytes)], dtype=torch.int64)
         sends = [pg.send([header], holder, TAG_HEADER)]
