@@ -7,6 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from runner.config import ConfigError
 from runner.controller import Controller
 
 
@@ -26,5 +27,16 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
         from runner.external import run_rank
 
         return run_rank(cfg, Path(run_dir), kind)
+    refuse_used_dir(Path(run_dir))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return Controller(cfg, run_dir).run()
+
+
+def refuse_used_dir(run_dir: Path) -> None:
+    """A run never appends to or writes over another run's outputs (a torchrun/SLURM restart attempt may:
+    it continues the same job)."""
+    used = [name for name in ("summary.json", "events.jsonl", "metrics.jsonl") if (run_dir / name).exists()]
+    if used:
+        raise ConfigError(f"hydra.run.dir={run_dir} already holds a run ({', '.join(used)}), and a new run never writes "
+                          "over another's outputs: choose a new hydra.run.dir (the default is a fresh timestamped "
+                          "directory) or move that run away.")

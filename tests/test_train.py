@@ -48,6 +48,13 @@ def test_same_seed_same_checksum_other_seed_differs(baseline, tmp_path):
     assert other.summary["param_checksum"] != baseline.summary["param_checksum"]
 
 
+def test_a_run_never_writes_into_another_runs_directory(baseline):
+    before = (baseline.dir / "summary.json").read_bytes(), (baseline.dir / "events.jsonl").read_bytes()
+    again = run_cli(*TWO_BY_TWO, run_dir=baseline.dir, timeout=60)
+    assert again.returncode == 2 and "already holds a run" in again.output
+    assert ((baseline.dir / "summary.json").read_bytes(), (baseline.dir / "events.jsonl").read_bytes()) == before
+
+
 def test_a_lightning_module_we_did_not_write_trains_through_our_strategy(run_dir):
     run = run_cli("+recipe=gpt_tiny", "model._target_=lightning.pytorch.demos.boring_classes.BoringModel",
                   "trainer.max_steps=12", run_dir=run_dir)
