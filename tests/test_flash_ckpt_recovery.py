@@ -1,11 +1,12 @@
 """ft=flash_ckpt on real processes: every rank restarts from the newest snapshot all of them hold,
-from memory, a partner node's copy or disk; a corrupt snapshot is refused; /dev/shm is left clean."""
+from memory, a partner node's copy or disk; a corrupt snapshot is refused; /dev/shm is left clean,
+also when it is too small for the snapshots."""
 
 from __future__ import annotations
 
 import pytest
 
-from runner.recovery.flash_ckpt.shm import job_files
+from runner.recovery.flash_ckpt.shm import FREE_BYTES_ENV, job_files
 from runner.recovery.flash_names import flash_job_id
 from tests.conftest import run_cli
 
@@ -82,3 +83,14 @@ def test_without_flash_ckpt_kill_all_fails_with_the_reason(run_dir):
                   run_dir=run_dir)
     assert run.returncode == 1 and run.summary["status"] == "failed"
     assert "ft=flash_ckpt" in run.summary["error"]
+
+
+def test_a_too_small_dev_shm_fails_the_run_with_one_paragraph_and_leaves_nothing(run_dir, monkeypatch):
+    monkeypatch.setenv(FREE_BYTES_ENV, str(256 * 1024))  # what the size check sees, inherited by every worker
+    run = run_cli(*TWO, run_dir=run_dir)
+    assert run.returncode == 1 and run.summary["status"] == "failed"
+    error = run.summary["error"]
+    assert "ShmSpaceError" in error and f"{FREE_BYTES_ENV}=262144" in error and "--shm-size" in error
+    assert "\n" not in error
+    assert run.summary["global_step"] <= 6  # the first snapshot (step 5, awaited in step 6) found out
+    assert not job_files(flash_job_id(run.dir))
