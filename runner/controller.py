@@ -109,6 +109,7 @@ class Controller:
         self.flash_job = flash_job_id(self.run_dir) if "flash_ckpt" in self.ft else None
         self.faults = [f for f in all_faults(cfg) if f.kind != "none"]
         self.fault_hits: dict[int, dict] = {}
+        self.injected_victims: set[int] = set()  # killed by an injected fault, for the next recovery's record
         self.silent_reported: set[int] = set()
         self._last_hb_poll = time.monotonic()
         self.t_start = time.time()
@@ -365,6 +366,7 @@ class Controller:
                 memory["segments_lost"] = len(memory_faults.drop_host_memory(self.flash_job))
             elif fault.kind == "corrupt_snapshot" and self.flash_job is not None:
                 memory["corrupted_step"] = memory_faults.corrupt_newest(self.flash_job, w.logical)
+        self.injected_victims |= set(victims)
         self.store.set(f"fault/released/{i}", "1")
         self.events.emit("fault_injected", fault=fault.kind, index=i, victims=victims, at_step=hit["step"], t_fault=t,
                          **memory)
@@ -414,7 +416,9 @@ class Controller:
         if any(s["kind"] == "unreachable" for s in rec.symptoms):
             decision.fault = "partition"
         rec.fault = rec.fault or decision.fault
-        rec.victims = sorted(set(rec.victims) | set(decision.victims))
+        # every rank the fault killed, also those whose exit had not arrived when the decide window closed
+        rec.victims = sorted(set(rec.victims) | set(decision.victims) | self.injected_victims)
+        self.injected_victims.clear()
         rec.action, rec.reason = decision.action, decision.reason
         rec.t_decide = time.time()
         self.events.emit("recovery_decided", recovery=rec.id, fault=decision.fault, action=decision.action,

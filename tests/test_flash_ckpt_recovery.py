@@ -46,9 +46,12 @@ def assert_restarted(run, reference, resumed_at: int, fault_step: int = 23) -> d
 
 
 def test_kill_all_resumes_from_memory_exactly(fault_free, run_dir):
-    run = run_cli(*TWO, "ft.flash_ckpt.persist_every_n_steps=50", "fault=kill_all", "fault.step=23", run_dir=run_dir)
+    # no decide window: the decision follows the first exit, before the other rank's exit is seen
+    run = run_cli(*TWO, "ft.flash_ckpt.persist_every_n_steps=50", "fault=kill_all", "fault.step=23",
+                  "heartbeat.decide_window_s=0", run_dir=run_dir)
     restored = assert_restarted(run, fault_free[2], resumed_at=20)
     assert {e["source"] for e in restored.values()} == {"memory"}
+    assert run.summary["recoveries"][0]["victims"] == [0, 1]  # every rank the fault killed
     assert "restart_all" in run.output  # the decision is shown live
 
 
@@ -65,6 +68,7 @@ def test_whole_host_loss_restores_from_disk(fault_free, run_dir):
     run = run_cli(*FOUR, "ft.flash_ckpt.persist_every_n_steps=10", "fault=wipe_shm", "fault.step=23", run_dir=run_dir)
     restored = assert_restarted(run, fault_free[4], resumed_at=20)
     assert {e["source"] for e in restored.values()} == {"disk"}
+    assert run.summary["recoveries"][0]["victims"] == [0, 1, 2, 3]
     assert run.events("fault_injected")[0]["segments_lost"] > 0
 
 
