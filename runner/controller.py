@@ -30,6 +30,7 @@ from runner.protocol import Layout
 from runner.loggers import log_summary_to_wandb
 from runner.recovery import memory_faults
 from runner.recovery.flash_ckpt import cleanup as cleanup_snapshots
+from runner.recovery.flash_ckpt.persister import NodePersist
 from runner.recovery.flash_names import flash_job_id, partner_node
 from runner.summary import write_summary
 
@@ -124,8 +125,11 @@ class Controller:
             self.port = self.store.port
         if self.fleet is None:
             spare_nodes = -(-self.cfg.parallel.spares // self.cfg.parallel.procs_per_node)
+            fc = self.cfg.ft.flash_ckpt if self.flash_job is not None else None
+            persist = NodePersist(self.flash_job, self.run_dir / "checkpoints", fc.keep, self.run_dir / "events.jsonl") \
+                if fc is not None and fc.persist_every_n_steps else None  # a persister per node (runner/agent.py)
             self.fleet = LocalFleet(self.cfg.parallel.nodes + spare_nodes, self.queue, self.hb.interval_s,
-                                    FORKSERVER_PRELOAD)
+                                    FORKSERVER_PRELOAD, persist)
         self.cfg_dict = OmegaConf.to_container(self.cfg, resolve=True)
         self.events.emit("run_start", world_size=self.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
                          recipe=self.cfg.recipe_name, store_port=self.port)

@@ -4,8 +4,11 @@ also when it is too small for the snapshots."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from runner.recovery.flash_ckpt.disk import read_verified
 from runner.recovery.flash_ckpt.shm import FREE_BYTES_ENV, job_files
 from runner.recovery.flash_names import flash_job_id
 from tests.conftest import run_cli
@@ -52,6 +55,11 @@ def test_kill_all_resumes_from_memory_exactly(fault_free, run_dir):
     restored = assert_restarted(run, fault_free[2], resumed_at=20)
     assert {e["source"] for e in restored.values()} == {"memory"}
     assert run.summary["recoveries"][0]["victims"] == [0, 1]  # every rank the fault killed
+    # the node's persister saw both trainers die and wrote their newest snapshot (persist at breakpoint)
+    persisted = run.events("snapshot_breakpoint_persisted")
+    assert sorted((e["snapshot_rank"], e["snapshot_step"]) for e in persisted) == [(0, 20), (1, 20)]
+    for e in persisted:
+        assert read_verified(Path(e["path"]))["global_step"] == 20
     assert "restart_all" in run.output  # the decision is shown live
 
 
@@ -73,7 +81,9 @@ def test_whole_host_loss_restores_from_disk(fault_free, run_dir):
 
 
 def test_a_corrupt_snapshot_is_refused_and_the_previous_one_used(fault_free, run_dir):
-    run = run_cli(*TWO, "fault=corrupt_snapshot", "fault.rank=1", "fault.step=23", run_dir=run_dir)
+    # memory only: a breakpoint persist could save step 20 before the byte flips and serve it from disk
+    run = run_cli(*TWO, "ft.flash_ckpt.persist_every_n_steps=0", "fault=corrupt_snapshot", "fault.rank=1",
+                  "fault.step=23", run_dir=run_dir)
     # one node: no partner copy of step 20, so both ranks agree on 15; the resume is still exact
     restored = assert_restarted(run, fault_free[2], resumed_at=15)
     (skipped,) = run.events("snapshot_skipped")
