@@ -27,6 +27,7 @@ from runner.recovery.flash_ckpt import (
     Snapshotter,
     backup_to_partner,
     cleanup_stale,
+    connect_persister,
     spawn_persister,
 )
 from runner.recovery.flash_ckpt.events import emit
@@ -48,8 +49,10 @@ HPARAM_KEYS = (
 class FlashCheckpoint(Callback):
     """Snapshot every `every_n_steps` optimizer steps; persist every `persist_every_n_steps` into `dir`.
 
-    `persister` is a client of a persister the launcher runs (the node agent); without one the
-    callback spawns its own (only if this fit reaches a persist step). `job_id` must stay the same
+    `persister` is a client of a persister the caller runs; `persister_address` is where the node
+    agent's persister listens (``persister_address(job, node)``), which also persists this rank's
+    newest snapshot if the process dies. With neither, or nobody listening there, the callback
+    spawns a persister of its own (only if this fit reaches a persist step). `job_id` must stay the same
     across restarts of a run for memory restores to find the snapshots (default:
     TORCHELASTIC_RUN_ID). `rank` names the segment (default: the trainer's global rank). With
     `partner` set, each committed snapshot is copied into the backup segment that rank keeps for
@@ -67,6 +70,7 @@ class FlashCheckpoint(Callback):
         job_id: str | None = None,
         keep: int = 3,
         persister: PersistClient | None = None,
+        persister_address: str | None = None,
         exclude_keys: tuple[str, ...] = HPARAM_KEYS,
         unlink_on_success: bool = True,
         on_event=None,
@@ -85,6 +89,7 @@ class FlashCheckpoint(Callback):
         self.blocked_s: list[float] = []  # per snapshot: time the training loop was held
         self._user_sink = on_event
         self._client, self._own_client = persister, persister is None
+        self._persister_address = persister_address
         self._snap: Snapshotter | None = None
         self._last_step = -1
         self._to_persist: int | None = None
@@ -101,6 +106,11 @@ class FlashCheckpoint(Callback):
             self.rank = trainer.global_rank
         self._snap = Snapshotter(self.job_id, self.rank, on_event=self._on_event)
         persists = self.persist_every_n_steps and (trainer.max_steps < 0 or trainer.max_steps >= self.persist_every_n_steps)
+        # the node's persister costs nothing to join and persists at breakpoint, even in a short fit
+        if self.persist_every_n_steps and self._client is None and self._persister_address is not None:
+            self._client = connect_persister(self._persister_address, self._snap.segment, self.rank, on_event=self._on_event)
+            if self._client is None:
+                log.warning("flash checkpoint: no node persister at %r; this rank spawns its own", self._persister_address)
         if persists and self._client is None:
             self._client = spawn_persister(self.dir, self.keep, on_event=self._on_event)
         if self.partner is not None:
@@ -145,7 +155,7 @@ class FlashCheckpoint(Callback):
             self._settle_backup()
             if self._own_client and self._client is not None:
                 client, self._client = self._client, None  # a later fit spawns a fresh persister
-                client.close()
+                client.close(failed=self._failed)
             elif self._client is not None:
                 self._client.drain()
         except Exception:

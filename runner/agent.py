@@ -4,6 +4,10 @@ On a real cluster this is the per-node daemon (torchrun's elastic agent plays th
 in the single-host simulation each agent is a thread of the launching process. A lost node is
 simulated by killing its workers and silencing its agent: nobody reports those exits, and the
 controller learns of the loss from the agent's missing heartbeat.
+
+With flash checkpoints persisted to disk, each agent also owns its node's persister process
+(runner.recovery.flash_ckpt.persister): the node's trainers hand it snapshots to write, and it
+persists a trainer's newest snapshot when that trainer dies. It goes down with a lost node.
 """
 
 from __future__ import annotations
@@ -14,11 +18,15 @@ import threading
 import time
 from multiprocessing.connection import wait
 from queue import Queue
+from typing import Optional
+
+from runner.recovery.flash_ckpt.persister import NodePersist, NodePersisterHandle, start_node_persister
 
 
 class NodeAgent:
-    def __init__(self, node: int, events: Queue, interval_s: float) -> None:
+    def __init__(self, node: int, events: Queue, interval_s: float, persister: Optional[NodePersisterHandle] = None) -> None:
         self.node, self.events, self.interval_s = node, events, interval_s
+        self.persister = persister
         self.procs: dict[int, object] = {}  # wid -> multiprocessing.Process
         self.lost = False
         self.last_beat = time.monotonic()
@@ -52,9 +60,14 @@ class NodeAgent:
         victims = list(self.pids())
         for wid in victims:
             self.signal(wid, signal.SIGKILL)
+        if self.persister is not None:
+            self.persister.kill()
         return victims
 
     def stop(self) -> None:
+        """Stop watching; the node persister finishes what its trainers' exits started, then ends."""
+        if self.persister is not None:
+            self.persister.stop()
         self._stop = True
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
@@ -82,16 +95,26 @@ class NodeAgent:
 
 class LocalFleet:
     """The simulated cluster's processes: a fork server that preloads the worker's imports (so a
-    replacement starts in a fraction of a second) and one NodeAgent per node."""
+    replacement starts in a fraction of a second), one NodeAgent per node and, with `persist`,
+    one flash-checkpoint persister per node, listening before any worker starts."""
 
     can_spawn = True
 
-    def __init__(self, nodes: int, events: Queue, interval_s: float, preload: list[str]) -> None:
+    def __init__(self, nodes: int, events: Queue, interval_s: float, preload: list[str],
+                 persist: Optional[NodePersist] = None) -> None:
         import multiprocessing
 
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(preload)
-        self.agents = [NodeAgent(n, events, interval_s) for n in range(nodes)]
+        self.agents: list[NodeAgent] = []
+        try:
+            for n in range(nodes):
+                persister = start_node_persister(self.ctx, persist, n) if persist is not None else None
+                self.agents.append(NodeAgent(n, events, interval_s, persister))
+        except BaseException:
+            for agent in self.agents:
+                agent.stop()
+            raise
 
     def spawn(self, target, args: tuple, wid: int, node: int) -> None:
         proc = self.ctx.Process(target=target, args=args, name=f"worker-{wid}", daemon=False)

@@ -30,6 +30,7 @@ from runner.protocol import Layout
 from runner.loggers import log_summary_to_wandb
 from runner.recovery import memory_faults
 from runner.recovery.flash_ckpt import cleanup as cleanup_snapshots
+from runner.recovery.flash_ckpt.persister import NodePersist
 from runner.recovery.flash_names import flash_job_id, partner_node
 from runner.summary import write_summary
 
@@ -109,6 +110,7 @@ class Controller:
         self.flash_job = flash_job_id(self.run_dir) if "flash_ckpt" in self.ft else None
         self.faults = [f for f in all_faults(cfg) if f.kind != "none"]
         self.fault_hits: dict[int, dict] = {}
+        self.injected_victims: set[int] = set()  # killed by an injected fault, for the next recovery's record
         self.silent_reported: set[int] = set()
         self._last_hb_poll = time.monotonic()
         self.t_start = time.time()
@@ -123,8 +125,11 @@ class Controller:
             self.port = self.store.port
         if self.fleet is None:
             spare_nodes = -(-self.cfg.parallel.spares // self.cfg.parallel.procs_per_node)
+            fc = self.cfg.ft.flash_ckpt if self.flash_job is not None else None
+            persist = NodePersist(self.flash_job, self.run_dir / "checkpoints", fc.keep, self.run_dir / "events.jsonl") \
+                if fc is not None and fc.persist_every_n_steps else None  # a persister per node (runner/agent.py)
             self.fleet = LocalFleet(self.cfg.parallel.nodes + spare_nodes, self.queue, self.hb.interval_s,
-                                    FORKSERVER_PRELOAD)
+                                    FORKSERVER_PRELOAD, persist)
         self.cfg_dict = OmegaConf.to_container(self.cfg, resolve=True)
         self.events.emit("run_start", world_size=self.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
                          recipe=self.cfg.recipe_name, store_port=self.port)
@@ -365,6 +370,7 @@ class Controller:
                 memory["segments_lost"] = len(memory_faults.drop_host_memory(self.flash_job))
             elif fault.kind == "corrupt_snapshot" and self.flash_job is not None:
                 memory["corrupted_step"] = memory_faults.corrupt_newest(self.flash_job, w.logical)
+        self.injected_victims |= set(victims)
         self.store.set(f"fault/released/{i}", "1")
         self.events.emit("fault_injected", fault=fault.kind, index=i, victims=victims, at_step=hit["step"], t_fault=t,
                          **memory)
@@ -414,7 +420,9 @@ class Controller:
         if any(s["kind"] == "unreachable" for s in rec.symptoms):
             decision.fault = "partition"
         rec.fault = rec.fault or decision.fault
-        rec.victims = sorted(set(rec.victims) | set(decision.victims))
+        # every rank the fault killed, also those whose exit had not arrived when the decide window closed
+        rec.victims = sorted(set(rec.victims) | set(decision.victims) | self.injected_victims)
+        self.injected_victims.clear()
         rec.action, rec.reason = decision.action, decision.reason
         rec.t_decide = time.time()
         self.events.emit("recovery_decided", recovery=rec.id, fault=decision.fault, action=decision.action,

@@ -35,6 +35,7 @@ from runner.loggers import build_logger
 from runner.plan import gpt_config
 from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.flash_ckpt import Event
+from runner.recovery.flash_ckpt.persister import persister_address
 from runner.recovery.ndb.runtime import NDBRuntime
 from runner.recovery.flash_names import flash_job_id, partner_rank
 from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
@@ -166,9 +167,10 @@ def flash_callback(cfg: DictConfig, spec: WorkerSpec, events: EventLog) -> Flash
         if event.kind not in ("committed", "backed_up"):  # one per snapshot and rank would drown the log
             events.emit(f"snapshot_{event.kind}", snapshot_step=event.step, where=event.where, detail=event.detail)
 
+    job_id = flash_job_id(spec.run_dir)
     return FlashCheckpoint(fc.every_n_steps, fc.persist_every_n_steps or None, Path(spec.run_dir) / "checkpoints",
-                           overlap=fc.overlap, job_id=flash_job_id(spec.run_dir), keep=fc.keep, rank=spec.logical_rank,
-                           partner=partner, on_event=on_event)
+                           overlap=fc.overlap, job_id=job_id, keep=fc.keep, rank=spec.logical_rank,
+                           partner=partner, on_event=on_event, persister_address=persister_address(job_id, spec.node))
 
 
 def select_device(cfg: DictConfig, logical_rank: int) -> tuple[torch.device, str]:

@@ -180,7 +180,7 @@ def test_flipped_byte_is_detected_and_skipped(job, snap, tmp_path):
     assert restored.candidate.step == 1
     assert_same(make_state(1), restored.state)
     [skip] = restored.skipped
-    assert skip.candidate.location == path and "checksum mismatch in tensor" in skip.reason and '"w"' in skip.reason
+    assert skip.candidate.location == path and "checksum mismatch in data bytes 0-" in skip.reason and '"w"' in skip.reason
     assert [(e.kind, e.step) for e in events] == [("skipped", 2)]
     assert persist_latest(snap.segment, tmp_path) == checkpoint_path(tmp_path, 0, 1)  # never persists step 2
 

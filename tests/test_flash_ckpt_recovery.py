@@ -1,11 +1,15 @@
 """ft=flash_ckpt on real processes: every rank restarts from the newest snapshot all of them hold,
-from memory, a partner node's copy or disk; a corrupt snapshot is refused; /dev/shm is left clean."""
+from memory, a partner node's copy or disk; a corrupt snapshot is refused; /dev/shm is left clean,
+also when it is too small for the snapshots."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from runner.recovery.flash_ckpt.shm import job_files
+from runner.recovery.flash_ckpt.disk import read_verified
+from runner.recovery.flash_ckpt.shm import FREE_BYTES_ENV, job_files
 from runner.recovery.flash_names import flash_job_id
 from tests.conftest import run_cli
 
@@ -45,9 +49,17 @@ def assert_restarted(run, reference, resumed_at: int, fault_step: int = 23) -> d
 
 
 def test_kill_all_resumes_from_memory_exactly(fault_free, run_dir):
-    run = run_cli(*TWO, "ft.flash_ckpt.persist_every_n_steps=50", "fault=kill_all", "fault.step=23", run_dir=run_dir)
+    # no decide window: the decision follows the first exit, before the other rank's exit is seen
+    run = run_cli(*TWO, "ft.flash_ckpt.persist_every_n_steps=50", "fault=kill_all", "fault.step=23",
+                  "heartbeat.decide_window_s=0", run_dir=run_dir)
     restored = assert_restarted(run, fault_free[2], resumed_at=20)
     assert {e["source"] for e in restored.values()} == {"memory"}
+    assert run.summary["recoveries"][0]["victims"] == [0, 1]  # every rank the fault killed
+    # the node's persister saw both trainers die and wrote their newest snapshot (persist at breakpoint)
+    persisted = run.events("snapshot_breakpoint_persisted")
+    assert sorted((e["snapshot_rank"], e["snapshot_step"]) for e in persisted) == [(0, 20), (1, 20)]
+    for e in persisted:
+        assert read_verified(Path(e["path"]))["global_step"] == 20
     assert "restart_all" in run.output  # the decision is shown live
 
 
@@ -64,11 +76,14 @@ def test_whole_host_loss_restores_from_disk(fault_free, run_dir):
     run = run_cli(*FOUR, "ft.flash_ckpt.persist_every_n_steps=10", "fault=wipe_shm", "fault.step=23", run_dir=run_dir)
     restored = assert_restarted(run, fault_free[4], resumed_at=20)
     assert {e["source"] for e in restored.values()} == {"disk"}
+    assert run.summary["recoveries"][0]["victims"] == [0, 1, 2, 3]
     assert run.events("fault_injected")[0]["segments_lost"] > 0
 
 
 def test_a_corrupt_snapshot_is_refused_and_the_previous_one_used(fault_free, run_dir):
-    run = run_cli(*TWO, "fault=corrupt_snapshot", "fault.rank=1", "fault.step=23", run_dir=run_dir)
+    # memory only: a breakpoint persist could save step 20 before the byte flips and serve it from disk
+    run = run_cli(*TWO, "ft.flash_ckpt.persist_every_n_steps=0", "fault=corrupt_snapshot", "fault.rank=1",
+                  "fault.step=23", run_dir=run_dir)
     # one node: no partner copy of step 20, so both ranks agree on 15; the resume is still exact
     restored = assert_restarted(run, fault_free[2], resumed_at=15)
     (skipped,) = run.events("snapshot_skipped")
@@ -82,3 +97,14 @@ def test_without_flash_ckpt_kill_all_fails_with_the_reason(run_dir):
                   run_dir=run_dir)
     assert run.returncode == 1 and run.summary["status"] == "failed"
     assert "ft=flash_ckpt" in run.summary["error"]
+
+
+def test_a_too_small_dev_shm_fails_the_run_with_one_paragraph_and_leaves_nothing(run_dir, monkeypatch):
+    monkeypatch.setenv(FREE_BYTES_ENV, str(256 * 1024))  # what the size check sees, inherited by every worker
+    run = run_cli(*TWO, run_dir=run_dir)
+    assert run.returncode == 1 and run.summary["status"] == "failed"
+    error = run.summary["error"]
+    assert "ShmSpaceError" in error and f"{FREE_BYTES_ENV}=262144" in error and "--shm-size" in error
+    assert "\n" not in error
+    assert run.summary["global_step"] <= 6  # the first snapshot (step 5, awaited in step 6) found out
+    assert not job_files(flash_job_id(run.dir))

@@ -4,9 +4,11 @@ Every rank was started again (role ``restore``) and none holds live state, so ea
 snapshots of its logical rank (own memory, the partner node's copy, disk) and the ranks agree, in
 the new group, on the newest step all of them hold. Each rank then loads that step, verified; if
 some rank's copies of it all fail their checksums, the ranks agree again without that step, so a
-corrupt snapshot costs an older step, never a mixed one. The checkpoint dict goes back to
-Lightning (``Strategy.load_checkpoint``), which restores model, optimizer, schedulers and loops;
-the data position follows from ``global_step``. Later snapshots of the abandoned timeline are
+corrupt snapshot costs an older step, never a mixed one. Model weights from memory are copied
+straight into the module's parameters (already allocated and faulted in), so Lightning's
+``load_state_dict`` finds them in place and copies nothing; the rest is loaded into new tensors.
+The checkpoint dict goes back to Lightning (``Strategy.load_checkpoint``), which restores model,
+optimizer, schedulers and loops; the data position follows from ``global_step``. Later snapshots of the abandoned timeline are
 invalidated. A collective failure on the way waits for the controller's next generation.
 """
 
@@ -34,13 +36,15 @@ class SnapshotRestore:
             try:
                 if regroup:
                     self.comm.join(self.comm.await_layout(self.recovery.recovery_timeout_s, newer_than=self.comm.gen))
-                return self._agree_and_load()
+                return self._agree_and_load(strategy)
             except CollectiveFailure as err:  # a rank died meanwhile: the controller restarts everyone again
                 self.recovery.abandon(strategy, f"during snapshot restore: {err}")
                 regroup = True
 
-    def _agree_and_load(self) -> dict:
+    def _agree_and_load(self, strategy) -> dict:
         t0 = time.time()
+        module = strategy.lightning_module
+        live = {"state_dict": module.state_dict()} if module is not None else None
         rank = self.comm.logical_rank
         held = sorted({c.step for c in list_snapshots(self.job_id, rank, self.ckpt_dir)}, reverse=True)
         refused: set[int] = set()
@@ -53,7 +57,7 @@ class SnapshotRestore:
                     "there is nothing consistent to restart from: snapshot more often (ft.flash_ckpt.every_n_steps), "
                     "persist to disk (ft.flash_ckpt.persist_every_n_steps) or keep neighbour backups on")
             try:
-                restored = load_newest(self.job_id, rank, self.ckpt_dir, step=step)
+                restored = load_newest(self.job_id, rank, self.ckpt_dir, step=step, into=live)
                 skipped = restored.skipped
             except NoSnapshot as err:
                 restored, skipped = None, err.skipped

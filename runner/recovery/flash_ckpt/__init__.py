@@ -5,7 +5,16 @@ See docs/checkpointing.md for the segment format, the protocol and the failure c
 
 from .events import Event
 from .hygiene import cleanup, cleanup_stale
-from .persister import PersistClient, PersistError, PersistOutcome, Persister, persist_latest, spawn_persister
+from .persister import (
+    PersistClient,
+    PersistError,
+    PersistOutcome,
+    Persister,
+    connect_persister,
+    persist_latest,
+    persister_address,
+    spawn_persister,
+)
 from .replica import backup_to_partner
 from .restore import (
     Candidate,
@@ -37,11 +46,13 @@ __all__ = [
     "backup_to_partner",
     "cleanup",
     "cleanup_stale",
+    "connect_persister",
     "invalidate_newer",
     "list_snapshots",
     "load_newest",
     "newest_common_step",
     "persist_latest",
+    "persister_address",
     "segment_name",
     "spawn_persister",
 ]

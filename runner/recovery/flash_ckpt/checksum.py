@@ -19,17 +19,21 @@ import numpy as np
 
 ALGORITHM = "bsum64x4k-crc32"
 _BLOCK_WORDS = 512
+_ZERO_WORD = bytes(8)
 
 
 def digest(buf) -> int:
     """Checksum of a bytes-like object (memoryview, mmap, numpy array, bytes)."""
     raw = np.frombuffer(buf, dtype=np.uint8)
     nwords = raw.size // 8
-    words = raw[: nwords * 8].view(np.uint64)
     full = nwords - nwords % _BLOCK_WORDS
-    crc = zlib.crc32(words[:full].reshape(-1, _BLOCK_WORDS).sum(axis=1, dtype=np.uint64))
-    crc = zlib.crc32(words[full:].sum(dtype=np.uint64).tobytes(), crc)
-    crc = zlib.crc32(raw[nwords * 8 :], crc)
+    # einsum sums the rows ~1.5x faster than .sum(axis=1), with the same wrapping uint64 result
+    crc = zlib.crc32(np.einsum("ij->i", raw[: full * 8].view(np.uint64).reshape(-1, _BLOCK_WORDS))) if full else 0
+    if raw.size > full * 8:  # the words of the last, partial block, then the odd bytes
+        crc = zlib.crc32(raw[full * 8 : nwords * 8].view(np.uint64).sum(dtype=np.uint64).tobytes(), crc)
+        crc = zlib.crc32(raw[nwords * 8 :], crc)
+    else:  # what the two lines above give for an empty tail
+        crc = zlib.crc32(_ZERO_WORD, crc)
     return zlib.crc32(raw.size.to_bytes(8, "little"), crc)
 
 

@@ -1,11 +1,16 @@
 """Persist snapshots from /dev/shm to disk in a process other than the trainer.
 
-A ``Persister`` lives in the node agent (or in a daemon the trainer spawns). It copies a
+A ``Persister`` lives in a per-node process the node agent owns (``start_node_persister``), or
+in a daemon the trainer spawns when no node persister listens (``spawn_persister``). It copies a
 committed slot out under a shared lock, verifies it, and writes a Lightning-loadable file with
 a checksum sidecar (disk.py). Ordering is strict: the trainer's ``PersistClient`` pins the slot
 holding step k when it asks for k, and the snapshot writer cannot reuse a pinned slot, so a
 newer memory save waits for the persister's copy instead of overwriting k. Every outcome,
 failures included, is sent back and surfaces in ``PersistClient.drain``.
+
+The node persister serves every trainer of its node over a Unix socket. A trainer whose
+connection ends without its goodbye has died, and the persister then writes the newest snapshot
+of its segment that verifies, unless that step is already on disk ("persist at breakpoint").
 """
 
 from __future__ import annotations
@@ -14,14 +19,18 @@ import multiprocessing as mp
 import os
 import threading
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from time import perf_counter
 from typing import Any, Callable
 
-from .disk import apply_retention, checkpoint_path, write_atomic
+from .disk import apply_retention, checkpoint_path, sidecar_path, write_atomic
 from .events import EventSink, emit
-from .slots import find_step, load_slot, newest_verified, pin_step
+from .shm import PREFIX, check_job_id
+from .slots import committed_steps, find_step, load_slot, newest_verified, pin_step
+
+
+FAILED = "failed"  # a trainer's last message when its fit failed: persist at breakpoint, as after a crash
 
 
 class PersistError(RuntimeError):
@@ -69,20 +78,21 @@ class Persister:
             raise PersistError(outcome.error, [outcome])
         return Path(outcome.path)
 
-    def serve(self, requests: Connection, results: Connection) -> None:
+    def serve(self, requests: Connection, results: Connection) -> bool:
         """Handle ``(segment, step)`` requests in order until ``None`` or the trainer's end closes.
 
         Sends ``("captured", segment, step)`` once the slot is copied out (the trainer may
-        reuse it from then on) and ``("done", PersistOutcome)`` for every request.
+        reuse it from then on) and ``("done", PersistOutcome)`` for every request. Returns
+        True after the trainer's goodbye (``None``), False after ``FAILED`` or if its end closed.
         """
         try:
             while True:
                 try:
                     msg = requests.recv()
-                except EOFError:
-                    return
-                if msg is None:
-                    return
+                except (EOFError, OSError):
+                    return False
+                if msg is None or msg == FAILED:
+                    return msg is None
                 segment, step = msg
                 outcome = self._run(segment, step, lambda: _notify(results, ("captured", segment, step)))
                 _notify(results, ("done", outcome))
@@ -162,19 +172,22 @@ class PersistClient:
             raise PersistError("; ".join(f"step {o.step}: {o.error}" for o in failed), outcomes)
         return outcomes
 
-    def close(self) -> None:
-        """Drain, then stop the persister; raises PersistError for failures not drained yet."""
+    def close(self, failed: bool = False, timeout_s: float = 60.0) -> None:
+        """Drain, say goodbye (`failed`: that the fit failed, so a node persister persists at
+        breakpoint), wait for the persister to close its end (a spawned one exits); raises
+        PersistError for failures not drained yet."""
         try:
             self.drain()
         finally:
             try:
-                self._requests.send(None)
+                self._requests.send(FAILED if failed else None)
             except OSError:
                 pass  # the persister is already gone; its outcomes were settled by the listener
+            self._listener.join(timeout_s)  # ends on the persister's EOF, before our end closes
             self._requests.close()
-            self._listener.join()
+            self._results.close()
             if self._process is not None:
-                self._process.join()
+                self._process.join(timeout_s)
 
     def _listen(self) -> None:
         while True:
@@ -190,7 +203,6 @@ class PersistClient:
             lost = list(self._pending)
         for segment, step in lost:
             self._finish(PersistOutcome(segment, step, None, "persister exited before reporting", 0.0))
-        self._results.close()
 
     def _unpin(self, key: tuple) -> None:
         with self._cond:
@@ -208,6 +220,137 @@ class PersistClient:
             self._outcomes.append(outcome)
             self._cond.notify_all()
         emit(self._on_event, "persisted" if outcome.ok else "persist_failed", outcome.step, outcome.path or outcome.segment, outcome.error or "")
+
+
+def persister_address(job_id: str, node: int) -> str:
+    """Where node `node`'s persister listens: a Linux abstract Unix socket (no file to clean up)."""
+    return f"\0{PREFIX}-persister.{check_job_id(job_id)}.n{int(node)}"
+
+
+def connect_persister(address: str, segment: str, rank: int, *, on_event: EventSink = None) -> PersistClient | None:
+    """A client of the node persister at `address` for `rank`'s `segment`; None if none listens."""
+    try:
+        conn = Client(address, family="AF_UNIX", authkey=mp.current_process().authkey)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return None
+    conn.send(("hello", segment, rank))
+    return PersistClient(conn, conn, on_event=on_event)
+
+
+@dataclass(frozen=True)
+class NodePersist:
+    """What a node persister needs: where to write, how many files to keep, where to log."""
+
+    job_id: str
+    out_dir: Path
+    keep: int
+    events_path: Path
+
+
+class NodePersisterHandle:
+    """The agent's side of a node persister process: stop it at the end, kill it with its node."""
+
+    def __init__(self, process: mp.process.BaseProcess, control: Connection) -> None:
+        self.process, self._control = process, control
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Let breakpoint persists in flight finish, then end the process (killed after `timeout_s`)."""
+        try:
+            self._control.send(None)
+        except OSError:
+            pass  # already gone
+        self.process.join(timeout_s)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join(5)
+        self._control.close()
+
+
+def start_node_persister(ctx: mp.context.BaseContext, spec: NodePersist, node: int,
+                         timeout_s: float = 120.0) -> NodePersisterHandle:
+    """Start node `node`'s persister from `ctx` and return once it listens (RuntimeError if it
+    does not within `timeout_s`), so that no trainer of the node can miss it."""
+    control, child_control = ctx.Pipe()
+    proc = ctx.Process(target=_node_main, args=(spec, node, child_control), name=f"flash-persister-n{node}", daemon=False)
+    proc.start()
+    child_control.close()
+    handle = NodePersisterHandle(proc, control)
+    try:
+        ready = control.poll(timeout_s) and control.recv() == "listening"
+    except (EOFError, OSError):
+        ready = False  # it died on the way; its traceback is on stderr
+    if not ready:
+        handle.kill()
+        raise RuntimeError(f"the flash-checkpoint persister of node {node} did not start listening within {timeout_s:.0f} s")
+    return handle
+
+
+def _node_main(spec: NodePersist, node: int, control: Connection) -> None:
+    from runner.events import EventLog  # the node persister reports breakpoint persists in the run's log
+
+    log = EventLog(spec.events_path, rank=lambda: f"persister-n{node}", step=lambda: -1)
+    persister = Persister(spec.out_dir, spec.keep)
+    address, authkey = persister_address(spec.job_id, node), mp.current_process().authkey
+    listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    stopping = threading.Event()
+    clients: list[threading.Thread] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn = listener.accept()
+            except (OSError, EOFError, mp.AuthenticationError):
+                if stopping.is_set():
+                    return
+                continue  # a peer that failed the handshake; the others keep being served
+            if stopping.is_set():
+                conn.close()
+                return
+            t = threading.Thread(target=_serve_node_client, args=(persister, conn, log), daemon=True)
+            t.start()
+            clients.append(t)
+
+    acceptor = threading.Thread(target=accept, name="flash-persister-accept", daemon=True)
+    acceptor.start()
+    control.send("listening")
+    try:
+        control.recv()  # None: stop; EOFError: the agent is gone
+    except EOFError:
+        pass
+    stopping.set()
+    Client(address, family="AF_UNIX", authkey=authkey).close()  # wakes accept(), which then returns
+    acceptor.join(10)
+    listener.close()
+    for t in clients:
+        t.join(30)
+
+
+def _serve_node_client(persister: Persister, conn: Connection, log) -> None:
+    """One trainer's requests; after its death, persist at breakpoint."""
+    try:
+        _, segment, rank = conn.recv()
+    except (EOFError, OSError, ValueError, TypeError):
+        conn.close()
+        return
+    if persister.serve(conn, conn):
+        return
+    held = committed_steps(segment)
+    if not held:
+        log.emit("snapshot_breakpoint_skipped", snapshot_rank=rank, reason=f"no committed snapshot in {segment}")
+        return
+    on_disk = checkpoint_path(persister.out_dir, rank, held[0][0])
+    if on_disk.exists() and sidecar_path(on_disk).exists():
+        log.emit("snapshot_breakpoint_skipped", snapshot_rank=rank, snapshot_step=held[0][0], reason=f"already on disk: {on_disk}")
+        return
+    outcome = persister._run(segment, None)
+    if outcome.ok:
+        log.emit("snapshot_breakpoint_persisted", snapshot_rank=rank, snapshot_step=outcome.step, path=outcome.path,
+                 seconds=outcome.seconds)
+    else:
+        log.emit("snapshot_breakpoint_failed", snapshot_rank=rank, reason=outcome.error)
 
 
 def _serve_in_child(out_dir: str, keep: int, requests: Connection, results: Connection) -> None:

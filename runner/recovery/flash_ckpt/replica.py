@@ -11,33 +11,40 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .segment import encode_meta
-from .slots import SlotWriter, newest_verified, open_verified
+from .chunks import Plan
+from .segment import Slot, encode_meta
+from .slots import SlotWriter, newest_verified
 from .shm import segment_name
 
 
 def backup_to_partner(job_id: str, owner: int, holder: int) -> int:
     """Copy `owner`'s newest verified snapshot into the backup segment `holder` keeps for it.
 
-    The source is verified first, so a corrupt snapshot is never replicated. Returns the step.
+    Each chunk is checked before it is copied and the copy commits only if all of them match,
+    so a corrupt snapshot is never replicated. Returns the step.
     """
     target = segment_name(job_id, owner, holder)
     return newest_verified(segment_name(job_id, owner), lambda path, step: _copy(path, step, target, holder))
 
 
 def _copy(path: Path, step: int, target: str, holder: int) -> int:
-    with open_verified(path, step) as (src, meta):
-        meta = {**meta, "holder": holder}
-        data_len = max((e["offset"] + e["nbytes"] for e in meta["tensors"]), default=0)
+    src = Slot.open(path)
+    try:
+        src.lock(exclusive=False)
+        meta = {**src.committed_meta(step), "holder": holder}
+        plan = src.plan(meta)
         writer = SlotWriter(target)
         try:
-            dst = writer.begin(len(encode_meta(meta)), data_len)
-            try:
-                dst.data()[:data_len].copy_(src.data()[:data_len])
+            dst = writer.begin(len(encode_meta(meta)), plan.data_len)
+            try:  # the region moves as one piece per chunk; the chunk checksums carry over
+                whole = Plan.of([{"path": "data region", "offset": 0, "nbytes": plan.data_len}], plan.data_len, plan.chunk_bytes)
+                whole.drain(src.region(), [dst.region().ctypes.data], meta["digests"], lambda c: src.mismatch(meta, plan, c))
             except BaseException:
                 writer.abort(dst)
                 raise
             writer.commit(dst, step, meta)
         finally:
             writer.close()
+    finally:
+        src.close()
     return step

@@ -7,14 +7,19 @@ trainer or a persister in another process needs nothing else alive to use it:
                       capacities of the two regions, length and checksum of the metadata,
                       pid and parent pid of the last writer (for stale-segment cleanup)
     page 1 ...        metadata JSON (capacity meta_cap): job, owner, holder, step, checksum
-                      algorithm, the layout (path, dtype, shape, offset, nbytes, digest per
-                      tensor) and the JSON skeleton of the non-tensor state
+                      algorithm, the layout (path, dtype, shape, offset, nbytes per tensor),
+                      the data length, one checksum per 1 MiB chunk of the data (chunks.py)
+                      and the JSON skeleton of the non-tensor state
     data_off ...      tensor bytes, each at a 64-byte aligned offset (capacity data_cap)
 
 Writers clear the committed flag, write data and metadata, then write the header and set the
 flag last; the other slot keeps the previous commit meanwhile. flock() orders writers against
 readers across processes: a writer holds LOCK_EX on the slot it fills, readers and persist pins
 hold LOCK_SH, and the kernel drops the locks of a process that dies.
+
+Mapping a slot costs page-table work for every 4 KiB page (about as much as copying it here), so
+a reader in a process that also writes the slot (an in-process restore) reads through the
+writer's mapping instead of mapping the file again.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import mmap
 import os
 import struct
 import warnings
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +39,12 @@ import numpy as np
 import torch
 
 from .checksum import ALGORITHM, digest
+from .chunks import CHUNK_BYTES, Plan
 from .codec import Flat, dtype_from_name, dtype_name
 from .shm import ensure_space, free_bytes, space_error
-from .streams import in_two_streams
 
 MAGIC = b"RRFLASH\0"
-VERSION = 1
+VERSION = 2
 PAGE = mmap.PAGESIZE
 ALIGN = 64
 _MIN_META_CAP = 64 * 1024
@@ -49,6 +53,10 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _HEADER = struct.Struct("<8sIIqQQQQQIII")
 _COMMITTED = struct.Struct("<I")
 _COMMITTED_AT = 12
+
+
+# (st_dev, st_ino) of a slot file -> the Slot that has it mapped for writing in this process
+_WRITERS: dict[tuple[int, int], "Slot"] = {}
 
 
 class CorruptSnapshot(Exception):
@@ -108,10 +116,13 @@ def plan_layout(flat: Flat) -> tuple[list[dict[str, Any]], int]:
     return entries, offset
 
 
-def snapshot_meta(job_id: str, owner: int, holder: int | None, step: int, tensors: list[dict], skeleton: Any) -> dict[str, Any]:
-    """The metadata JSON of a slot; `holder` is None for the owner's own copy."""
+def snapshot_meta(job_id: str, owner: int, holder: int | None, step: int, tensors: list[dict], skeleton: Any,
+                  data_len: int, digests: list[int]) -> dict[str, Any]:
+    """The metadata JSON of a slot; `holder` is None for the owner's own copy, `digests` has one
+    checksum per CHUNK_BYTES of the first `data_len` bytes of the data region."""
     return {"format": VERSION, "job_id": job_id, "owner": owner, "holder": holder, "step": step,
-            "checksum": ALGORITHM, "tensors": tensors, "skeleton": skeleton}
+            "checksum": ALGORITHM, "chunk_bytes": CHUNK_BYTES, "data_len": data_len, "digests": digests,
+            "tensors": tensors, "skeleton": skeleton}
 
 
 def encode_meta(meta: dict[str, Any]) -> bytes:
@@ -122,9 +133,14 @@ class Slot:
     """One mapped slot file; writers map it read-write, readers read-only."""
 
     def __init__(self, path: Path, fd: int, writable: bool) -> None:
-        self.path, self._fd = path, fd
-        size = os.fstat(fd).st_size
-        self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ) if size else None
+        self.path, self._fd, self._writable = path, fd, writable
+        st = os.fstat(fd)
+        self._key = (st.st_dev, st.st_ino)
+        self._mm = None if writable else _writer_mapping(self._key, st.st_size)
+        if self._mm is None and st.st_size:
+            self._mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        if writable:
+            _WRITERS[self._key] = self
         self._bytes: torch.Tensor | None = None
 
     @classmethod
@@ -196,9 +212,26 @@ class Slot:
             meta = json.loads(bytes(raw))
         finally:
             raw.release()
-        if meta.get("step") != h.step or meta.get("checksum") != ALGORITHM:
+        if meta.get("step") != h.step or meta.get("checksum") != ALGORITHM or meta.get("data_len", -1) > h.data_cap:
             raise CorruptSnapshot(f"{self.path.name}: metadata does not match the header")
         return meta
+
+    def plan(self, meta: dict[str, Any]) -> Plan:
+        """The chunks of a committed slot's data region (segment metadata already verified)."""
+        try:
+            plan = Plan.of(meta["tensors"], meta["data_len"], meta["chunk_bytes"])
+        except ValueError as e:
+            raise CorruptSnapshot(f"{self.path.name}: {e}") from e
+        if len(meta["digests"]) != len(plan.chunks):
+            raise CorruptSnapshot(f"{self.path.name}: {len(meta['digests'])} chunk checksums for {len(plan.chunks)} chunks")
+        return plan
+
+    def mismatch(self, meta: dict[str, Any], plan: Plan, chunk: int) -> CorruptSnapshot:
+        """The error for a chunk whose bytes fail their checksum, naming the tensors in it."""
+        names = dict.fromkeys(meta["tensors"][p.index]["path"] for p in plan.chunks[chunk])
+        span = plan.span(chunk)
+        return CorruptSnapshot(f"{self.path.name}: checksum mismatch in data bytes {span.start}-{span.stop} "
+                               f"(tensors {', '.join(names) or 'none: alignment padding'})")
 
     def data(self) -> torch.Tensor:
         """The data region as a uint8 tensor aliasing the mapping (never handed to callers)."""
@@ -214,21 +247,9 @@ class Slot:
         raw = self.data()[entry["offset"] : entry["offset"] + entry["nbytes"]]
         return raw.view(dtype_from_name(entry["dtype"])).view(entry["shape"])
 
-    def tensor_digest(self, entry: dict[str, Any]) -> int:
-        return digest(self.data()[entry["offset"] : entry["offset"] + entry["nbytes"]].numpy())
-
-    def verify(self, meta: dict[str, Any], helper: Executor | None = None) -> None:
-        """Check every tensor's bytes against the digest recorded when it was written."""
-        cap = self.header().data_cap
-
-        def check(entries: list[dict[str, Any]]) -> None:
-            for entry in entries:
-                if entry["offset"] + entry["nbytes"] > cap:
-                    raise CorruptSnapshot(f"{self.path.name}: tensor {entry['path']} lies outside the data region")
-                if self.tensor_digest(entry) != entry["digest"]:
-                    raise CorruptSnapshot(f"{self.path.name}: checksum mismatch in tensor {entry['path']}")
-
-        in_two_streams(meta["tensors"], check, helper)
+    def region(self) -> np.ndarray:
+        """The data region as a uint8 numpy array aliasing the mapping (for chunked copies)."""
+        return self.data().numpy()
 
     def mark_uncommitted(self) -> None:
         self._mm[_COMMITTED_AT : _COMMITTED_AT + 4] = _COMMITTED.pack(0)
@@ -249,8 +270,21 @@ class Slot:
 
     def close(self) -> None:
         """Drop the mapping (freed once no view is left) and the descriptor, which releases locks."""
+        if self._writable and _WRITERS.get(self._key) is self:
+            del _WRITERS[self._key]
         self._bytes = None
         self._mm = None
         os.close(self._fd)
 
 
+def _writer_mapping(key: tuple[int, int], size: int) -> mmap.mmap | None:
+    """This process's writable mapping of the file `key`, if it has one of `size` bytes. The
+    writer's file must still be linked: an unlinked file's inode number can be reused."""
+    writer = _WRITERS.get(key)
+    if writer is None or writer._mm is None or len(writer._mm) != size:
+        return None
+    try:
+        linked = os.fstat(writer._fd).st_nlink > 0
+    except OSError:
+        return None
+    return writer._mm if linked else None

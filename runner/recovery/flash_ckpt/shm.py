@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 
 SHM_DIR = Path(os.environ.get("RR_FLASH_SHM_DIR", "/dev/shm"))
+# caps the free space the size check sees, to try a small /dev/shm without remounting one
+FREE_BYTES_ENV = "RR_FLASH_SHM_FREE_BYTES"
 PREFIX = "rrflash"
 SLOTS = (0, 1)
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -51,9 +53,17 @@ def backup_names(job_id: str, owner: int) -> list[str]:
 
 
 def free_bytes() -> int:
-    """Bytes an unprivileged writer can still allocate in the shm filesystem."""
+    """Bytes an unprivileged writer can still allocate in the shm filesystem (at most
+    $RR_FLASH_SHM_FREE_BYTES when that is set)."""
     st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
+    free = st.f_bavail * st.f_frsize
+    cap = os.environ.get(FREE_BYTES_ENV)
+    if cap is None:
+        return free
+    try:
+        return min(free, int(cap))
+    except ValueError:
+        raise ValueError(f"{FREE_BYTES_ENV}={cap!r} must be a whole number of bytes (or unset)") from None
 
 
 def ensure_space(nbytes: int, what: str) -> None:
@@ -65,13 +75,16 @@ def ensure_space(nbytes: int, what: str) -> None:
 
 def space_error(nbytes: int, free: int, what: str) -> ShmSpaceError:
     """The one-paragraph explanation shared by the statvfs check and a failed fallocate."""
-    gib = 2**30
+    capped = f" (capped by {FREE_BYTES_ENV}={os.environ[FREE_BYTES_ENV]})" if FREE_BYTES_ENV in os.environ else ""
     return ShmSpaceError(
-        f"Flash checkpoint needs {nbytes / gib:.2f} GiB in {SHM_DIR} for {what}, but only "
-        f"{free / gib:.2f} GiB is free there. The snapshot is kept in two shared-memory slots of "
-        "the size of the whole checkpoint, per rank on this host. Give the container a larger "
-        "shared-memory mount (docker run --shm-size=..., or a Kubernetes emptyDir volume with "
-        "medium: Memory mounted at /dev/shm), remove segments left by crashed runs "
-        "(runner.recovery.flash_ckpt.cleanup_stale), snapshot fewer ranks per host, or turn flash "
-        "checkpointing off for this run."
+        f"Flash checkpoint needs {_size(nbytes)} in {SHM_DIR} for {what}, but only {_size(free)} is free "
+        f"there{capped}. The snapshot is kept in two shared-memory slots of the size of the whole "
+        "checkpoint, per rank on this host. Give the container a larger shared-memory mount (docker run "
+        "--shm-size=..., or a Kubernetes emptyDir volume with medium: Memory mounted at /dev/shm), remove "
+        "segments left by crashed runs (runner.recovery.flash_ckpt.cleanup_stale), snapshot fewer ranks "
+        "per host, or turn flash checkpointing off for this run."
     )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

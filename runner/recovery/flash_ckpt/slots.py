@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import fcntl
 import os
-from concurrent.futures import Executor, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
-from .codec import unflatten
+from . import codec
 from .segment import CorruptSnapshot, Slot, encode_meta, read_header, read_header_fd
 from .shm import slot_paths
-from .streams import copy_pairs, in_two_streams
+from .chunks import address
 
 T = TypeVar("T")
 
@@ -40,19 +39,6 @@ def find_step(name: str, step: int) -> Path:
     raise LookupError(f"step {step} is not in memory segment {name} (committed steps: {[s for s, _ in held]})")
 
 
-@contextmanager
-def open_verified(path: Path, step: int | None = None, helper: Executor | None = None) -> Iterator[tuple[Slot, dict[str, Any]]]:
-    """A committed slot whose metadata and tensors passed their checksums, held under a shared lock."""
-    slot = Slot.open(path)
-    try:
-        slot.lock(exclusive=False)
-        meta = slot.committed_meta(step)
-        slot.verify(meta, helper)
-        yield slot, meta
-    finally:
-        slot.close()
-
-
 def newest_verified(name: str, use: Callable[[Path, int], T]) -> T:
     """Apply `use` to the newest committed slot of segment `name` whose data verifies."""
     reasons = []
@@ -65,21 +51,35 @@ def newest_verified(name: str, use: Callable[[Path, int], T]) -> T:
 
 
 def load_slot(path: Path, *, step: int | None = None, into: dict[str, torch.Tensor] | None = None) -> tuple[dict, Any]:
-    """Verify a committed slot and rebuild its state from private copies (never views into shm).
+    """Copy a committed slot's state out into private tensors (never views into shm), checking
+    each chunk's checksum right before copying from it; raises CorruptSnapshot on a mismatch.
 
     `into` maps tensor paths (codec.tensor_path) to existing tensors; a tensor of the same shape
-    and dtype there is filled in place instead of allocating a new one.
+    and dtype there is filled in place instead of allocating a new one. After a CorruptSnapshot
+    those tensors hold partly copied data: the caller loads another snapshot or gives up.
     """
-    with ThreadPoolExecutor(1, thread_name_prefix="flash-restore") as helper, open_verified(path, step, helper) as (slot, meta):
-        pairs = []
+    slot = Slot.open(path)
+    try:
+        slot.lock(exclusive=False)
+        meta = slot.committed_meta(step)
+        plan = slot.plan(meta)
+        dsts = []
         for entry in meta["tensors"]:
-            src = slot.view(entry)
             dst = (into or {}).get(entry["path"])
-            if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
-                dst = torch.empty_like(src)
-            pairs.append((dst, src))
-        in_two_streams(pairs, copy_pairs, helper)
-    return meta, unflatten(meta["skeleton"], [dst for dst, _ in pairs])
+            if dst is None or list(dst.shape) != entry["shape"] or codec.dtype_name(dst.dtype) != entry["dtype"]:
+                dst = torch.empty(entry["shape"], dtype=codec.dtype_from_name(entry["dtype"]))
+            if dst.numel() * dst.element_size() != entry["nbytes"]:
+                raise CorruptSnapshot(f"{path.name}: tensor {entry['path']} has {entry['nbytes']} bytes for its shape {entry['shape']}")
+            dsts.append(dst)
+        addrs = [address(dst) for dst in dsts]
+        with ThreadPoolExecutor(1, thread_name_prefix="flash-restore") as helper:
+            plan.drain(slot.region(), addrs, meta["digests"], lambda c: slot.mismatch(meta, plan, c), helper)
+        for entry, dst, addr in zip(meta["tensors"], dsts, addrs):
+            if addr is None:  # a strided or device target: its chunks are verified by now
+                dst.copy_(slot.view(entry))
+    finally:
+        slot.close()
+    return meta, codec.unflatten(meta["skeleton"], dsts)
 
 
 def pin_step(name: str, step: int) -> int:

@@ -2,9 +2,10 @@
 
 Parameters and optimizer state only change in the optimizer step, so a snapshot taken after
 step k can be copied while forward/backward of step k+1 run: ``save_async`` keeps references
-and returns, a background thread copies into the slot that is not the newest commit, checksums
-and commits, and ``wait`` (called right before the next optimizer step) blocks only for what is
-left. ``save`` copies in the caller and leaves only checksum and commit to the thread.
+and returns, a background thread copies into the slot that is not the newest commit (checksumming
+each chunk as it lands) and commits, and ``wait`` (called right before the next optimizer step)
+blocks only for what is left. ``save`` copies in the caller and leaves checksum and commit to the
+thread.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
+from .chunks import CHUNK_BYTES, Plan, address
 from .codec import Flat, flatten
 from .events import EventSink, emit
 from .segment import Slot, encode_meta, plan_layout, snapshot_meta
 from .slots import SlotWriter
-from .streams import copy_pairs, in_two_streams
 from .shm import check_job_id, segment_name
 
 _DIGEST_BOUND = 2**32 - 1  # widest digest, used to size the metadata before digests exist
@@ -30,6 +31,7 @@ class _Job:
     flat: Flat
     entries: list[dict[str, Any]]
     data_len: int
+    digests: list[int] | None = None  # one per chunk of the data region, once computed
     copy_s: float = 0.0
 
 
@@ -95,22 +97,27 @@ class Snapshotter:
         return _Job(step, flat, entries, data_len)
 
     def _meta(self, job: _Job) -> dict[str, Any]:
-        return snapshot_meta(self.job_id, self.rank, None, job.step, job.entries, job.flat.skeleton)
+        digests = job.digests or [_DIGEST_BOUND] * -(-job.data_len // CHUNK_BYTES)  # widest, to size the slot
+        return snapshot_meta(self.job_id, self.rank, None, job.step, job.entries, job.flat.skeleton, job.data_len, digests)
 
     def _meta_bound(self, job: _Job) -> int:
-        """Metadata size once every entry has gained its ``"digest"`` (not computed yet)."""
-        return len(encode_meta(self._meta(job))) + len(job.entries) * len(f',"digest":{_DIGEST_BOUND}')
+        """Metadata size once the chunk checksums are known (they are not yet)."""
+        return len(encode_meta(self._meta(job)))
 
     def _write(self, job: _Job) -> None:
         slot = self._writer.begin(self._meta_bound(job), job.data_len)
-        self._copy_or_abort(slot, job)
+        self._copy_or_abort(slot, job, with_digests=True)  # nobody waits on this thread yet: one pass
         self._seal(slot, job)
 
-    def _copy_or_abort(self, slot: Slot, job: _Job, helper: Executor | None = None) -> None:
+    def _copy_or_abort(self, slot: Slot, job: _Job, helper: Executor | None = None, with_digests: bool = False) -> None:
+        """Copy the tensors into the slot chunk by chunk (`with_digests`: checksum each chunk too)."""
         t0 = perf_counter()
         try:
-            pairs = [(slot.view(entry), tensor) for entry, tensor in zip(job.entries, job.flat.tensors)]
-            in_two_streams(pairs, copy_pairs, helper)
+            srcs = [address(t) for t in job.flat.tensors]
+            for entry, tensor, src in zip(job.entries, job.flat.tensors, srcs):
+                if src is None:  # strided or on a device (the device-to-host copy on GPU)
+                    slot.view(entry).copy_(tensor)
+            job.digests = Plan.of(job.entries, job.data_len).fill(slot.region(), srcs, with_digests, helper)
         except BaseException:
             self._writer.abort(slot)
             raise
@@ -119,8 +126,8 @@ class Snapshotter:
     def _seal(self, slot: Slot, job: _Job) -> None:
         t0 = perf_counter()
         try:
-            for entry in job.entries:
-                entry["digest"] = slot.tensor_digest(entry)
+            if job.digests is None:
+                job.digests = Plan.of(job.entries, job.data_len).digests(slot.region())
         except BaseException:
             self._writer.abort(slot)
             raise
