@@ -420,7 +420,10 @@ class ResilientStrategy(ParallelStrategy):
             return self._recover_hook(self, "join")  # type: ignore[return-value]
         if checkpoint_path == SNAPSHOT_CKPT:
             assert self._restore_snapshot is not None
-            return self._restore_snapshot(self)
+            ckpt = self._restore_snapshot(self)
+            if self.zero is not None:  # a snapshot's other shards may be one update old: every rank restored, all sync
+                self.zero.stale = True
+            return ckpt
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     # -- data: every loader follows the (seed, step, logical rank) contract ---------------------

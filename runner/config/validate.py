@@ -123,23 +123,26 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
 
 
 def zero_problems(cfg: DictConfig) -> list[str]:
-    """ZeRO-1 trains without fault tolerance, or with DeadPool, whose per-step replicas are the only copy of
-    a lost rank's optimizer shard; the other strategies would need a full replica of it."""
+    """ZeRO-1 state lives in one place per shard: a failed rank's shard comes back only from DeadPool's
+    per-step replica on a neighbour, or, with every rank restarting, from its flash snapshot."""
     p, names = cfg.parallel, ft_names(cfg)
     if p.zero != 1 or not names:
         return []
-    if "deadpool" not in names:
-        return [f"parallel.zero=1 shards the optimizer state, so a failed rank's shard exists nowhere else and "
-                f"ft={names} cannot rebuild it: add deadpool to ft (it replicates every shard to a neighbour each "
-                "step) or set parallel.zero=0."]
     out = []
-    if p.nodes < 2:
+    if "ndb" in names:
+        out.append("parallel.zero=1 is not supported with ft=ndb yet (the neighbour would need the failed rank's "
+                   "optimizer shard): remove ndb from ft or set parallel.zero=0.")
+    if "deadpool" not in names and "flash_ckpt" not in names:
+        out.append(f"parallel.zero=1 shards the optimizer state, so a failed rank's shard exists nowhere else and "
+                   f"ft={names} cannot rebuild it: add deadpool to ft (it replicates every shard to a neighbour each "
+                   "step), or flash_ckpt (every rank restarts from its snapshot), or set parallel.zero=0.")
+    elif "deadpool" not in names and "flashrecovery" in names:
+        out.append("ft=flashrecovery restarts a failed rank alone, and with parallel.zero=1 only DeadPool's replicas "
+                   "hold its optimizer shard: add deadpool to ft, or leave flash_ckpt alone to restart every rank from "
+                   "its snapshot.")
+    if "deadpool" in names and p.nodes < 2:
         out.append("parallel.zero=1 with ft=deadpool keeps each shard's replica on another node, but parallel.nodes=1: "
                    "use parallel.nodes >= 2 (e.g. parallel.nodes=2 parallel.procs_per_node=1).")
-    unsupported = [n for n in names if n in ("ndb", "flash_ckpt")]
-    if unsupported:
-        out.append(f"parallel.zero=1 is not supported together with ft={unsupported} yet (their state hand-over "
-                   "assumes every rank holds the whole optimizer state): remove them from ft or set parallel.zero=0.")
     return out
 
 

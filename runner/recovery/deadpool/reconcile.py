@@ -44,6 +44,8 @@ def reconcile_shards(strategy, table: list[list[int]], events) -> Optional[dict]
         if me in laggards:
             strategy.finish_update(grads)
             events.emit("shard_update_finished", gen=comm.gen, step=newest, source=logical[source])
+    if not comm.layout.complete:
+        return None  # survivors only: joiners are served, and everyone synced, in the complete generation
     shard = None
     for j in joiners:
         received = _fetch_shard(strategy, logical[j], joiners, newest)
