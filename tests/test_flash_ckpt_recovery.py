@@ -48,6 +48,13 @@ def assert_restarted(run, reference, resumed_at: int, fault_step: int = 23) -> d
     return {e["rank"]: e for e in restored}
 
 
+def test_zero1_shards_each_restore_from_their_own_snapshot_exactly(fault_free, run_dir):
+    # ZeRO-1: each snapshot holds its rank's optimizer shard; after the restore every rank syncs the parameters
+    run = run_cli(*FOUR, "parallel.zero=1", "fault=kill_all", "fault.step=23", run_dir=run_dir)
+    restored = assert_restarted(run, fault_free[4], resumed_at=20)
+    assert sorted(restored) == [0, 1, 2, 3]
+
+
 def test_kill_all_resumes_from_memory_exactly(fault_free, run_dir):
     # no decide window: the decision follows the first exit, before the other rank's exit is seen
     run = run_cli(*TWO, "ft.flash_ckpt.persist_every_n_steps=50", "fault=kill_all", "fault.step=23",
