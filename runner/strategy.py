@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from runner.comm import Comm, CollectiveFailure
-from runner.data import IndexedDatasetSource, StepLoader, derive_seed
+from runner.data import IndexedDatasetSource, StepLoader, derive_seed, seed_step
 from runner.environment import RunnerEnvironment
 from runner.events import EventLog
 from runner.status import WorkerStatus
@@ -138,7 +138,7 @@ class ResilientStrategy(ParallelStrategy):
     # -- per-step seeding and the committed, failure-aware reduction ----------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         step = self.lightning_module.trainer.global_step
-        torch.manual_seed(derive_seed(self.seed, step, self.logical_rank, 1))
+        seed_step(derive_seed(self.seed, step, self.logical_rank, 1), self.root_device)
         batch = args[0] if args else kwargs.get("batch")
         self._batch_sample = batch.get("sample") if isinstance(batch, dict) else None
         self._extra_done = {}
