@@ -24,6 +24,7 @@ class FaultTrigger(Callback):
         self.comm, self.status, self.events = comm, status, events
         self.release_timeout_s = release_timeout_s
         self._t_start = None
+        self._flip = None  # the bitflip hook, armed for one backward
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._t_start = time.monotonic()
@@ -41,17 +42,26 @@ class FaultTrigger(Callback):
                 continue
             self._fire(i, fault, step)
 
-    def on_after_backward(self, trainer, pl_module) -> None:
-        """bitflip: flip the top exponent bit of one gradient element on the victim, once per job."""
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        """bitflip: flip the top exponent bit of one gradient element on the victim, once per job.
+
+        The flip happens inside backward, as a faulty kernel's would (a hook on the first float32
+        parameter's gradient), so it is in the reduction even though buckets launch during backward.
+        """
         step = trainer.global_step
         for i, fault in self.faults:
             if fault.kind != "bitflip" or not self._targets_me(fault) or not self._due(fault, step):
                 continue
             if self.comm.store.add(f"fault/claim/{i}", 1) != 1:
                 continue
-            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None and p.grad.dtype == torch.float32)
-            grad.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 30)
+            param = next(p for p in pl_module.parameters() if p.requires_grad and p.dtype == torch.float32)
+            self._flip = param.register_hook(_flip_top_exponent_bit)
             self.events.emit("fault_injected", fault=fault.kind, index=i, victims=[self.comm.logical_rank])
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self._flip is not None:  # one backward only (not the corruption guard's recompute)
+            self._flip.remove()
+            self._flip = None
 
     def on_recovery_start(self) -> None:
         """Called by the worker's recovery loop: faults with ``during: recovery`` fire here."""
@@ -97,3 +107,9 @@ class FaultTrigger(Callback):
             self.comm.store.wait([f"fault/released/{i}"], timedelta(seconds=self.release_timeout_s))
         except Exception:
             self.events.emit("fault_not_carried_out", fault=fault.kind, index=i)
+
+
+def _flip_top_exponent_bit(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 30)
+    return grad

@@ -19,6 +19,9 @@ from runner import protocol
 from runner.protocol import Layout
 
 
+_WAIT_MARGIN = timedelta(seconds=5)  # a launched op fails by itself at the collective timeout; waits allow this more
+
+
 class CollectiveFailure(RuntimeError):
     """A collective failed (peer died, connection reset, timeout, injected error)."""
 
@@ -42,9 +45,11 @@ class Comm:
         self.side_pg: dist.ProcessGroup | None = None
         self.layout: Layout | None = None
         self.inject_transient = False  # set by the fault injector: the next collective fails once
-        self.inject_after_success = False  # ... or the next all-reduce fails here only, once it completed everywhere
+        self.inject_after_success = False  # ... or the next gradient reduction fails here only, once complete
         self.link_delay_s = 0.0  # slow_link fault: added before every collective (like a tc delay)
         self.partitioned_until = 0.0  # partition fault: collectives and rendezvous fail until then
+        self._in_flight: list = []  # work objects of launched collectives not waited for yet
+        self._failure: str | None = None  # why a launch failed, raised by the next wait_all
 
     # -- membership -----------------------------------------------------------------------------
     @property
@@ -127,6 +132,9 @@ class Comm:
 
     def abort(self) -> None:
         """Drop this process's group: its sockets close, so peers' pending collectives fail immediately."""
+        if self.backend != "nccl":  # NCCL's abort() ends in-flight work itself
+            self._drain()  # gloo: nothing may be in flight when the group goes (see the collectives below)
+        self._in_flight, self._failure = [], None
         if self.pg is not None:
             if self.backend == "nccl":
                 self.pg.abort()  # NCCL: abort the communicator instead of waiting for its timeout
@@ -134,38 +142,60 @@ class Comm:
         self.side_pg = None  # an exchange still in flight holds it until its peers' groups close too
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
+    # Collectives are launched, then waited for together. After an error every launched one is
+    # waited for (it completes, or fails once its peers drop their groups, or at the collective
+    # timeout) before the group is dropped: gloo's destructor joins its worker threads while
+    # holding the GIL, which with work still in flight would silence the heartbeat thread.
     # No frame may keep a reference to the group or its work objects once a collective failed: the
     # group's connections close only when the last reference goes, and closing them is what makes
     # peers fail at once (gloo's abort()/shutdown() leave the sockets open).
-    def _run(self, ops, *, reduction: bool = False) -> None:
-        """Run collectives one at a time: with nothing left in flight after an error, dropping the
-        group is immediate (gloo's destructor joins its worker threads while holding the GIL)."""
+    def launch(self, op) -> None:
+        """Start ``op(pg)`` without waiting for it. A failure to start (and every launch after it,
+        which is skipped) is raised by the next ``wait_all``, never here: this runs inside backward."""
+        if self._failure is not None:
+            return
         if self.pg is None:
-            raise CollectiveFailure("no process group (aborted)")
-        if self.inject_transient:
+            self._failure = "no process group (aborted)"
+        elif self.inject_transient:
             self.inject_transient = False
-            self.abort()
-            raise CollectiveFailure("injected transient connection error")
-        if time.monotonic() < self.partitioned_until:
-            self.abort()
-            raise CollectiveFailure("network partition: this rank cannot reach its peers")
-        if self.link_delay_s:
-            time.sleep(self.link_delay_s)  # the fault itself: a slow link
+            self._failure = "injected transient connection error"
+        elif time.monotonic() < self.partitioned_until:
+            self._failure = "network partition: this rank cannot reach its peers"
+        if self._failure is not None:
+            return
+        if self.link_delay_s and not self._in_flight:
+            time.sleep(self.link_delay_s)  # the fault itself: a slow link, once per batch of collectives
         try:
-            for op in ops:
-                op(self.pg).wait()
-            if not (reduction and self.inject_after_success):
-                return
-            self.inject_after_success = False
-            message = "injected connection error after the collective completed on every peer"
+            self._in_flight.append(op(self.pg))
         except Exception as err:
-            message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        self.abort()
-        raise CollectiveFailure(message)
+            self._failure = _first_line(err)
+
+    def wait_all(self, *, reduction: bool = False) -> None:
+        """Wait for every launched collective; on any failure drop the group and raise. ``reduction``: the
+        step's gradient all-reduce, which the ``after_reduce`` fault makes fail here only, once complete."""
+        failure = self._drain()
+        if failure is None and reduction and self.inject_after_success:
+            self.inject_after_success = False
+            failure = "injected connection error after the reduction completed on every peer"
+        if failure is not None:
+            self.abort()
+            raise CollectiveFailure(failure)
+
+    def _drain(self) -> str | None:
+        """Wait for every launched collective, failed or not; the reason of the first failure."""
+        failed = _wait_each(self._in_flight, self.collective_timeout + _WAIT_MARGIN)
+        failure = self._failure or failed
+        self._in_flight, self._failure = [], None
+        return failure
+
+    def _run(self, ops) -> None:
+        for op in ops:
+            self.launch(op)
+        self.wait_all()
 
     def allreduce(self, tensors: list[torch.Tensor], op=dist.ReduceOp.SUM) -> None:
         opts = _opts(op)
-        self._run([lambda pg, t=t: pg.allreduce([t], opts) for t in tensors], reduction=True)
+        self._run([lambda pg, t=t: pg.allreduce([t], opts) for t in tensors])
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.size)]
@@ -179,6 +209,22 @@ class Comm:
 
     def barrier(self) -> None:
         self.allreduce([torch.zeros(1, device=self.device)])
+
+
+def _wait_each(works: list, bound: timedelta) -> str | None:
+    """Wait for every work object (each at most ``bound``); the first error message, if any.
+    A function of its own so that no frame holds on to a work object after it returns."""
+    failure = None
+    for work in works:
+        try:
+            work.wait(bound)
+        except Exception as err:
+            failure = failure or _first_line(err)
+    return failure
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _opts(op) -> dist.AllreduceOptions:

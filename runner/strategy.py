@@ -20,11 +20,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from runner.comm import Comm, CollectiveFailure
-from runner.data import IndexedDatasetSource, StepLoader, derive_seed
+from runner.data import IndexedDatasetSource, StepLoader, derive_seed, seed_step
 from runner.environment import RunnerEnvironment
 from runner.events import EventLog
 from runner.recovery.deadpool.replicator import ShardReplicator
 from runner.recovery.deadpool.shard_state import ShardState
+from runner.reducer import GradReducer
 from runner.status import WorkerStatus
 from runner.zero import ZeroOne
 
@@ -82,7 +83,7 @@ class ResilientStrategy(ParallelStrategy):
         self.first_gen = first_gen  # the first generation this worker may belong to
         self.start_timeout_s = start_timeout_s
         self._skip_update = False
-        self._buckets: list[tuple[Tensor, list[Tensor]]] = []
+        self._reducer: Optional[GradReducer] = None  # built at the first step, once the module is set up
         self._batch_sample: Optional[Tensor] = None
         self._batch_loss: Optional[float] = None
         self.zero_stage = zero_stage
@@ -174,7 +175,7 @@ class ResilientStrategy(ParallelStrategy):
     # -- per-step seeding and the committed, failure-aware reduction ----------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         step = self.lightning_module.trainer.global_step
-        torch.manual_seed(derive_seed(self.seed, step, self.logical_rank, 1))
+        seed_step(derive_seed(self.seed, step, self.logical_rank, 1), self.root_device)
         batch = args[0] if args else kwargs.get("batch")
         self._batch_sample = batch.get("sample") if isinstance(batch, dict) else None
         self._extra_done = {}
@@ -182,6 +183,7 @@ class ResilientStrategy(ParallelStrategy):
         self._t_batch = time.perf_counter()
         if self.status.latest_gen > self.comm.gen and self._recover_hook is not None and not self.joining:
             self.status.phase = "recovering"
+            self.reducer.disarm()  # the new layout may take over micro-batches: reduce after backward
             self._recover_hook(self, "planned")  # regroup at the step boundary, before any compute
         if self.zero is not None and self.zero.stale:
             self._sync_params()
@@ -193,6 +195,8 @@ class ResilientStrategy(ParallelStrategy):
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def reduced_closure() -> Any:
+            if not self.comm.layout.extra_of(self.comm.wid):  # NDB micro-batches join after backward
+                self.reducer.arm()  # this step's own backward launches the buckets as they fill
             loss = closure()
             self._commit_step(closure)
             return loss
@@ -209,9 +213,8 @@ class ResilientStrategy(ParallelStrategy):
             self._take_over(step)
             self.status.phase = "reduce"
             try:
-                flats, extras = self._flatten(step)
-                self.comm.allreduce(flats + [extras])
-                if self.guard is None or self._guard_accepts(flats, step):
+                grads, extras = self.reducer.reduce()
+                if self.guard is None or self._guard_accepts(grads, step):
                     break
                 closure()  # recompute this rank's gradients (every rank reached the same verdict)
                 self._extra_done, self._own_grads = {}, None
@@ -225,7 +228,9 @@ class ResilientStrategy(ParallelStrategy):
                 if self._skip_update:
                     return  # a lagging survivor received the committed state of this step
         self.joining = False
-        self._unflatten(flats)
+        takeovers = self.comm.layout.takeovers
+        divisor = (lambda p: self.ndb.divisor(p, self.dp_size, takeovers)) if self.ndb and takeovers else None
+        self.reducer.write_back(self.dp_size, divisor)
         if self.ndb is not None:
             self.ndb.record_step(time.perf_counter() - self._t_batch, taking_over=bool(self._extra_done))
         self.status.step = step + 1
@@ -329,53 +334,28 @@ class ResilientStrategy(ParallelStrategy):
     def _grad_params(self) -> list[Tensor]:
         return [p for p in self.lightning_module.parameters() if p.requires_grad]
 
-    def _flatten(self, step: int) -> tuple[list[Tensor], Tensor]:
-        """Copy local gradients into the buckets (local .grad stays intact for a retry)."""
-        if not self._buckets:
-            self._buckets = _make_buckets(self.lightning_module, self.bucket_bytes)
-        flats = []
-        for flat, params in self._buckets:
-            offset = 0
-            for p in params:
-                n = p.numel()
-                if p.grad is None:
-                    flat[offset : offset + n].zero_()
-                else:
-                    flat[offset : offset + n].copy_(p.grad.reshape(-1))
-                offset += n
-            flats.append(flat)
-        # accounting rides along: one count per logical rank, then loss sum and a position check
-        extras = torch.zeros(self.dp_size + 2, dtype=torch.float64, device=self.root_device)
+    @property
+    def reducer(self) -> GradReducer:
+        if self._reducer is None:
+            self._reducer = GradReducer(self.comm, self.lightning_module, self.bucket_bytes, self.dp_size + 2,
+                                        self._accounting)
+        return self._reducer
+
+    def _accounting(self) -> Tensor:
+        """One count per logical rank whose micro-batch went in, the loss sum, misplaced batches."""
+        step = self.lightning_module.trainer.global_step
+        extras = torch.zeros(self.dp_size + 2, dtype=torch.float64)
         sample_step, sample_rank = (step, self.logical_rank)
         if self._batch_sample is not None:
             sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())
         extras[sample_rank] += 1
         extras[-2] = self._batch_loss if self._batch_loss is not None else float("nan")
+        extras[-1] = float(sample_step != step)
         for loss, (extra_step, extra_rank) in self._extra_done.values():
             extras[extra_rank] += 1
             extras[-2] += loss
             extras[-1] += float(extra_step != step)
-        extras[-1] = float(sample_step != step)
-        return flats, extras
-
-    def _unflatten(self, flats: list[Tensor]) -> None:
-        """Sum -> mean: by dp, or per parameter by the micro-batches that computed it (NDB)."""
-        dp, takeovers = self.dp_size, self.comm.layout.takeovers
-        uniform = self.ndb is None or not takeovers
-        for flat, (_, params) in zip(flats, self._buckets):
-            if uniform:
-                flat.div_(dp)
-            offset = 0
-            for p in params:
-                n = p.numel()
-                chunk = flat[offset : offset + n].view_as(p)
-                if not uniform:
-                    chunk.div_(self.ndb.divisor(p, dp, takeovers))
-                if p.grad is None:
-                    p.grad = chunk.clone()
-                else:
-                    p.grad.copy_(chunk)
-                offset += n
+        return extras
 
     # -- state transfer between replicas --------------------------------------------------------
     def dump_state(self) -> dict:
@@ -505,29 +485,6 @@ def _to_bytes(obj: Any) -> Tensor:
 def _from_bytes(data: Tensor, map_location: Any = "cpu") -> Any:
     """Bytes from a replica of this job: tensors and plain containers only (weights_only)."""
     return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True, map_location=map_location)
-
-
-def _make_buckets(module: torch.nn.Module, bucket_bytes: int) -> list[tuple[Tensor, list[Tensor]]]:
-    """Group trainable parameters (in a fixed order) into flat buffers of about ``bucket_bytes``."""
-    buckets: list[tuple[Tensor, list[Tensor]]] = []
-    current: list[Tensor] = []
-    size = 0
-    seen: set[int] = set()
-    params = [p for p in module.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
-
-    def close() -> None:
-        if current:
-            n = sum(p.numel() for p in current)
-            buckets.append((torch.zeros(n, dtype=current[0].dtype, device=current[0].device), list(current)))
-
-    for p in params:
-        if current and (p.dtype != current[0].dtype or size + p.numel() * p.element_size() > bucket_bytes):
-            close()
-            current, size = [], 0
-        current.append(p)
-        size += p.numel() * p.element_size()
-    close()
-    return buckets
 
 
 def _gate_optimizer_step(optimizer: torch.optim.Optimizer, strategy: ResilientStrategy) -> None:

@@ -64,6 +64,10 @@ class WorkerSpec:
 
 def main(spec: WorkerSpec, cfg_dict: dict) -> None:
     """Process entry point (run by the fork server); exits with a code the controller understands."""
+    # A session of its own, as torchrun gives each rank: where the kernel groups scheduling by
+    # session (autogroup), a busy host then shares its CPUs per rank rather than per job. Ctrl-C
+    # reaches only the controller, which ends the workers itself.
+    os.setsid()
     code = run_reporting(spec, OmegaConf.create(cfg_dict))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -96,6 +96,16 @@ def test_kill_during_the_recovery_from_another_kill(fault_free, run_dir):
     assert len(run.events("worker_started")) == 6
 
 
+def test_faults_while_several_buckets_are_in_flight_stay_exact(tmp_path):
+    """20 KiB buckets: each step's backward launches many all-reduces before the reduction waits."""
+    small = [*FOUR, *FR, "trainer.bucket_mb=0.02"]
+    clean = run_cli(*small, run_dir=tmp_path / "clean")
+    run = run_cli(*small, "fault=transient", "fault.rank=1", "fault.step=8",
+                  "+fault.extra=[{kind: kill_rank, rank: 2, step: 16}]", run_dir=tmp_path / "faults")
+    s = assert_exact(run, clean.summary, recoveries=2)
+    assert [(r["fault"], r["action"]) for r in s["recoveries"]] == [("transient", "retry"), ("process_crash", "restart_rank")]
+
+
 def test_losing_every_replica_fails_clearly_and_never_hangs(run_dir):
     run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=20", *FR, "fault=kill_rank", "fault.rank=0", "fault.step=5",
                   "+fault.extra=[{kind: kill_rank, rank: 1, step: 5}]", run_dir=run_dir)

@@ -23,7 +23,7 @@ class GradientGuard:
 
     def verdict(self, flats: list[torch.Tensor]) -> tuple[bool, float, float]:
         """(accepted, norm, median of recent norms); an accepted norm joins the history."""
-        norm = math.sqrt(sum(float(f.double().pow(2).sum()) for f in flats))
+        norm = math.sqrt(sum(float(torch.linalg.vector_norm(f, dtype=torch.float64)) ** 2 for f in flats))
         median = statistics.median(self.norms) if self.norms else float("nan")
         suspicious = not math.isfinite(norm) or (
             len(self.norms) >= self.min_history and norm > self.factor * median

@@ -12,7 +12,7 @@ import resource
 
 import torch
 
-from runner.data import BatchSource, derive_seed
+from runner.data import BatchSource, derive_seed, seed_step
 from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.ndb.params import attention_param_names
 from runner.recovery.ndb.takeover import TakeoverForward
@@ -34,7 +34,7 @@ class NDBRuntime:
             self.rss_before_kib = _max_rss_kib()
         self.ranks_taken_over.add(logical_rank)
         batch = source.batch(step, logical_rank)
-        torch.manual_seed(derive_seed(self.seed, step, logical_rank, 1))
+        seed_step(derive_seed(self.seed, step, logical_rank, 1), device)
         loss = self.forward(batch["idx"].to(device), batch["targets"].to(device), step)
         loss.backward()
         return float(loss.detach()), batch["sample"].tolist()
