@@ -60,7 +60,7 @@ class GradReducer:
                  accounting: Callable[[], Tensor]) -> None:
         """``accounting()`` returns this step's accounting vector (``accounting_size`` entries)."""
         self.comm, self.accounting = comm, accounting
-        self.buckets = _make_buckets(_trainable(module)[::-1], bucket_bytes, accounting_size, comm.device)
+        self.buckets = _make_buckets(trainable_params(module)[::-1], bucket_bytes, accounting_size, comm.device)
         self._opts = dist.AllreduceOptions()
         self._opts.reduceOp = dist.ReduceOp.SUM
         self._armed = False
@@ -124,7 +124,7 @@ class GradReducer:
         self.comm.launch(lambda pg: pg.allreduce([bucket.flat], self._opts))
 
 
-def _trainable(module: torch.nn.Module) -> list[Tensor]:
+def trainable_params(module: torch.nn.Module) -> list[Tensor]:
     """Trainable parameters in registration order, each once (tied weights appear once)."""
     seen: set[int] = set()
     return [p for p in module.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from runner.reducer import trainable_params
+
 
 @dataclass
 class ShardPlan:
@@ -114,8 +116,3 @@ class ZeroOne:
                     offset += p.numel()
         self.stale = False
 
-
-def trainable_params(module: torch.nn.Module) -> list[Tensor]:
-    """The module's trainable parameters in a fixed order, each once (tied weights appear once)."""
-    seen: set[int] = set()
-    return [p for p in module.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
