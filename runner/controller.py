@@ -24,7 +24,8 @@ from torch.distributed import PrefixStore, TCPStore
 from runner import protocol
 from runner.agent import LocalFleet
 from runner.config.validate import all_faults, dp_size, ft_names
-from runner.decision import Decision, decide
+from runner.config import policy
+from runner.decision import Decision, decide, restart_owner
 from runner.events import EventLog
 from runner.protocol import Layout
 from runner.loggers import log_summary_to_wandb
@@ -109,7 +110,8 @@ class Controller:
         self.flash_job = flash_job_id(self.run_dir) if "flash_ckpt" in self.ft else None
         self.faults = [f for f in all_faults(cfg) if f.kind != "none"]
         self.fault_hits: dict[int, dict] = {}
-        self.silent_reported: set[int] = set()
+        self.silent_reported: set[int] = set()  # nodes whose silence was already raised as a symptom
+        self.nodes_lost: set[int] = set()  # nodes whose loss was decided: their silence is old news
         self._last_hb_poll = time.monotonic()
         self.t_start = time.time()
         self.events = EventLog(self.run_dir / "events.jsonl", rank=lambda: "controller", step=lambda: -1,
@@ -127,7 +129,7 @@ class Controller:
                                     FORKSERVER_PRELOAD)
         self.cfg_dict = OmegaConf.to_container(self.cfg, resolve=True)
         self.events.emit("run_start", world_size=self.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
-                         recipe=self.cfg.recipe_name, store_port=self.port)
+                         recipe=self.cfg.recipe_name, store_port=self.port, policy=policy.table(self.cfg, self.ft))
         try:
             for lrank in range(self.dp):
                 node, local = divmod(lrank, self.cfg.parallel.procs_per_node)
@@ -293,6 +295,7 @@ class Controller:
             return
         w.killed_for = why
         self._symptom(kind, wid=w.wid, why=why, t=time.time())
+        self.events.emit("worker_killed", wid=w.wid, logical=w.logical, reason=why)
         self.fleet.signal(w.wid, w.node, signal.SIGKILL)
 
     def _ready_spares(self) -> list[int]:
@@ -391,6 +394,7 @@ class Controller:
             return
         self.decide_at = None
         self.silent_reported |= set(lost_nodes)  # handled now: their silence is no new symptom later
+        self.nodes_lost |= set(lost_nodes)
         for wid in [w for w in self.spares if self.workers[w].node in lost_nodes]:
             self.spares.remove(wid)
             self.workers[wid].dead = True
@@ -410,6 +414,7 @@ class Controller:
             survivors=[w.logical for w in self._live() if w.synced and w.wid not in dead and w.node not in lost_nodes],
             restarts_left=self._restarts_left(), spares=len(self._ready_spares()),
             full_restarts_left=self.cfg.ft.flash_ckpt.max_restarts - self.full_restarts if self.flash_job else 0,
+            nodes_up=len(set(range(self.cfg.parallel.nodes)) - self.nodes_lost),
         )
         if any(s["kind"] == "unreachable" for s in rec.symptoms):
             decision.fault = "partition"
@@ -418,7 +423,7 @@ class Controller:
         rec.action, rec.reason = decision.action, decision.reason
         rec.t_decide = time.time()
         self.events.emit("recovery_decided", recovery=rec.id, fault=decision.fault, action=decision.action,
-                         victims=decision.victims, reason=decision.reason)
+                         victims=decision.victims, reason=decision.reason, fault_class=decision.fault_class)
         if decision.action == "fail":
             self._fail(decision.reason)
             return
@@ -482,7 +487,8 @@ class Controller:
             old = self.workers[self.assigned[lrank]]
             self.rejoining[lrank] = self._spawn(lrank, old.node, old.local_rank, role="joiner",
                                                 first_gen=self.gen + 1).wid
-            self.events.emit("repair_started", logical=lrank, wid=self.rejoining[lrank])
+            self.events.emit("repair_started", logical=lrank, wid=self.rejoining[lrank], reason=(
+                f"ft.ndb.repair_after_s={self.cfg.ft.ndb.repair_after_s} elapsed since the takeover"))
         for lrank, wid in list(self.rejoining.items()):
             if self.workers[wid].ready and self.active is None:
                 del self.rejoining[lrank]
@@ -499,7 +505,8 @@ class Controller:
             busy = set(self.takeovers.values())
             free = [l for l in live if live[l] not in busy] or list(live)
             self.takeovers[lrank] = live[neighbour_of(lrank, free, self.cfg.ft.ndb.neighbour)]
-            self.events.emit("takeover_assigned", logical=lrank, neighbour_wid=self.takeovers[lrank])
+            self.events.emit("takeover_assigned", logical=lrank, neighbour_wid=self.takeovers[lrank], reason=(
+                f"ft.ndb.neighbour={self.cfg.ft.ndb.neighbour} among live ranks not yet taking over"))
             if self.cfg.ft.ndb.repair_after_s >= 0:
                 self.repairs.append((time.monotonic() + self.cfg.ft.ndb.repair_after_s, lrank))
 
@@ -527,13 +534,14 @@ class Controller:
     def _all_proved_alive(self, since: float) -> bool:
         """Every live worker and agent has beaten since the first symptom (a silent one is caught by the
         heartbeat rules within the miss window, and the decision then sees it as dead)."""
-        agents_ok = all(beat > since for beat in self.fleet.node_beats().values())
+        agents_ok = all(beat > since for node, beat in self.fleet.node_beats().items() if node not in self.nodes_lost)
         return agents_ok and all(w.hb_change > since for w in self._live() if w.ready and not w.done)
 
     def _silent_nodes(self, now: float) -> list[int]:
         limit = self.hb.interval_s * self.hb.misses
         silent = {node for node, beat in self.fleet.node_beats().items() if now - beat > limit}
-        return sorted(silent | {s["node"] for s in self.active.symptoms if s["kind"] == "node_silent"})
+        silent |= {s["node"] for s in self.active.symptoms if s["kind"] == "node_silent"}
+        return sorted(silent - self.nodes_lost)
 
     def _after_change(self) -> None:
         """Publish survivors-only or complete generations as replacements become ready; a restart of
@@ -554,7 +562,7 @@ class Controller:
         return sorted(w for w in dead if not self.workers[w].dead)
 
     def _restarts_left(self) -> int:
-        owner = next((n for n in ("flashrecovery", "deadpool") if n in self.ft), None)
+        owner = restart_owner(self.ft)
         return (self.cfg.ft[owner].max_restarts if owner else 0) - self.restarts
 
     def _all_done(self) -> bool:

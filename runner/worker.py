@@ -156,15 +156,17 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
 def flash_callback(cfg: DictConfig, spec: WorkerSpec, events: EventLog) -> FlashCheckpoint:
     """ft=flash_ckpt: snapshots of this logical rank, a copy on the partner node, persists to <run dir>/checkpoints."""
     fc = cfg.ft.flash_ckpt
-    partner = partner_rank(spec.logical_rank, cfg.parallel.nodes, cfg.parallel.procs_per_node) if fc.neighbour_backup else None
+
+    def partner(rank: int):
+        return partner_rank(rank, cfg.parallel.nodes, cfg.parallel.procs_per_node) if fc.neighbour_backup else None
 
     def on_event(event: Event) -> None:
         if event.kind not in ("committed", "backed_up"):  # one per snapshot and rank would drown the log
             events.emit(f"snapshot_{event.kind}", snapshot_step=event.step, where=event.where, detail=event.detail)
 
     return FlashCheckpoint(fc.every_n_steps, fc.persist_every_n_steps or None, Path(spec.run_dir) / "checkpoints",
-                           overlap=fc.overlap, job_id=flash_job_id(spec.run_dir), keep=fc.keep, rank=spec.logical_rank,
-                           partner=partner, on_event=on_event)
+                           overlap=fc.overlap, job_id=flash_job_id(spec.run_dir), keep=fc.keep,
+                           rank=None, partner=partner, on_event=on_event)  # a spare learns its rank when given one
 
 
 def select_device(cfg: DictConfig, logical_rank: int) -> tuple[torch.device, str]:
