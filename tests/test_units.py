@@ -125,3 +125,53 @@ def test_decision_tree_falls_back_to_a_restart_from_snapshots():
     spent = decide(ft=["flash_ckpt"], dead=[0], **{**kw, "full_restarts_left": 0})
     assert spent.action == "fail" and "ft.flash_ckpt.max_restarts=1" in spent.reason
     assert decide(ft=["flash_ckpt"], dead=[0], **kw, can_restart=False).action == "fail"  # torchrun owns processes
+
+
+def test_policy_table_defaults_follow_the_seeds_within_ft():
+    from runner.config.policy import table
+
+    cfg = OmegaConf.create({"ft": {"flashrecovery": {"retry_transient": True}, "deadpool": {"crash_action": "swap"},
+                                   "ndb": {}, "flash_ckpt": {}}})
+    full = table(cfg, ["flashrecovery", "deadpool", "ndb", "flash_ckpt"])
+    assert full["process_crash"] == ["swap_spare", "restart_rank", "takeover", "restart_all"]  # crash_action=swap
+    assert full["node_loss_spare_free"] == ["swap_spare", "takeover", "restart_all"]
+    assert full["node_loss_no_spare"] == ["takeover", "restart_all"] and full["replica_lost"] == ["restart_all"]
+    assert full["silent_corruption"] == ["recompute"]
+    only_fr = table(cfg, ["flashrecovery"])
+    assert only_fr["process_crash"] == ["restart_rank"] and only_fr["node_loss_no_spare"] == []
+    no_retry = OmegaConf.create({"ft": {"flashrecovery": {"retry_transient": False}}})
+    assert table(no_retry, ["flashrecovery"])["transient"] == []
+
+
+def test_a_policy_row_sets_the_order_and_a_blocked_action_falls_through():
+    cfg = OmegaConf.create({"ft": {"flashrecovery": {"max_restarts": 1}, "ndb": {}},
+                            "policy": {"process_crash": ["takeover", "restart_rank"]}})
+    kw = dict(cfg=cfg, ft=["flashrecovery", "ndb"], hung=False, lost_nodes=[], lost_ranks=[], survivors=[0, 1, 3])
+    first = decide(dead=[2], restarts_left=1, **kw)
+    assert (first.action, first.fault_class) == ("takeover", "process_crash")
+    assert "[policy.process_crash]" in first.reason
+    seeds = OmegaConf.create({"ft": {"flashrecovery": {"max_restarts": 1}, "ndb": {}}})
+    spent = decide(**{**kw, "cfg": seeds}, dead=[2], restarts_left=0)  # restart budget spent: NDB is next
+    assert spent.action == "takeover" and "restart_rank impossible: restart budget spent" in spent.reason
+
+
+def test_fault_classes():
+    from runner.decision import classify
+
+    kw = dict(hung=False, lost_ranks=[], survivors=[0, 1])
+    assert classify(dead=[], lost_nodes=[], spares=0, **kw)[1] == "transient"
+    assert classify(dead=[2], lost_nodes=[], spares=0, **{**kw, "hung": True})[:2] == ("hang", "hang")
+    assert classify(dead=[2], lost_nodes=[], spares=0, **{**kw, "survivors": []})[1] == "replica_lost"
+    node = dict(dead=[], lost_nodes=[1], **{**kw, "lost_ranks": [2, 3]})
+    assert classify(spares=2, **node) == ("node_loss", "node_loss_spare_free", [2, 3])
+    assert classify(spares=1, **node)[1] == "node_loss_no_spare"  # one spare cannot take two ranks
+    assert classify(spares=2, **{**node, "survivors": []})[1] == "replica_lost"
+
+
+def test_restart_all_needs_a_node_left():
+    cfg = OmegaConf.create({"ft": {"flash_ckpt": {"max_restarts": 3}}, "parallel": {"nodes": 3}})
+    kw = dict(cfg=cfg, ft=["flash_ckpt"], dead=[], hung=False, lost_ranks=[4, 5], survivors=[0, 1],
+              restarts_left=0, full_restarts_left=3)
+    assert decide(lost_nodes=[2], **kw).action == "restart_all"
+    last = decide(lost_nodes=[2], nodes_up=0, **kw)  # the other nodes were lost before
+    assert last.action == "fail" and "no node left" in last.reason
