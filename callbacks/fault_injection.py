@@ -2,20 +2,23 @@
 
 Kills and stops are carried out by the controller (a process other than the victim), so a
 SIGKILL lands exactly at the announced step. Each fault fires once per job, claimed through an
-atomic counter in the store, so a replacement never inherits its predecessor's fate.
+atomic counter in the store, so a replacement never inherits its predecessor's fate. Faults of
+the victim's own links or gradients (transient, slow_link, partition, bitflip) are armed here.
+With fault=chaos the controller orders such a fault: it writes the order and signals this
+process, whose handler only raises a flag; the order is read at the next step start.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from datetime import timedelta
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from runner import protocol
+from runner import chaos, protocol
 from runner.config.validate import RANK_FAULTS
-
 
 
 class FaultTrigger(Callback):
@@ -24,12 +27,27 @@ class FaultTrigger(Callback):
         self.comm, self.status, self.events = comm, status, events
         self.release_timeout_s = release_timeout_s
         self._t_start = None
+        self._ordered = False  # the chaos signal came: an order waits in the store
+        self._flip: int | None = None  # index of an ordered bitflip, done after the next backward
+        if any(f.kind == "chaos" for f in faults):
+            signal.signal(chaos.SIGNAL, self._on_order)
+            signal.siginterrupt(chaos.SIGNAL, False)  # system calls under way resume instead of failing
+
+    def _on_order(self, signum, frame) -> None:
+        self._ordered = True
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._t_start = time.monotonic()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
+        if self._ordered:
+            self._ordered = False
+            order = protocol.get_json(self.comm.store, chaos.ORDER_KEY.format(wid=self.comm.wid))
+            if order["kind"] == "bitflip":
+                self._flip = order["index"]
+            else:
+                self._arm_link_fault(order["index"], order["kind"], delay_s=0.0, duration_s=order["duration_s"])
         for i, fault in self.faults:
             if not self._targets_me(fault) or fault.during != "step" or fault.kind == "bitflip":
                 continue
@@ -47,11 +65,16 @@ class FaultTrigger(Callback):
         for i, fault in self.faults:
             if fault.kind != "bitflip" or not self._targets_me(fault) or not self._due(fault, step):
                 continue
-            if self.comm.store.add(f"fault/claim/{i}", 1) != 1:
-                continue
-            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None and p.grad.dtype == torch.float32)
-            grad.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 30)
-            self.events.emit("fault_injected", fault=fault.kind, index=i, victims=[self.comm.logical_rank])
+            if self.comm.store.add(f"fault/claim/{i}", 1) == 1:
+                self._flip_bit(i, pl_module)
+        if self._flip is not None:
+            self._flip_bit(self._flip, pl_module)
+            self._flip = None
+
+    def _flip_bit(self, i: int, pl_module) -> None:
+        grad = next(p.grad for p in pl_module.parameters() if p.grad is not None and p.grad.dtype == torch.float32)
+        grad.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 30)
+        self.events.emit("fault_injected", fault="bitflip", index=i, victims=[self.comm.logical_rank])
 
     def on_recovery_start(self) -> None:
         """Called by the worker's recovery loop: faults with ``during: recovery`` fire here."""
@@ -72,17 +95,21 @@ class FaultTrigger(Callback):
         return fault.after_s >= 0 and time.monotonic() - self._t_start >= fault.after_s
 
     def _fire(self, i: int, fault, step: int) -> None:
-        if fault.kind in ("transient", "slow_link", "partition"):  # network faults: the victim's own links
-            if fault.kind == "transient":
-                self.comm.inject_transient = True
-            elif fault.kind == "slow_link":
-                self.comm.link_delay_s = fault.delay_s
-            else:
-                self.comm.partitioned_until = time.monotonic() + (fault.duration_s if fault.duration_s >= 0 else 1e9)
-            self.events.emit("fault_injected", fault=fault.kind, index=i, victims=[self.comm.logical_rank])
+        if fault.kind in ("transient", "slow_link", "partition"):
+            self._arm_link_fault(i, fault.kind, fault.delay_s, fault.duration_s)
             return
         protocol.set_json(self.comm.store, f"fault/hit/{i}", {"wid": self.comm.wid, "step": step, "t": time.time()})
         try:  # the controller acts now; this wait ends only if it does not
             self.comm.store.wait([f"fault/released/{i}"], timedelta(seconds=self.release_timeout_s))
         except Exception:
             self.events.emit("fault_not_carried_out", fault=fault.kind, index=i)
+
+    def _arm_link_fault(self, i: int, kind: str, delay_s: float, duration_s: float) -> None:
+        """Network faults: the victim's own links fail once, slow down, or are cut."""
+        if kind == "transient":
+            self.comm.inject_transient = True
+        elif kind == "slow_link":
+            self.comm.link_delay_s = delay_s
+        else:
+            self.comm.partitioned_until = time.monotonic() + (duration_s if duration_s >= 0 else 1e9)
+        self.events.emit("fault_injected", fault=kind, index=i, victims=[self.comm.logical_rank])

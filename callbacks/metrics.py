@@ -1,8 +1,9 @@
 """Per-step metrics from the committed reduction: loss, step time, tokens/s and sample accounting.
 
 The all-reduce already carries, for every committed step, one count per logical rank whose
-micro-batch went in and the summed loss, so the metrics rank (logical 0) logs the global view
-without an extra collective.
+micro-batch went in and the summed loss, so the metrics rank logs the global view without an
+extra collective. The metrics rank is the first member of the generation: logical rank 0, or the
+lowest live one while NDB's neighbours cover rank 0.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class CommitMetrics(Callback):
 
     def on_commit(self, step: int, extras, reduce_s: float) -> None:
         gen = self.strategy.comm.gen
-        if self.strategy.logical_rank != 0:
+        if self.strategy.comm.layout.members[0] != self.strategy.comm.wid:
             self._last_gen = gen
             return
         dp = self.strategy.dp_size
