@@ -23,8 +23,8 @@ from torch.distributed import PrefixStore, TCPStore
 
 from runner import chaos, protocol
 from runner.agent import LocalFleet
-from runner.config.validate import all_faults, dp_size, ft_names
 from runner.config import policy
+from runner.config.validate import all_faults, dp_size, ft_names
 from runner.decision import Decision, decide, restart_owner
 from runner.events import EventLog
 from runner.protocol import Layout
@@ -452,7 +452,7 @@ class Controller:
         """For each chaos kind, the victims (logical ranks; nodes for kill_node) the mix can handle now."""
         members = [w for w in self._live() if w.ready]
 
-        def handled(dead: list[int], lost: list[int] = (), hung: bool = False) -> bool:
+        def handled(dead: list[int], lost: tuple = (), hung: bool = False) -> bool:
             return self._judge(dead, list(lost), hung).action != "fail"
 
         guard_ready = self.cfg.trainer.sdc_factor > 0 and all(

@@ -9,7 +9,8 @@ from runner.config.validate import validate
 from tests.test_config import _compose
 
 MIX = ["parallel.nodes=3", "parallel.procs_per_node=2", "parallel.spares=2", "trainer.global_batch_size=12"]
-TWO_NODE_LOSSES = ["fault=kill_node", "fault.node=1", "fault.step=5", "+fault.extra=[{kind: kill_node, node: 2, step: 9}]"]
+TWO_NODE_LOSSES = ["fault=kill_node", "fault.node=1", "fault.step=5",
+                   "+fault.extra=[{kind: kill_node, node: 2, step: 9}]"]
 
 
 def _problems(*overrides: str) -> str:
