@@ -561,6 +561,7 @@ class Controller:
             spares=len([s for s in self._ready_spares() if self.workers[s].node not in lost_nodes]),
             full_restarts_left=self.cfg.ft.flash_ckpt.max_restarts - self.full_restarts if self.flash_job else 0,
             nodes_up=len(set(range(self.cfg.parallel.nodes)) - self.nodes_lost - set(lost_nodes)),
+            no_snapshots=sorted(self.takeovers),
         )
 
     def _swap_in_spares(self, failed: list[int]) -> None:

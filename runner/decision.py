@@ -52,8 +52,9 @@ def classify(*, dead: list[int], hung: bool, lost_nodes: list[int], lost_ranks: 
 
 def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hung: bool, lost_nodes: list[int],
            lost_ranks: list[int], survivors: list[int], restarts_left: int, spares: int = 0,
-           full_restarts_left: int = 0, nodes_up: Optional[int] = None) -> Decision:
-    """``nodes_up``: the job's nodes still up after this fault (default: parallel.nodes less ``lost_nodes``)."""
+           full_restarts_left: int = 0, nodes_up: Optional[int] = None, no_snapshots: list[int] = ()) -> Decision:
+    """``nodes_up``: the job's nodes still up after this fault (default: parallel.nodes less ``lost_nodes``);
+    ``no_snapshots``: logical ranks NDB neighbours compute, which write no flash snapshots of their own."""
     fault, cls, victims = classify(dead=dead, hung=hung, lost_nodes=lost_nodes, lost_ranks=lost_ranks,
                                    survivors=survivors, spares=spares)
     what = _what(fault, cls, victims, lost_nodes, spares)
@@ -62,7 +63,7 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
     for action in row:
         why_not = _obstacle(action, ft=ft, cfg=cfg, can_restart=can_restart, victims=victims, spares=spares,
                             restarts_left=restarts_left, full_restarts_left=full_restarts_left,
-                            nodes_up=nodes_up, lost_nodes=lost_nodes)
+                            nodes_up=nodes_up, lost_nodes=lost_nodes, no_snapshots=no_snapshots)
         if why_not is None:
             passed = f" ({'; '.join(skipped)})" if skipped else ""
             return Decision(fault, action, victims, f"{what}: {DOES[action]} [policy.{cls}]{passed}", cls)
@@ -84,7 +85,8 @@ def _what(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spare
 
 
 def _obstacle(action: str, *, ft, cfg, can_restart: bool, victims: list[int], spares: int, restarts_left: int,
-              full_restarts_left: int, nodes_up: Optional[int], lost_nodes: list[int]) -> Optional[str]:
+              full_restarts_left: int, nodes_up: Optional[int], lost_nodes: list[int],
+              no_snapshots: list[int]) -> Optional[str]:
     """Why ``action`` cannot act on this fault now; None when it can."""
     launcher_owns = ("under torchrun/SLURM the launcher owns the processes, so the job ends here for the launcher "
                      "to restart it (torchrun --max-restarts); run without torchrun/srun for in-place restarts")
@@ -103,6 +105,9 @@ def _obstacle(action: str, *, ft, cfg, can_restart: bool, victims: list[int], sp
             return launcher_owns
         if up < 1:
             return f"every node was lost (now {lost_nodes}): there is no node left to restart the ranks on"
+        if no_snapshots:
+            return (f"logical rank(s) {sorted(no_snapshots)} are computed by NDB neighbours, which snapshot only their "
+                    "own rank: no snapshot step is common to every rank")
         if full_restarts_left < 1:
             return (f"restart budget spent (ft.flash_ckpt.max_restarts={cfg.ft.flash_ckpt.max_restarts} restarts "
                     "of every rank); raise it if failures are expected this often")

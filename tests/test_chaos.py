@@ -68,7 +68,9 @@ def _assert_survived(run, max_steps: int) -> list[dict]:
     assert s["param_checksum"]
     drawn = run.events("chaos_drawn")
     assert drawn and all(d["reason"] for d in drawn)
-    assert all(d["action"] != "fail" for d in run.events("recovery_decided"))
+    decided = run.events("recovery_decided")
+    assert all(d["action"] != "fail" and d["fault_class"] and d["reason"] for d in decided)
+    assert all(k["reason"] for k in run.events("worker_killed"))  # every decision says why
     recovered = [d for d in drawn if d["fault"] in RECOVERED]
     assert len(s["recoveries"]) >= len(recovered)  # every fault but a bitflip made a recovery
     left = list(SHM_DIR.glob(f"*{flash_job_id(run.dir)}*"))

@@ -48,6 +48,8 @@ def test_policy_rows_are_checked(overrides, expected):
         (["ft=flashrecovery", "ft.flashrecovery.max_restarts=1", "fault=kill_rank", "fault.step=5",
           "+fault.extra=[{kind: hang_rank, rank: 0, step: 8}]"], "restart budget spent"),
         (["fault=bitflip", "trainer.sdc_factor=0"], "corruption guard off"),
+        (["ft=[ndb,flash_ckpt]", "parallel.nodes=2", "fault=kill_node", "fault.node=1", "fault.step=5",
+          "+fault.extra=[{kind: kill_all, rank: 0, step: 9}]"], "no snapshot step is common"),  # NDB covers 2, 3
         (["ft=flashrecovery", "fault=chaos", "fault.kinds=[kill_node]"], "fault.kinds has kill_node"),
         (["ft=flashrecovery", "fault=chaos", "fault.kinds=[slow_rank]"], "chaos draws from"),
     ],

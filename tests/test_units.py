@@ -168,10 +168,12 @@ def test_fault_classes():
     assert classify(spares=2, **{**node, "survivors": []})[1] == "replica_lost"
 
 
-def test_restart_all_needs_a_node_left():
+def test_restart_all_needs_a_node_left_and_a_snapshot_of_every_rank():
     cfg = OmegaConf.create({"ft": {"flash_ckpt": {"max_restarts": 3}}, "parallel": {"nodes": 3}})
     kw = dict(cfg=cfg, ft=["flash_ckpt"], dead=[], hung=False, lost_ranks=[4, 5], survivors=[0, 1],
               restarts_left=0, full_restarts_left=3)
     assert decide(lost_nodes=[2], **kw).action == "restart_all"
     last = decide(lost_nodes=[2], nodes_up=0, **kw)  # the other nodes were lost before
     assert last.action == "fail" and "no node left" in last.reason
+    covered = decide(lost_nodes=[2], no_snapshots=[3], **kw)  # NDB computes rank 3: it writes no snapshots
+    assert covered.action == "fail" and "no snapshot step is common" in covered.reason

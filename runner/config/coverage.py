@@ -30,6 +30,7 @@ class _Job:
     restarts: int
     full_restarts: int
     lost_nodes: set = field(default_factory=set)
+    taken_over: set = field(default_factory=set)  # ranks NDB neighbours compute
 
 
 def mix_problems(cfg: DictConfig, ft: list[str], faults: list[DictConfig], dp: int) -> list[str]:
@@ -121,15 +122,19 @@ def _replay(cfg: DictConfig, ft: list[str], dp: int, job: _Job, group: list[Dict
         d = decide(ft=ft, cfg=cfg, can_restart=cfg.launcher.kind in ("auto", "local"), dead=sorted(dead_now),
                    hung=hung, lost_nodes=sorted(lost_now), lost_ranks=lost_ranks, survivors=survivors,
                    restarts_left=job.restarts, spares=job.spares, full_restarts_left=job.full_restarts,
-                   nodes_up=nodes - len(job.lost_nodes | lost_now))
+                   nodes_up=nodes - len(job.lost_nodes | lost_now), no_snapshots=sorted(job.taken_over))
         decisions.append(d)
         job.lost_nodes |= lost_now
+        job.taken_over -= set(d.victims)
         if d.action == "swap_spare":
             job.spares -= len(d.victims)
         elif d.action == "restart_rank":
             job.restarts -= len(d.victims)
+        elif d.action == "takeover":
+            job.taken_over |= set(d.victims)
         elif d.action == "restart_all":
             job.full_restarts -= 1
+            job.taken_over.clear()
         elif d.action == "fail":
             break
     return decisions
