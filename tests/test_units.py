@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 from omegaconf import OmegaConf
@@ -177,3 +179,29 @@ def test_restart_all_needs_a_node_left_and_a_snapshot_of_every_rank():
     assert last.action == "fail" and "no node left" in last.reason
     covered = decide(lost_nodes=[2], no_snapshots=[3], **kw)  # NDB computes rank 3: it writes no snapshots
     assert covered.action == "fail" and "no snapshot step is common" in covered.reason
+
+
+def test_the_next_metrics_writer_writes_a_step_its_dead_predecessor_committed_but_never_wrote(tmp_path):
+    from types import SimpleNamespace
+
+    from callbacks.metrics import CommitMetrics
+    from runner.events import JsonLines
+    from runner.protocol import Layout
+
+    path = tmp_path / "metrics.jsonl"
+    comm = SimpleNamespace(wid=5, gen=1, layout=Layout(gen=1, members=[9, 5], logical=[0, 1], dp=2))
+    strategy = SimpleNamespace(comm=comm, dp_size=2)
+    events = SimpleNamespace(emit=lambda kind, **details: None)
+    metrics = CommitMetrics(JsonLines(path), events, strategy, tokens_per_sample=1, micro_batch=1, log_every_n_steps=1)
+    extras = torch.tensor([1.0, 1.0, 2.0, 0.0], dtype=torch.float64)
+    metrics.on_commit(7, extras, 0.0)  # worker 9 writes step 7 ... and dies before writing it
+    assert not path.read_text()
+    comm.gen, comm.layout = 2, Layout(gen=2, members=[11, 5], logical=[0, 1], dp=2, joiners=[11])
+    metrics.on_commit(8, extras, 0.0)  # 9's replacement is joining: worker 5 writes, step 7 first
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [7, 8]
+    comm.gen, comm.layout = 3, Layout(gen=3, members=[11, 5], logical=[0, 1], dp=2)
+    metrics.on_commit(9, extras, 0.0)  # 11 writes again ...
+    JsonLines(path).write({"step": 9, "counts": [1, 1]})  # ... as it does here
+    comm.gen, comm.layout = 4, Layout(gen=4, members=[5], logical=[1], dp=2, extra=[[0]])
+    metrics.on_commit(10, extras, 0.0)  # 11 wrote step 9 before it went: no second record
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [7, 8, 9, 10]
