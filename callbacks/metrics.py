@@ -4,13 +4,15 @@ The all-reduce already carries, for every committed step, one count per logical 
 micro-batch went in and the summed loss, so the metrics rank logs the global view without an
 extra collective. The metrics rank is the first member of the generation that is not joining it:
 logical rank 0 normally, another rank while NDB's neighbours cover rank 0 or rank 0's replacement
-is still joining (it does not hold the steps before). A writer can die between committing a step
-and writing it down; every other member keeps its last record, and the next writer writes it if
-the file lacks it, so the accounting sees every committed step.
+is still joining (it does not hold the steps before). A step can be committed without its record:
+the writer died between committing and writing, or it was a laggard that adopted the step from a
+peer. So every member keeps its last record, and at its first commit in a new generation writes
+that record if the file lacks it (under a file lock: once), so the accounting sees every step.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -48,12 +50,12 @@ class CommitMetrics(Callback):
         record = {"step": step, "t": time.time(), "loss": loss, "step_time_s": step_time, "reduce_s": reduce_s,
                   "tokens_per_s": tokens / step_time if step_time > 0 else 0.0, "counts": counts,
                   "misplaced": int(extras[-1]), "gen": gen}
+        if gen != self._last_gen and self._unwritten is not None and self._unwritten["step"] == step - 1:
+            self._write_if_missing(self._unwritten)
         writer = next((wid for wid in layout.members if wid not in layout.joiners), layout.members[0])
         if writer != self.strategy.comm.wid:
             self._last_gen, self._unwritten = gen, record
             return
-        if self._unwritten is not None and self._unwritten["step"] == step - 1 and not self._written(step - 1):
-            self.metrics.write(self._unwritten)  # the writer before died between committing and writing it
         self._unwritten = None
         if self._last_gen is not None and gen != self._last_gen:
             self.events.emit("step_committed_after_recovery", gen=gen, committed_step=step)
@@ -65,10 +67,15 @@ class CommitMetrics(Callback):
                 step=step,
             )
 
-    def _written(self, step: int, tail_bytes: int = 1 << 16) -> bool:
-        """Whether metrics.jsonl already has ``step`` (read once per change of writer, from its tail)."""
-        with open(self.metrics.path, "rb") as f:
-            start = max(0, os.fstat(f.fileno()).st_size - tail_bytes)
-            f.seek(start)
-            lines = f.read().decode(errors="replace").splitlines()[1 if start else 0:]  # a first line may be cut
-        return any(json.loads(line).get("step") == step for line in lines if line.strip())
+    def _write_if_missing(self, record: dict, tail_bytes: int = 1 << 16) -> None:
+        """Append ``record`` unless metrics.jsonl's tail has its step; the lock makes one holder do it."""
+        fcntl.flock(self.metrics.fd, fcntl.LOCK_EX)
+        try:
+            with open(self.metrics.path, "rb") as f:
+                start = max(0, os.fstat(f.fileno()).st_size - tail_bytes)
+                f.seek(start)
+                lines = f.read().decode(errors="replace").splitlines()[1 if start else 0:]  # a first may be cut
+            if not any(json.loads(line).get("step") == record["step"] for line in lines if line.strip()):
+                self.metrics.write(record)
+        finally:
+            fcntl.flock(self.metrics.fd, fcntl.LOCK_UN)

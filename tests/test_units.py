@@ -181,7 +181,7 @@ def test_restart_all_needs_a_node_left_and_a_snapshot_of_every_rank():
     assert covered.action == "fail" and "no snapshot step is common" in covered.reason
 
 
-def test_the_next_metrics_writer_writes_a_step_its_dead_predecessor_committed_but_never_wrote(tmp_path):
+def test_a_committed_step_without_a_record_is_written_by_a_member_that_holds_it(tmp_path):
     from types import SimpleNamespace
 
     from callbacks.metrics import CommitMetrics
@@ -194,14 +194,20 @@ def test_the_next_metrics_writer_writes_a_step_its_dead_predecessor_committed_bu
     events = SimpleNamespace(emit=lambda kind, **details: None)
     metrics = CommitMetrics(JsonLines(path), events, strategy, tokens_per_sample=1, micro_batch=1, log_every_n_steps=1)
     extras = torch.tensor([1.0, 1.0, 2.0, 0.0], dtype=torch.float64)
-    metrics.on_commit(7, extras, 0.0)  # worker 9 writes step 7 ... and dies before writing it
-    assert not path.read_text()
+
+    def steps() -> list[int]:
+        return [json.loads(x)["step"] for x in path.read_text().splitlines()]
+
+    metrics.on_commit(7, extras, 0.0)  # the writer, worker 9, commits step 7 too ... and dies before writing it
+    assert steps() == []
     comm.gen, comm.layout = 2, Layout(gen=2, members=[11, 5], logical=[0, 1], dp=2, joiners=[11])
     metrics.on_commit(8, extras, 0.0)  # 9's replacement is joining: worker 5 writes, step 7 first
-    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [7, 8]
+    assert steps() == [7, 8]
     comm.gen, comm.layout = 3, Layout(gen=3, members=[11, 5], logical=[0, 1], dp=2)
-    metrics.on_commit(9, extras, 0.0)  # 11 writes again ...
-    JsonLines(path).write({"step": 9, "counts": [1, 1]})  # ... as it does here
-    comm.gen, comm.layout = 4, Layout(gen=4, members=[5], logical=[1], dp=2, extra=[[0]])
-    metrics.on_commit(10, extras, 0.0)  # 11 wrote step 9 before it went: no second record
-    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [7, 8, 9, 10]
+    metrics.on_commit(9, extras, 0.0)  # 11 writes again, and does
+    JsonLines(path).write({"step": 9, "counts": [1, 1]})
+    comm.gen = 4
+    metrics.on_commit(10, extras, 0.0)  # a new generation, step 9 in the file: nothing more
+    comm.gen = 5
+    metrics.on_commit(11, extras, 0.0)  # 11 was a laggard at step 10 (adopted it, wrote nothing): 5 writes it
+    assert steps() == [7, 8, 9, 10]
