@@ -2,20 +2,23 @@
 
 Kills and stops are carried out by the controller (a process other than the victim), so a
 SIGKILL lands exactly at the announced step. Each fault fires once per job, claimed through an
-atomic counter in the store, so a replacement never inherits its predecessor's fate.
+atomic counter in the store, so a replacement never inherits its predecessor's fate. Faults of
+the victim's own links or gradients (transient, slow_link, partition, bitflip) are armed here.
+With fault=chaos the controller orders such a fault: it writes the order and signals this
+process, whose handler only raises a flag; the order is read at the next step start.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from datetime import timedelta
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from runner import protocol
+from runner import chaos, protocol
 from runner.config.validate import RANK_FAULTS
-
 
 
 class FaultTrigger(Callback):
@@ -24,13 +27,28 @@ class FaultTrigger(Callback):
         self.comm, self.status, self.events = comm, status, events
         self.release_timeout_s = release_timeout_s
         self._t_start = None
+        self._ordered = False  # the chaos signal came: an order waits in the store
+        self._flip_order: int | None = None  # index of an ordered bitflip, done in the next backward
         self._flip = None  # the bitflip hook, armed for one backward
+        if any(f.kind == "chaos" for f in faults):
+            signal.signal(chaos.SIGNAL, self._on_order)
+            signal.siginterrupt(chaos.SIGNAL, False)  # system calls under way resume instead of failing
+
+    def _on_order(self, signum, frame) -> None:
+        self._ordered = True
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._t_start = time.monotonic()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
+        if self._ordered:
+            self._ordered = False
+            order = protocol.get_json(self.comm.store, chaos.ORDER_KEY.format(wid=self.comm.wid))
+            if order["kind"] == "bitflip":
+                self._flip_order = order["index"]
+            else:
+                self._arm_link_fault(order["index"], order["kind"], delay_s=0.0, duration_s=order["duration_s"])
         for i, fault in self.faults:
             if not self._targets_me(fault) or fault.during not in ("step", "after_reduce") or fault.kind == "bitflip":
                 continue
@@ -52,22 +70,18 @@ class FaultTrigger(Callback):
         for i, fault in self.faults:
             if fault.kind != "bitflip" or not self._targets_me(fault) or not self._due(fault, step):
                 continue
-            if self.comm.store.add(f"fault/claim/{i}", 1) != 1:
-                continue
+            if self.comm.store.add(f"fault/claim/{i}", 1) == 1:
+                self._flip_order = i
+        if self._flip_order is not None:
             param = next(p for p in pl_module.parameters() if p.requires_grad and p.dtype == torch.float32)
             self._flip = param.register_hook(_flip_top_exponent_bit)
-            self.events.emit("fault_injected", fault=fault.kind, index=i, victims=[self.comm.logical_rank])
+            self.events.emit("fault_injected", fault="bitflip", index=self._flip_order, victims=[self.comm.logical_rank])
+            self._flip_order = None
 
     def on_after_backward(self, trainer, pl_module) -> None:
         if self._flip is not None:  # one backward only (not the corruption guard's recompute)
             self._flip.remove()
             self._flip = None
-
-    def on_recovery_start(self) -> None:
-        """Called by the worker's recovery loop: faults with ``during: recovery`` fire here."""
-        for i, fault in self.faults:
-            if fault.during == "recovery" and self._targets_me(fault) and self.comm.store.add(f"fault/claim/{i}", 1) == 1:
-                self._fire(i, fault, self.status.step)
 
     def replication_fault(self, step: int):
         """``during: replication``: a kill due at ``step`` strikes while this rank's shard copy is in flight.
@@ -77,6 +91,12 @@ class FaultTrigger(Callback):
                     and self.comm.store.add(f"fault/claim/{i}", 1) == 1):
                 return lambda i=i, fault=fault: self._fire(i, fault, step + 1)  # the copy overlaps step + 1
         return None
+
+    def on_recovery_start(self) -> None:
+        """Called by the worker's recovery loop: faults with ``during: recovery`` fire here."""
+        for i, fault in self.faults:
+            if fault.during == "recovery" and self._targets_me(fault) and self.comm.store.add(f"fault/claim/{i}", 1) == 1:
+                self._fire(i, fault, self.status.step)
 
     def _targets_me(self, fault) -> bool:
         if fault.kind in RANK_FAULTS:
@@ -91,22 +111,26 @@ class FaultTrigger(Callback):
         return fault.after_s >= 0 and time.monotonic() - self._t_start >= fault.after_s
 
     def _fire(self, i: int, fault, step: int) -> None:
-        if fault.kind in ("transient", "slow_link", "partition"):  # network faults: the victim's own links
-            if fault.kind == "transient" and fault.during == "after_reduce":
-                self.comm.inject_after_success = True  # the others commit the step; the victim alone lags
-            elif fault.kind == "transient":
-                self.comm.inject_transient = True
-            elif fault.kind == "slow_link":
-                self.comm.link_delay_s = fault.delay_s
-            else:
-                self.comm.partitioned_until = time.monotonic() + (fault.duration_s if fault.duration_s >= 0 else 1e9)
-            self.events.emit("fault_injected", fault=fault.kind, index=i, victims=[self.comm.logical_rank])
+        if fault.kind in ("transient", "slow_link", "partition"):
+            self._arm_link_fault(i, fault.kind, fault.delay_s, fault.duration_s, fault.during)
             return
         protocol.set_json(self.comm.store, f"fault/hit/{i}", {"wid": self.comm.wid, "step": step, "t": time.time()})
         try:  # the controller acts now; this wait ends only if it does not
             self.comm.store.wait([f"fault/released/{i}"], timedelta(seconds=self.release_timeout_s))
         except Exception:
             self.events.emit("fault_not_carried_out", fault=fault.kind, index=i)
+
+    def _arm_link_fault(self, i: int, kind: str, delay_s: float, duration_s: float, during: str = "step") -> None:
+        """Network faults: the victim's own links fail once, slow down, or are cut."""
+        if kind == "transient" and during == "after_reduce":
+            self.comm.inject_after_success = True  # the others commit the step; the victim alone lags
+        elif kind == "transient":
+            self.comm.inject_transient = True
+        elif kind == "slow_link":
+            self.comm.link_delay_s = delay_s
+        else:
+            self.comm.partitioned_until = time.monotonic() + (duration_s if duration_s >= 0 else 1e9)
+        self.events.emit("fault_injected", fault=kind, index=i, victims=[self.comm.logical_rank])
 
 
 def _flip_top_exponent_bit(grad: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from time import perf_counter
+from typing import Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -55,9 +56,10 @@ class FlashCheckpoint(Callback):
     spawns a persister of its own (only if this fit reaches a persist step). `job_id` must stay the same
     across restarts of a run for memory restores to find the snapshots (default:
     TORCHELASTIC_RUN_ID). `rank` names the segment (default: the trainer's global rank). With
-    `partner` set, each committed snapshot is copied into the backup segment that rank keeps for
-    this one (neighbour backup), in the background during the next step. Segments are unlinked
-    after a successful fit and kept after a failure, for a restart or a breakpoint persist.
+    `partner` set (a rank, or a function of this rank), each committed snapshot is copied into the
+    backup segment that rank keeps for this one (neighbour backup), in the background during the
+    next step. Segments are unlinked after a successful fit and kept after a failure, for a restart
+    or a breakpoint persist.
     """
 
     def __init__(
@@ -75,7 +77,7 @@ class FlashCheckpoint(Callback):
         unlink_on_success: bool = True,
         on_event=None,
         rank: int | None = None,
-        partner: int | None = None,
+        partner: int | Callable[[int], int | None] | None = None,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
@@ -104,6 +106,8 @@ class FlashCheckpoint(Callback):
         cleanup_stale(self.job_id)
         if self.rank is None:
             self.rank = trainer.global_rank
+        if callable(self.partner):
+            self.partner = self.partner(self.rank)
         self._snap = Snapshotter(self.job_id, self.rank, on_event=self._on_event)
         persists = self.persist_every_n_steps and (trainer.max_steps < 0 or trainer.max_steps >= self.persist_every_n_steps)
         # the node's persister costs nothing to join and persists at breakpoint, even in a short fit

@@ -1,12 +1,20 @@
 """Per-step metrics from the committed reduction: loss, step time, tokens/s and sample accounting.
 
 The all-reduce already carries, for every committed step, one count per logical rank whose
-micro-batch went in and the summed loss, so the metrics rank (logical 0) logs the global view
-without an extra collective.
+micro-batch went in and the summed loss, so the metrics rank logs the global view without an
+extra collective. The metrics rank is the first member of the generation that is not joining it:
+logical rank 0 normally, another rank while NDB's neighbours cover rank 0 or rank 0's replacement
+is still joining (it does not hold the steps before). A step can be committed without its record:
+the writer died between committing and writing, or it was a laggard that adopted the step from a
+peer. So every member keeps its last record, and at its first commit in a new generation writes
+that record if the file lacks it (under a file lock: once), so the accounting sees every step.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 import time
 
 from lightning.pytorch.callbacks import Callback
@@ -22,6 +30,7 @@ class CommitMetrics(Callback):
         self.log_every = max(1, log_every_n_steps)
         self._t_step = time.perf_counter()
         self._last_gen = None
+        self._unwritten: dict | None = None  # this member's last record, while another member writes
         self.trainer = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -31,25 +40,42 @@ class CommitMetrics(Callback):
         self._t_step = time.perf_counter()
 
     def on_commit(self, step: int, extras, reduce_s: float) -> None:
-        gen = self.strategy.comm.gen
-        if self.strategy.logical_rank != 0:
-            self._last_gen = gen
-            return
+        gen, layout = self.strategy.comm.gen, self.strategy.comm.layout
         dp = self.strategy.dp_size
         counts = [int(c) for c in extras[:dp].tolist()]
         contributors = max(1, sum(counts))
         loss = float(extras[-2]) / contributors
         step_time = time.perf_counter() - self._t_step
         tokens = sum(counts) * self.micro_batch * self.tokens_per_sample
-        if self._last_gen is not None and gen != self._last_gen:
-            self.events.emit("step_committed_after_recovery", gen=gen, committed_step=step)
-        self._last_gen = gen
         record = {"step": step, "t": time.time(), "loss": loss, "step_time_s": step_time, "reduce_s": reduce_s,
                   "tokens_per_s": tokens / step_time if step_time > 0 else 0.0, "counts": counts,
                   "misplaced": int(extras[-1]), "gen": gen}
+        if gen != self._last_gen and self._unwritten is not None and self._unwritten["step"] == step - 1:
+            self._write_if_missing(self._unwritten)
+        writer = next((wid for wid in layout.members if wid not in layout.joiners), layout.members[0])
+        if writer != self.strategy.comm.wid:
+            self._last_gen, self._unwritten = gen, record
+            return
+        self._unwritten = None
+        if self._last_gen is not None and gen != self._last_gen:
+            self.events.emit("step_committed_after_recovery", gen=gen, committed_step=step)
+        self._last_gen = gen
         self.metrics.write(record)
         if self.trainer is not None and self.trainer.logger is not None and step % self.log_every == 0:
             self.trainer.logger.log_metrics(
                 {"train/loss": loss, "train/step_time_s": step_time, "train/tokens_per_s": record["tokens_per_s"]},
                 step=step,
             )
+
+    def _write_if_missing(self, record: dict, tail_bytes: int = 1 << 16) -> None:
+        """Append ``record`` unless metrics.jsonl's tail has its step; the lock makes one holder do it."""
+        fcntl.flock(self.metrics.fd, fcntl.LOCK_EX)
+        try:
+            with open(self.metrics.path, "rb") as f:
+                start = max(0, os.fstat(f.fileno()).st_size - tail_bytes)
+                f.seek(start)
+                lines = f.read().decode(errors="replace").splitlines()[1 if start else 0:]  # a first may be cut
+            if not any(json.loads(line).get("step") == record["step"] for line in lines if line.strip()):
+                self.metrics.write(record)
+        finally:
+            fcntl.flock(self.metrics.fd, fcntl.LOCK_UN)

@@ -21,10 +21,11 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed import PrefixStore, TCPStore
 
-from runner import protocol
+from runner import chaos, protocol
 from runner.agent import LocalFleet
+from runner.config import policy
 from runner.config.validate import all_faults, dp_size, ft_names
-from runner.decision import Decision, decide
+from runner.decision import Decision, decide, restart_owner
 from runner.events import EventLog
 from runner.protocol import Layout
 from runner.loggers import log_summary_to_wandb
@@ -32,9 +33,11 @@ from runner.recovery import memory_faults
 from runner.recovery.flash_ckpt import cleanup as cleanup_snapshots
 from runner.recovery.flash_ckpt.persister import NodePersist
 from runner.recovery.flash_names import flash_job_id, partner_node
+from runner.recovery.sdc import MIN_HISTORY
 from runner.summary import write_summary
 
 FORKSERVER_PRELOAD = ["runner.worker"]
+CHAOS_END_MARGIN_STEPS = 5  # no chaos fault this close to trainer.max_steps: it would hit ranks that are finishing
 
 
 @dataclass
@@ -75,6 +78,7 @@ class Worker:
     hb_step: int = -1
     hb_step_change: float = 0.0
     hb_phase: str = ""
+    first_step: int = -1  # the step of its first heartbeat while training (its guard's history starts there)
 
 
 class Controller:
@@ -108,10 +112,13 @@ class Controller:
         self.reports_seen = 0
         self.status, self.error = "running", ""
         self.flash_job = flash_job_id(self.run_dir) if "flash_ckpt" in self.ft else None
-        self.faults = [f for f in all_faults(cfg) if f.kind != "none"]
+        self.faults = [f for f in all_faults(cfg) if f.kind != "none"]  # indexed as the workers index them
+        self.chaos = chaos.Chaos(cfg.fault, cfg.seed) if cfg.fault.kind == "chaos" else None
+        self.chaos_wait: Optional[tuple[float, int, int]] = None  # the last chaos fault: (when, recovery id, step)
         self.fault_hits: dict[int, dict] = {}
         self.injected_victims: set[int] = set()  # killed by an injected fault, for the next recovery's record
-        self.silent_reported: set[int] = set()
+        self.silent_reported: set[int] = set()  # nodes whose silence was already raised as a symptom
+        self.nodes_lost: set[int] = set()  # nodes whose loss was decided: their silence is old news
         self._last_hb_poll = time.monotonic()
         self.t_start = time.time()
         self.events = EventLog(self.run_dir / "events.jsonl", rank=lambda: "controller", step=lambda: -1,
@@ -132,7 +139,7 @@ class Controller:
                                     FORKSERVER_PRELOAD, persist)
         self.cfg_dict = OmegaConf.to_container(self.cfg, resolve=True)
         self.events.emit("run_start", world_size=self.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
-                         recipe=self.cfg.recipe_name, store_port=self.port)
+                         recipe=self.cfg.recipe_name, store_port=self.port, policy=policy.table(self.cfg, self.ft))
         try:
             for lrank in range(self.dp):
                 node, local = divmod(lrank, self.cfg.parallel.procs_per_node)
@@ -168,6 +175,7 @@ class Controller:
             now = time.monotonic()
             self._poll_reports()
             self._poll_faults()
+            self._poll_chaos(now)
             if now >= next_hb:
                 self._poll_heartbeats()
                 next_hb = now + self.hb.interval_s
@@ -281,6 +289,8 @@ class Controller:
             if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:
                 w.hb_step, w.hb_phase, w.hb_step_change = hb["step"], hb["phase"], now
             w.synced = w.synced or hb["phase"] in ("compute", "takeover", "reduce")
+            if w.first_step < 0 and hb["phase"] in ("compute", "takeover", "reduce"):
+                w.first_step = hb["step"]
             if not judging:
                 continue
             if now - w.hb_change > interval * misses:
@@ -298,6 +308,7 @@ class Controller:
             return
         w.killed_for = why
         self._symptom(kind, wid=w.wid, why=why, t=time.time())
+        self.events.emit("worker_killed", wid=w.wid, logical=w.logical, reason=why)
         self.fleet.signal(w.wid, w.node, signal.SIGKILL)
 
     def _ready_spares(self) -> list[int]:
@@ -340,7 +351,8 @@ class Controller:
 
     def _poll_faults(self) -> None:
         for i, fault in enumerate(self.faults):
-            if i in self.fault_hits or fault.kind in ("transient", "slow_rank", "bitflip", "slow_link", "partition"):
+            if i in self.fault_hits or fault.kind in ("transient", "slow_rank", "bitflip", "slow_link", "partition",
+                                                      "chaos"):
                 continue
             key = f"fault/hit/{i}"
             if not self.store.check([key]):
@@ -351,36 +363,137 @@ class Controller:
 
     def _inject(self, i: int, fault, hit: dict) -> None:
         """Carry out a fault the victim announced: the kill comes from this process, not the victim."""
-        w = self.workers[hit["wid"]]
+        self._carry_out(i, fault.kind, self.workers[hit["wid"]], fault.node, hit["step"])
+        self.store.set(f"fault/released/{i}", "1")
+
+    def _carry_out(self, index: int, kind: str, w: Worker, node: int, at_step: Optional[int] = None) -> None:
+        """SIGKILL or SIGSTOP worker ``w``, lose ``node``, or kill every rank (and damage snapshot memory).
+        ``at_step``: the step boundary the victim announced; a chaos fault lands mid-step, at no known step."""
         t = time.time()
         memory = {}
-        if fault.kind == "kill_rank":
+        if kind == "kill_rank":
             self.fleet.signal(w.wid, w.node, signal.SIGKILL)
             victims = [w.logical]
-        elif fault.kind == "hang_rank":
+        elif kind == "hang_rank":
             self.fleet.signal(w.wid, w.node, signal.SIGSTOP)
             victims = [w.logical]
-        elif fault.kind == "kill_node":
-            victims = [self.workers[v].logical for v in self.fleet.lose_node(fault.node)]
+        elif kind == "kill_node":
+            wids = self.fleet.lose_node(node)
+            victims = [r for r in (self.workers[v].logical for v in wids) if r >= 0]
+            self._await_exit([self.workers[v] for v in wids])
             if self.flash_job is not None:  # the node's memory went with it (all nodes share this host's /dev/shm)
                 memory["segments_lost"] = len(memory_faults.drop_node_memory(self.flash_job, victims))
         else:  # kill_all, wipe_shm, corrupt_snapshot: every rank dies (the last two damage the snapshots first)
             victims = self._kill_all()
-            if fault.kind == "wipe_shm" and self.flash_job is not None:
+            if kind == "wipe_shm" and self.flash_job is not None:
                 memory["segments_lost"] = len(memory_faults.drop_host_memory(self.flash_job))
-            elif fault.kind == "corrupt_snapshot" and self.flash_job is not None:
+            elif kind == "corrupt_snapshot" and self.flash_job is not None:
                 memory["corrupted_step"] = memory_faults.corrupt_newest(self.flash_job, w.logical)
         self.injected_victims |= set(victims)
-        self.store.set(f"fault/released/{i}", "1")
-        self.events.emit("fault_injected", fault=fault.kind, index=i, victims=victims, at_step=hit["step"], t_fault=t,
-                         **memory)
+        if at_step is not None:
+            memory["at_step"] = at_step
+        self.events.emit("fault_injected", fault=kind, index=index, victims=victims, t_fault=t, **memory)
+
+    # -- chaos ----------------------------------------------------------------------------------------
+    def _poll_chaos(self, now: float) -> None:
+        """fault=chaos: once the next fault is due and the job is steady, draw it among what the mix can
+        handle now and inject it (worker-side kinds through an order and a signal to the victim)."""
+        if self.chaos is None or self.chaos.over or not self._steady():
+            return
+        if self.chaos.t0 is None:
+            self.chaos.start(now)
+            return
+        if self.chaos_wait is not None:
+            self._settle_chaos(now)
+        if not self.chaos.due(now):
+            return
+        draw = self.chaos.draw(now, self._chaos_candidates())
+        if draw is None:
+            self.chaos.settled(now + 1.0)  # nothing the mix can handle now: look again a second later
+            return
+        index = len(self.faults) + draw.index
+        causes = 0 if draw.kind == "bitflip" else 2 if draw.kind == "partition" and self.cfg.fault.duration_s < 0 else 1
+        self.chaos_wait = (now, self._recovery_ids + causes, max(w.hb_step for w in self._live()) + 2)
+        self.events.emit("chaos_drawn", index=index, fault=draw.kind, victim=draw.victim, reason=(
+            f"fault {draw.index + 1} of at most {self.chaos.max_faults}, drawn among what the mix can handle now: "
+            f"{ {k: v for k, v in draw.candidates.items() if v} }"))
+        if draw.kind == "kill_node":
+            self._carry_out(index, draw.kind, next(w for w in self._live() if w.node == draw.victim), draw.victim)
+            return
+        w = self.workers[self.assigned[draw.victim]]
+        if draw.kind in chaos.WORKER_SIDE:
+            protocol.set_json(self.store, chaos.ORDER_KEY.format(wid=w.wid),
+                              {"kind": draw.kind, "index": index, "duration_s": self.cfg.fault.duration_s})
+            self.fleet.signal(w.wid, w.node, chaos.SIGNAL)
+        else:
+            self._carry_out(index, draw.kind, w, w.node)
+
+    def _settle_chaos(self, now: float) -> None:
+        """The last chaos fault settled once the recoveries it causes are over (a bitflip causes none: the
+        guard recomputes the step; a partition for good causes two: the retry, then the isolation) and every
+        rank has committed two steps past it (a bitflip's recomputed step among them)."""
+        since, until_id, until_step = self.chaos_wait
+        if min(w.hb_step for w in self._live()) < until_step:
+            return
+        if self._recovery_ids < until_id and now - since < self.cfg.launcher.recovery_timeout_s:
+            return
+        if self._recovery_ids < until_id:
+            self.events.emit("chaos_fault_unseen", reason=f"no recovery within launcher.recovery_timeout_s="
+                             f"{self.cfg.launcher.recovery_timeout_s}s of the last chaos fault; drawing on")
+        self.chaos_wait = None
+        self.chaos.settled(now)
+
+    def _steady(self) -> bool:
+        """No recovery under way and every logical rank computed by a live member that is training, not
+        finishing: a fault injected now is one fault, not part of another."""
+        if self.active is not None or self.decide_at is not None or self.rejoining:
+            return False
+        if not self.layouts[self.gen].complete:
+            return False
+        end = self.cfg.trainer.max_steps - CHAOS_END_MARGIN_STEPS
+        return all(w.synced and not w.done and w.hb_phase in ("compute", "reduce", "takeover") and w.hb_step < end
+                   for w in self._live() if w.ready)
+
+    def _chaos_candidates(self) -> dict[str, list[int]]:
+        """For each chaos kind, the victims (logical ranks; nodes for kill_node) the mix can handle now."""
+        members = [w for w in self._live() if w.ready]
+
+        def handled(dead: list[int], lost: tuple = (), hung: bool = False) -> bool:
+            return self._judge(dead, list(lost), hung).action != "fail"
+
+        guard_ready = self.cfg.trainer.sdc_factor > 0 and all(
+            w.hb_step - w.first_step >= max(self.cfg.trainer.sdc_window, MIN_HISTORY) for w in members)
+        retried = handled([])
+        out = {}
+        for kind in self.chaos.kinds:
+            if kind == "kill_node":
+                out[kind] = [n for n in sorted({w.node for w in members}) if handled([], [n])]
+            elif kind in ("kill_rank", "hang_rank", "partition"):  # a partition is retried, then its rank isolated
+                ok = retried or kind != "partition"
+                out[kind] = [w.logical for w in members if ok and handled([w.wid], hung=kind == "hang_rank")]
+            elif kind == "kill_all":
+                out[kind] = [0] if handled([w.wid for w in members]) else []
+            else:  # transient, bitflip
+                out[kind] = [w.logical for w in members] if (retried if kind == "transient" else guard_ready) else []
+        return out
 
     def _kill_all(self) -> list[int]:
         """SIGKILL every live worker (a stopped one too); returns their logical ranks."""
         live = [w for w in self._live() if not w.dead]
         for w in live:
             self.fleet.signal(w.wid, w.node, signal.SIGKILL)
+        self._await_exit(live)
         return sorted(w.logical for w in live)
+
+    def _await_exit(self, workers: list[Worker], timeout_s: float = 5.0) -> None:
+        """SIGKILL is asynchronous: a victim may still finish a system call (create a snapshot file) after
+        os.kill returns. Wait until the node agents see every victim gone, so that what follows (dropping a
+        node's memory, restarting every rank, deciding on all the exits at once) sees their final state.
+        Only the local fleet has agents; under torchrun/SLURM nothing here killed anyone."""
+        agents = getattr(self.fleet, "agents", None)
+        deadline = time.monotonic() + timeout_s
+        while agents and time.monotonic() < deadline and any(w.wid in agents[w.node].pids() for w in workers):
+            time.sleep(0.005)
 
     # -- decision and action ------------------------------------------------------------------------
     def _decide(self) -> None:
@@ -397,6 +510,7 @@ class Controller:
             return
         self.decide_at = None
         self.silent_reported |= set(lost_nodes)  # handled now: their silence is no new symptom later
+        self.nodes_lost |= set(lost_nodes)
         for wid in [w for w in self.spares if self.workers[w].node in lost_nodes]:
             self.spares.remove(wid)
             self.workers[wid].dead = True
@@ -407,16 +521,7 @@ class Controller:
             self.recoveries.remove(rec)
             self.active = None
             return
-        dead_ranks = [self.workers[w].logical for w in dead]
-        dead_ranks += [l for l, wid in self.takeovers.items() if wid in dead]  # what the dead had taken over
-        decision: Decision = decide(
-            ft=self.ft, cfg=self.cfg, can_restart=self.fleet.can_spawn, dead=sorted(dead_ranks), hung=hung,
-            lost_nodes=lost_nodes,
-            lost_ranks=lost_ranks,
-            survivors=[w.logical for w in self._live() if w.synced and w.wid not in dead and w.node not in lost_nodes],
-            restarts_left=self._restarts_left(), spares=len(self._ready_spares()),
-            full_restarts_left=self.cfg.ft.flash_ckpt.max_restarts - self.full_restarts if self.flash_job else 0,
-        )
+        decision = self._judge(dead, lost_nodes, hung)
         if any(s["kind"] == "unreachable" for s in rec.symptoms):
             decision.fault = "partition"
         rec.fault = rec.fault or decision.fault
@@ -426,7 +531,7 @@ class Controller:
         rec.action, rec.reason = decision.action, decision.reason
         rec.t_decide = time.time()
         self.events.emit("recovery_decided", recovery=rec.id, fault=decision.fault, action=decision.action,
-                         victims=decision.victims, reason=decision.reason)
+                         victims=decision.victims, reason=decision.reason, fault_class=decision.fault_class)
         if decision.action == "fail":
             self._fail(decision.reason)
             return
@@ -438,9 +543,9 @@ class Controller:
                     w.dead = True
         if decision.action == "restart_rank":
             for lrank in decision.victims:
-                old = self.workers[self.assigned[lrank]]
+                home = self.workers[self.takeovers.pop(lrank, self.assigned[lrank])]  # who computed it last
                 self.restarts += 1
-                self._spawn(lrank, old.node, old.local_rank, role="joiner", first_gen=self.gen + 1)
+                self._spawn(lrank, home.node, home.local_rank, role="joiner", first_gen=self.gen + 1)
         elif decision.action == "takeover":
             self._assign_takeovers(decision.victims)
         elif decision.action == "swap_spare":
@@ -449,10 +554,29 @@ class Controller:
             self._restart_all(lost_nodes)
         self._after_change()
 
+    def _judge(self, dead: list[int], lost_nodes: list[int], hung: bool) -> Decision:
+        """The policy's decision for these dead workers and newly lost nodes, everything else as it is now;
+        the ranks a lost worker had taken over (NDB) are lost with it."""
+        gone = set(dead) | {w.wid for w in self._live() if w.node in lost_nodes}
+        dead_ranks = [self.workers[w].logical for w in dead] + [l for l, wid in self.takeovers.items() if wid in dead]
+        lost_ranks = [self.workers[w].logical for w in gone - set(dead)]
+        lost_ranks += [l for l, wid in self.takeovers.items() if wid in gone - set(dead)]
+        return decide(
+            ft=self.ft, cfg=self.cfg, can_restart=self.fleet.can_spawn, dead=sorted(dead_ranks), hung=hung,
+            lost_nodes=lost_nodes, lost_ranks=sorted(lost_ranks),
+            survivors=[w.logical for w in self._live() if w.synced and w.wid not in gone],
+            restarts_left=self._restarts_left(),
+            spares=len([s for s in self._ready_spares() if self.workers[s].node not in lost_nodes]),
+            full_restarts_left=self.cfg.ft.flash_ckpt.max_restarts - self.full_restarts if self.flash_job else 0,
+            nodes_up=len(set(range(self.cfg.parallel.nodes)) - self.nodes_lost - set(lost_nodes)),
+            no_snapshots=sorted(self.takeovers),
+        )
+
     def _swap_in_spares(self, failed: list[int]) -> None:
         """DeadPool: warm spares take the failed logical ranks; they get state from a replica as joiners."""
         ready = self._ready_spares()
         for lrank in failed:
+            self.takeovers.pop(lrank, None)  # a rank NDB covered until now gets a process of its own
             wid = ready.pop(0)
             self.spares.remove(wid)
             spare = self.workers[wid]
@@ -490,7 +614,8 @@ class Controller:
             old = self.workers[self.assigned[lrank]]
             self.rejoining[lrank] = self._spawn(lrank, old.node, old.local_rank, role="joiner",
                                                 first_gen=self.gen + 1).wid
-            self.events.emit("repair_started", logical=lrank, wid=self.rejoining[lrank])
+            self.events.emit("repair_started", logical=lrank, wid=self.rejoining[lrank], reason=(
+                f"ft.ndb.repair_after_s={self.cfg.ft.ndb.repair_after_s} elapsed since the takeover"))
         for lrank, wid in list(self.rejoining.items()):
             if self.workers[wid].ready and self.active is None:
                 del self.rejoining[lrank]
@@ -507,7 +632,8 @@ class Controller:
             busy = set(self.takeovers.values())
             free = [l for l in live if live[l] not in busy] or list(live)
             self.takeovers[lrank] = live[neighbour_of(lrank, free, self.cfg.ft.ndb.neighbour)]
-            self.events.emit("takeover_assigned", logical=lrank, neighbour_wid=self.takeovers[lrank])
+            self.events.emit("takeover_assigned", logical=lrank, neighbour_wid=self.takeovers[lrank], reason=(
+                f"ft.ndb.neighbour={self.cfg.ft.ndb.neighbour} among live ranks not yet taking over"))
             if self.cfg.ft.ndb.repair_after_s >= 0:
                 self.repairs.append((time.monotonic() + self.cfg.ft.ndb.repair_after_s, lrank))
 
@@ -535,13 +661,14 @@ class Controller:
     def _all_proved_alive(self, since: float) -> bool:
         """Every live worker and agent has beaten since the first symptom (a silent one is caught by the
         heartbeat rules within the miss window, and the decision then sees it as dead)."""
-        agents_ok = all(beat > since for beat in self.fleet.node_beats().values())
+        agents_ok = all(beat > since for node, beat in self.fleet.node_beats().items() if node not in self.nodes_lost)
         return agents_ok and all(w.hb_change > since for w in self._live() if w.ready and not w.done)
 
     def _silent_nodes(self, now: float) -> list[int]:
         limit = self.hb.interval_s * self.hb.misses
         silent = {node for node, beat in self.fleet.node_beats().items() if now - beat > limit}
-        return sorted(silent | {s["node"] for s in self.active.symptoms if s["kind"] == "node_silent"})
+        silent |= {s["node"] for s in self.active.symptoms if s["kind"] == "node_silent"}
+        return sorted(silent - self.nodes_lost)
 
     def _after_change(self) -> None:
         """Publish survivors-only or complete generations as replacements become ready; a restart of
@@ -562,7 +689,7 @@ class Controller:
         return sorted(w for w in dead if not self.workers[w].dead)
 
     def _restarts_left(self) -> int:
-        owner = next((n for n in ("flashrecovery", "deadpool") if n in self.ft), None)
+        owner = restart_owner(self.ft)
         return (self.cfg.ft[owner].max_restarts if owner else 0) - self.restarts
 
     def _all_done(self) -> bool:

@@ -1,92 +1,136 @@
-"""Fault classification and the action the configured fault-tolerance mix allows.
+"""Fault classification and the action the policy table allows.
 
-A pure function of what the controller observed, so the tree is unit-tested without processes:
-transient error -> retry in a rebuilt group, nobody restarts; process crash or hang -> restart
-that process in place (FlashRecovery), state from a surviving replica, or without FlashRecovery let
-a neighbour take over its micro-batch (NDB); node loss -> NDB takeover. Whatever those cannot
-handle (no surviving replica, a lost node, FlashRecovery not in ft) restarts every rank from the
-newest flash snapshot when ft has flash_ckpt (restart_all); anything else fails with the reason.
+A pure function of what the controller observed, so the policy is unit-tested without processes
+(and the config check replays configured faults through it). The fault is put in one class of the
+policy table (runner/config/policy.py), and the first action of that class's row that can act now
+is taken; when none can, the run fails with the reason and with what would have handled it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
+
+from runner.config import policy
+
+DOES = {
+    "retry": "rebuild the group and retry the step; nobody restarts",
+    "restart_rank": "restart in place, state from a surviving replica",
+    "swap_spare": "warm spares take their places, state from a replica (DeadPool)",
+    "takeover": "live neighbours take over their micro-batches (NDB); nobody restarts",
+    "restart_all": "restart every rank from the newest flash snapshot all of them hold (flash_ckpt)",
+}
 
 
 @dataclass
 class Decision:
-    fault: str  # transient | process_crash | hang | node_loss (the controller relabels partition)
+    fault: str  # what was seen: transient | process_crash | hang | node_loss (the controller relabels partition)
     action: str  # retry | restart_rank | swap_spare | takeover | restart_all | fail
     victims: list[int] = field(default_factory=list)  # logical ranks
     reason: str = ""
+    fault_class: str = ""  # the policy row it was decided by
+
+
+def restart_owner(ft: list[str]) -> Optional[str]:
+    """The strategy whose ``max_restarts`` bounds in-place restarts."""
+    return next((n for n in ("flashrecovery", "deadpool") if n in ft), None)
+
+
+def classify(*, dead: list[int], hung: bool, lost_nodes: list[int], lost_ranks: list[int], survivors: list[int],
+             spares: int) -> tuple[str, str, list[int]]:
+    """(the fault seen, its policy class, the logical ranks it took)."""
+    if lost_nodes:
+        victims = sorted(set(lost_ranks) | set(dead))
+        if not survivors:
+            return "node_loss", "replica_lost", victims
+        return "node_loss", "node_loss_spare_free" if spares >= len(victims) else "node_loss_no_spare", victims
+    if dead:
+        fault = "hang" if hung else "process_crash"
+        return fault, fault if survivors else "replica_lost", sorted(dead)
+    return "transient", "transient", []
 
 
 def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hung: bool, lost_nodes: list[int],
            lost_ranks: list[int], survivors: list[int], restarts_left: int, spares: int = 0,
-           full_restarts_left: int = 0) -> Decision:
-    first = _decide(ft=ft, cfg=cfg, can_restart=can_restart, dead=dead, hung=hung, lost_nodes=lost_nodes,
-                    lost_ranks=lost_ranks, survivors=survivors, restarts_left=restarts_left, spares=spares)
-    if first.action != "fail" or "flash_ckpt" not in ft or not can_restart:
-        return first
-    if lost_nodes and len(lost_nodes) >= cfg.parallel.nodes:
-        return Decision(first.fault, "fail", first.victims, f"every node {lost_nodes} was lost: there is no node "
-                        "left to restart the ranks on")
-    if full_restarts_left < 1:
-        return Decision(first.fault, "fail", first.victims, f"{first.fault} of logical rank(s) {first.victims}: restart "
-                        f"budget spent (ft.flash_ckpt.max_restarts={cfg.ft.flash_ckpt.max_restarts} restarts of every "
-                        "rank); raise it if failures are expected this often")
-    return Decision(first.fault, "restart_all", first.victims, f"{first.fault} of logical rank(s) "
-                    f"{first.victims or 'none (all alive)'} and no faster strategy in ft={ft} handles it: restart every "
-                    "rank from the newest flash snapshot all of them hold (flash_ckpt)")
+           full_restarts_left: int = 0, nodes_up: Optional[int] = None, no_snapshots: list[int] = ()) -> Decision:
+    """``nodes_up``: the job's nodes still up after this fault (default: parallel.nodes less ``lost_nodes``);
+    ``no_snapshots``: logical ranks NDB neighbours compute, which write no flash snapshots of their own."""
+    fault, cls, victims = classify(dead=dead, hung=hung, lost_nodes=lost_nodes, lost_ranks=lost_ranks,
+                                   survivors=survivors, spares=spares)
+    what = _what(fault, cls, victims, lost_nodes, spares)
+    row = policy.table(cfg, ft)[cls]
+    skipped = []
+    for action in row:
+        why_not = _obstacle(action, ft=ft, cfg=cfg, can_restart=can_restart, victims=victims, spares=spares,
+                            restarts_left=restarts_left, full_restarts_left=full_restarts_left,
+                            nodes_up=nodes_up, lost_nodes=lost_nodes, no_snapshots=no_snapshots)
+        if why_not is None:
+            passed = f" ({'; '.join(skipped)})" if skipped else ""
+            return Decision(fault, action, victims, f"{what}: {DOES[action]} [policy.{cls}]{passed}", cls)
+        skipped.append(f"{action} impossible: {why_not}")
+    if skipped:
+        return Decision(fault, "fail", victims, f"{what}, and no action of policy.{cls}={row} can act: "
+                        f"{'; '.join(skipped)}", cls)
+    return Decision(fault, "fail", victims, _unhandled(fault, cls, victims, lost_nodes, spares, ft), cls)
 
 
-def _decide(*, ft: list[str], cfg, can_restart: bool, dead: list[int], hung: bool, lost_nodes: list[int],
-            lost_ranks: list[int], survivors: list[int], restarts_left: int, spares: int) -> Decision:
-    """The tree without snapshots: what the in-memory strategies (FlashRecovery, DeadPool, NDB) can do."""
-    if lost_nodes:
-        victims = sorted(set(lost_ranks) | set(dead))
-        if "deadpool" in ft and survivors and spares >= len(victims):
-            return Decision("node_loss", "swap_spare", victims, f"node(s) {lost_nodes} lost with logical ranks "
-                            f"{victims}: warm spares take their places ({spares} ready)")
-        if "ndb" in ft and survivors:
-            return Decision("node_loss", "takeover", victims, f"node(s) {lost_nodes} lost with logical ranks "
-                            f"{victims} and no spare: live neighbours take over their micro-batches (NDB)")
-        if "deadpool" in ft:
-            return Decision("node_loss", "fail", victims,
-                            f"node(s) {lost_nodes} lost with logical ranks {victims}, but DeadPool has only {spares} "
-                            "ready spare(s) and nothing after it in ft handles node loss: raise parallel.spares or "
-                            "add ft=ndb")
-        return Decision("node_loss", "fail", victims,
-                        f"node(s) {lost_nodes} lost with logical ranks {victims}; a process restart in place needs "
-                        "the node, and no strategy in ft handles node loss: add hot spares (parallel.spares with "
-                        "ft=deadpool) or a takeover strategy (ft=ndb)")
-    if dead:
-        fault = "hang" if hung else "process_crash"
-        if "deadpool" in ft and survivors and cfg.ft.deadpool.crash_action == "swap" and spares >= len(dead):
-            return Decision(fault, "swap_spare", dead, f"{fault} of logical rank(s) {dead}: warm spares take their "
-                            "places (ft.deadpool.crash_action=swap)")
-        if "deadpool" in ft and "flashrecovery" not in ft and survivors and restarts_left >= len(dead):
-            return Decision(fault, "restart_rank", dead, f"{fault} of logical rank(s) {dead} on a healthy node: "
-                            "restart in place (ft.deadpool.crash_action=restart_in_place), state from a replica")
-        if "flashrecovery" not in ft and "ndb" in ft and survivors:
-            return Decision(fault, "takeover", dead, f"{fault} of logical rank(s) {dead}: live neighbours take "
-                            "over their micro-batches (NDB); nobody restarts")
-        if "flashrecovery" not in ft:
-            return Decision(fault, "fail", dead, f"logical rank(s) {dead} failed ({fault}) and ft={ft or '[]'} has no "
-                            "strategy for it; add ft=flashrecovery to restart the failed rank in place")
-        if not survivors:
-            return Decision(fault, "fail", dead, "every data-parallel replica of the model and optimizer state was "
-                            f"lost (logical ranks {dead}); FlashRecovery rebuilds from a surviving replica, so there "
-                            "is nothing to restore from: add ft=flash_ckpt for a snapshot to fall back on")
+def _what(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spares: int) -> str:
+    if cls == "transient":
+        return "collective error with every process alive"
+    if fault == "node_loss":
+        return f"node(s) {lost_nodes} lost with logical ranks {victims} ({spares} ready spare(s))"
+    if cls == "replica_lost":
+        return f"{fault} of logical rank(s) {victims} left no data-parallel replica of the state"
+    return f"{fault} of logical rank(s) {victims}"
+
+
+def _obstacle(action: str, *, ft, cfg, can_restart: bool, victims: list[int], spares: int, restarts_left: int,
+              full_restarts_left: int, nodes_up: Optional[int], lost_nodes: list[int],
+              no_snapshots: list[int]) -> Optional[str]:
+    """Why ``action`` cannot act on this fault now; None when it can."""
+    launcher_owns = ("under torchrun/SLURM the launcher owns the processes, so the job ends here for the launcher "
+                     "to restart it (torchrun --max-restarts); run without torchrun/srun for in-place restarts")
+    if action == "restart_rank":
         if not can_restart:
-            return Decision(fault, "fail", dead, f"{fault} of logical rank(s) {dead}: under torchrun/SLURM the "
-                            "launcher owns the processes, so the job ends here for the launcher to restart it "
-                            "(torchrun --max-restarts); run without torchrun/srun for in-place restarts")
-        if restarts_left < len(dead):
-            return Decision(fault, "fail", dead, "restart budget spent (ft.flashrecovery.max_restarts); raise it "
-                            "if failures are expected this often")
-        return Decision(fault, "restart_rank", dead,
-                        f"{fault} of logical rank(s) {dead}: restart in place, state from a surviving replica")
-    if ("flashrecovery" in ft and cfg.ft.flashrecovery.retry_transient) or "deadpool" in ft:
-        return Decision("transient", "retry", [], "collective error with every process alive: rebuild the group and retry the step")
-    return Decision("transient", "fail", [], f"a collective failed and ft={ft or '[]'} does not retry transient errors")
+            return launcher_owns
+        if restarts_left < len(victims):
+            return (f"restart budget spent (ft.{restart_owner(ft)}.max_restarts); raise it if failures are expected "
+                    "this often")
+    elif action == "swap_spare" and spares < len(victims):
+        return f"only {spares} ready spare(s) for {len(victims)} rank(s)"
+    elif action == "restart_all":
+        up = nodes_up if nodes_up is not None else cfg.parallel.nodes - len([n for n in lost_nodes
+                                                                              if n < cfg.parallel.nodes])
+        if not can_restart:
+            return launcher_owns
+        if up < 1:
+            return f"every node was lost (now {lost_nodes}): there is no node left to restart the ranks on"
+        if no_snapshots:
+            return (f"logical rank(s) {sorted(no_snapshots)} are computed by NDB neighbours, which snapshot only their "
+                    "own rank: no snapshot step is common to every rank")
+        if full_restarts_left < 1:
+            return (f"restart budget spent (ft.flash_ckpt.max_restarts={cfg.ft.flash_ckpt.max_restarts} restarts "
+                    "of every rank); raise it if failures are expected this often")
+    return None
+
+
+def _unhandled(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spares: int, ft: list[str]) -> str:
+    """The reason when the class's row is empty: what happened and which strategy would handle it."""
+    mix = f"ft=[{','.join(ft)}]"
+    if cls == "transient":
+        return (f"a collective failed and {mix} does not retry transient errors: add ft=flashrecovery (with "
+                "retry_transient) or ft=flash_ckpt")
+    if cls == "replica_lost":
+        return (f"every data-parallel replica of the model and optimizer state was lost (logical ranks {victims}); "
+                "FlashRecovery rebuilds from a surviving replica, so there is nothing to restore from: add "
+                "ft=flash_ckpt for a snapshot to fall back on")
+    if fault == "node_loss" and "deadpool" in ft:
+        return (f"node(s) {lost_nodes} lost with logical ranks {victims}, but DeadPool has only {spares} ready "
+                "spare(s) and nothing after it in ft handles node loss: raise parallel.spares or add ft=ndb "
+                "(or ft=flash_ckpt)")
+    if fault == "node_loss":
+        return (f"node(s) {lost_nodes} lost with logical ranks {victims}; a process restart in place needs the node, "
+                "and no strategy in ft handles node loss: add hot spares (parallel.spares with ft=deadpool), a "
+                "takeover strategy (ft=ndb) or flash snapshots (ft=flash_ckpt)")
+    return (f"logical rank(s) {victims} failed ({fault}) and {mix} has no strategy for it; add ft=flashrecovery to "
+            "restart the failed rank in place")

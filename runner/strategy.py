@@ -310,7 +310,8 @@ class ResilientStrategy(ParallelStrategy):
         accepted, norm, median = self.guard.verdict(flats)
         if not accepted and self.logical_rank == 0:
             self.events.emit("sdc_detected", gen=self.comm.gen, grad_norm=norm, recent_median=median,
-                             action="recompute_step")
+                             action="recompute_step", reason="reduced gradient norm non-finite or above "
+                             "trainer.sdc_factor x the recent median: recompute the step [policy.silent_corruption]")
         return accepted
 
     def _take_over(self, step: int) -> None:

@@ -165,7 +165,9 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
 def flash_callback(cfg: DictConfig, spec: WorkerSpec, events: EventLog) -> FlashCheckpoint:
     """ft=flash_ckpt: snapshots of this logical rank, a copy on the partner node, persists to <run dir>/checkpoints."""
     fc = cfg.ft.flash_ckpt
-    partner = partner_rank(spec.logical_rank, cfg.parallel.nodes, cfg.parallel.procs_per_node) if fc.neighbour_backup else None
+
+    def partner(rank: int):
+        return partner_rank(rank, cfg.parallel.nodes, cfg.parallel.procs_per_node) if fc.neighbour_backup else None
 
     def on_event(event: Event) -> None:
         if event.kind not in ("committed", "backed_up"):  # one per snapshot and rank would drown the log
@@ -173,8 +175,9 @@ def flash_callback(cfg: DictConfig, spec: WorkerSpec, events: EventLog) -> Flash
 
     job_id = flash_job_id(spec.run_dir)
     return FlashCheckpoint(fc.every_n_steps, fc.persist_every_n_steps or None, Path(spec.run_dir) / "checkpoints",
-                           overlap=fc.overlap, job_id=job_id, keep=fc.keep, rank=spec.logical_rank,
-                           partner=partner, on_event=on_event, persister_address=persister_address(job_id, spec.node))
+                           overlap=fc.overlap, job_id=job_id, keep=fc.keep, rank=None, partner=partner,
+                           on_event=on_event,  # a spare learns its rank when given one
+                           persister_address=persister_address(job_id, spec.node))
 
 
 def select_device(cfg: DictConfig, logical_rank: int) -> tuple[torch.device, str]:

@@ -32,7 +32,8 @@ def test_node_loss_is_replaced_by_warm_spares_exactly(fault_free, run_dir):
 
 def test_no_spare_left_fails_clearly(run_dir):
     run = run_cli(*SIX[:3], "parallel.spares=1", "ft=[deadpool]", "trainer.global_batch_size=12",
-                  "trainer.max_steps=30", "fault=kill_node", "fault.node=1", "fault.step=8", run_dir=run_dir)
+                  "trainer.max_steps=30", "fault=kill_node", "fault.node=1", "fault.step=8",
+                  "policy.reject_unhandled=false", run_dir=run_dir)  # the config check would refuse it
     s = run.summary
     assert run.returncode == 1 and s["status"] == "failed"
     assert "node(s) [1] lost" in s["error"] and "only 1 ready spare" in s["error"]

@@ -101,7 +101,7 @@ def test_a_corrupt_snapshot_is_refused_and_the_previous_one_used(fault_free, run
 
 def test_without_flash_ckpt_kill_all_fails_with_the_reason(run_dir):
     run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=20", "ft=[flashrecovery]", "fault=kill_all", "fault.step=5",
-                  run_dir=run_dir)
+                  "policy.reject_unhandled=false", run_dir=run_dir)  # the config check would refuse it
     assert run.returncode == 1 and run.summary["status"] == "failed"
     assert "ft=flash_ckpt" in run.summary["error"]
 

@@ -108,7 +108,8 @@ def test_faults_while_several_buckets_are_in_flight_stay_exact(tmp_path):
 
 def test_losing_every_replica_fails_clearly_and_never_hangs(run_dir):
     run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=20", *FR, "fault=kill_rank", "fault.rank=0", "fault.step=5",
-                  "+fault.extra=[{kind: kill_rank, rank: 1, step: 5}]", run_dir=run_dir)
+                  "+fault.extra=[{kind: kill_rank, rank: 1, step: 5}]", "policy.reject_unhandled=false",
+                  run_dir=run_dir)
     s = run.summary
     assert run.returncode == 1
     assert s["status"] == "failed"

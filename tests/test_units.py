@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 from omegaconf import OmegaConf
@@ -125,3 +127,87 @@ def test_decision_tree_falls_back_to_a_restart_from_snapshots():
     spent = decide(ft=["flash_ckpt"], dead=[0], **{**kw, "full_restarts_left": 0})
     assert spent.action == "fail" and "ft.flash_ckpt.max_restarts=1" in spent.reason
     assert decide(ft=["flash_ckpt"], dead=[0], **kw, can_restart=False).action == "fail"  # torchrun owns processes
+
+
+def test_policy_table_defaults_follow_the_seeds_within_ft():
+    from runner.config.policy import table
+
+    cfg = OmegaConf.create({"ft": {"flashrecovery": {"retry_transient": True}, "deadpool": {"crash_action": "swap"},
+                                   "ndb": {}, "flash_ckpt": {}}})
+    full = table(cfg, ["flashrecovery", "deadpool", "ndb", "flash_ckpt"])
+    assert full["process_crash"] == ["swap_spare", "restart_rank", "takeover", "restart_all"]  # crash_action=swap
+    assert full["node_loss_spare_free"] == ["swap_spare", "takeover", "restart_all"]
+    assert full["node_loss_no_spare"] == ["takeover", "restart_all"] and full["replica_lost"] == ["restart_all"]
+    assert full["silent_corruption"] == ["recompute"]
+    only_fr = table(cfg, ["flashrecovery"])
+    assert only_fr["process_crash"] == ["restart_rank"] and only_fr["node_loss_no_spare"] == []
+    no_retry = OmegaConf.create({"ft": {"flashrecovery": {"retry_transient": False}}})
+    assert table(no_retry, ["flashrecovery"])["transient"] == []
+
+
+def test_a_policy_row_sets_the_order_and_a_blocked_action_falls_through():
+    cfg = OmegaConf.create({"ft": {"flashrecovery": {"max_restarts": 1}, "ndb": {}},
+                            "policy": {"process_crash": ["takeover", "restart_rank"]}})
+    kw = dict(cfg=cfg, ft=["flashrecovery", "ndb"], hung=False, lost_nodes=[], lost_ranks=[], survivors=[0, 1, 3])
+    first = decide(dead=[2], restarts_left=1, **kw)
+    assert (first.action, first.fault_class) == ("takeover", "process_crash")
+    assert "[policy.process_crash]" in first.reason
+    seeds = OmegaConf.create({"ft": {"flashrecovery": {"max_restarts": 1}, "ndb": {}}})
+    spent = decide(**{**kw, "cfg": seeds}, dead=[2], restarts_left=0)  # restart budget spent: NDB is next
+    assert spent.action == "takeover" and "restart_rank impossible: restart budget spent" in spent.reason
+
+
+def test_fault_classes():
+    from runner.decision import classify
+
+    kw = dict(hung=False, lost_ranks=[], survivors=[0, 1])
+    assert classify(dead=[], lost_nodes=[], spares=0, **kw)[1] == "transient"
+    assert classify(dead=[2], lost_nodes=[], spares=0, **{**kw, "hung": True})[:2] == ("hang", "hang")
+    assert classify(dead=[2], lost_nodes=[], spares=0, **{**kw, "survivors": []})[1] == "replica_lost"
+    node = dict(dead=[], lost_nodes=[1], **{**kw, "lost_ranks": [2, 3]})
+    assert classify(spares=2, **node) == ("node_loss", "node_loss_spare_free", [2, 3])
+    assert classify(spares=1, **node)[1] == "node_loss_no_spare"  # one spare cannot take two ranks
+    assert classify(spares=2, **{**node, "survivors": []})[1] == "replica_lost"
+
+
+def test_restart_all_needs_a_node_left_and_a_snapshot_of_every_rank():
+    cfg = OmegaConf.create({"ft": {"flash_ckpt": {"max_restarts": 3}}, "parallel": {"nodes": 3}})
+    kw = dict(cfg=cfg, ft=["flash_ckpt"], dead=[], hung=False, lost_ranks=[4, 5], survivors=[0, 1],
+              restarts_left=0, full_restarts_left=3)
+    assert decide(lost_nodes=[2], **kw).action == "restart_all"
+    last = decide(lost_nodes=[2], nodes_up=0, **kw)  # the other nodes were lost before
+    assert last.action == "fail" and "no node left" in last.reason
+    covered = decide(lost_nodes=[2], no_snapshots=[3], **kw)  # NDB computes rank 3: it writes no snapshots
+    assert covered.action == "fail" and "no snapshot step is common" in covered.reason
+
+
+def test_a_committed_step_without_a_record_is_written_by_a_member_that_holds_it(tmp_path):
+    from types import SimpleNamespace
+
+    from callbacks.metrics import CommitMetrics
+    from runner.events import JsonLines
+    from runner.protocol import Layout
+
+    path = tmp_path / "metrics.jsonl"
+    comm = SimpleNamespace(wid=5, gen=1, layout=Layout(gen=1, members=[9, 5], logical=[0, 1], dp=2))
+    strategy = SimpleNamespace(comm=comm, dp_size=2)
+    events = SimpleNamespace(emit=lambda kind, **details: None)
+    metrics = CommitMetrics(JsonLines(path), events, strategy, tokens_per_sample=1, micro_batch=1, log_every_n_steps=1)
+    extras = torch.tensor([1.0, 1.0, 2.0, 0.0], dtype=torch.float64)
+
+    def steps() -> list[int]:
+        return [json.loads(x)["step"] for x in path.read_text().splitlines()]
+
+    metrics.on_commit(7, extras, 0.0)  # the writer, worker 9, commits step 7 too ... and dies before writing it
+    assert steps() == []
+    comm.gen, comm.layout = 2, Layout(gen=2, members=[11, 5], logical=[0, 1], dp=2, joiners=[11])
+    metrics.on_commit(8, extras, 0.0)  # 9's replacement is joining: worker 5 writes, step 7 first
+    assert steps() == [7, 8]
+    comm.gen, comm.layout = 3, Layout(gen=3, members=[11, 5], logical=[0, 1], dp=2)
+    metrics.on_commit(9, extras, 0.0)  # 11 writes again, and does
+    JsonLines(path).write({"step": 9, "counts": [1, 1]})
+    comm.gen = 4
+    metrics.on_commit(10, extras, 0.0)  # a new generation, step 9 in the file: nothing more
+    comm.gen = 5
+    metrics.on_commit(11, extras, 0.0)  # 11 was a laggard at step 10 (adopted it, wrote nothing): 5 writes it
+    assert steps() == [7, 8, 9, 10]

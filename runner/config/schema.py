@@ -51,6 +51,25 @@ class FaultConfig:
     delay_s: float = 0.0  # slow_rank: delay per step; slow_link: delay per collective
     duration_s: float = -1.0  # partition: how long the rank's connections stay cut; -1 = for good
     extra: List[Dict[str, Any]] = field(default_factory=list)  # further faults: same keys
+    # chaos: faults of random kinds and victims, drawn and injected by the controller
+    kinds: List[str] = field(default_factory=lambda: ["transient", "kill_rank", "hang_rank", "kill_node", "bitflip"])
+    mtbf_s: float = 20.0  # mean time between faults (exponential inter-arrival times)
+    max_faults: int = 10  # no more faults than this
+    until_s: float = 600.0  # no fault after this many seconds of training
+
+
+@dataclass
+class PolicyConfig:
+    """The ordered recovery actions per fault class (``runner/config/policy.py``); null = the seeds' row."""
+
+    transient: Optional[List[str]] = None
+    process_crash: Optional[List[str]] = None
+    hang: Optional[List[str]] = None
+    node_loss_spare_free: Optional[List[str]] = None
+    node_loss_no_spare: Optional[List[str]] = None
+    replica_lost: Optional[List[str]] = None
+    silent_corruption: Optional[List[str]] = None
+    reject_unhandled: bool = True  # refuse a config whose mix cannot handle a fault it is configured to face
 
 
 @dataclass
@@ -140,6 +159,7 @@ class RootConfig:
     ft: Dict[str, Any] = field(default_factory=dict)
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -9,13 +9,15 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.config.coverage import mix_problems
 from runner.config.errors import ConfigError
 from runner.config.ft_schema import FT_SCHEMAS, IMPLEMENTED
 from runner.config.registry import recipe_names
 from runner.config.schema import FaultConfig
 
 FAULT_KINDS = ("none", "kill_rank", "kill_node", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link",
-               "partition", "kill_all", "wipe_shm", "corrupt_snapshot")
+               "partition", "kill_all", "wipe_shm", "corrupt_snapshot", "chaos")
+CHAOS_KINDS = ("transient", "kill_rank", "hang_rank", "kill_node", "bitflip", "partition", "kill_all")
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
                "wipe_shm", "corrupt_snapshot")
 LOGGERS = ("wandb", "csv", "none")
@@ -52,6 +54,8 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
     problems += _layout_problems(cfg, for_training)
     problems += _ft_problems(cfg, for_training)
     problems += _misc_problems(cfg)
+    if for_training and not problems:  # the replay of the faults needs every value above in range
+        problems += mix_problems(cfg, ft_names(cfg), all_faults(cfg), dp_size(cfg))
     if problems:
         raise ConfigError("Invalid configuration: " + " ".join(problems))
 
@@ -109,9 +113,6 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
             out.append(f"parallel.dp_group_size={p.dp_group_size}: DP replica groups are not available yet; set it to 0 "
                        "(a recipe's plan may still show it).")
         out += zero_problems(cfg)
-        if "deadpool" in ft_names(cfg) and not p.spares and "ndb" not in ft_names(cfg):
-            out.append("ft=deadpool swaps failed ranks for hot spares, but parallel.spares=0 and nothing after it in "
-                       "ft handles a lost node: set parallel.spares >= 1 (or add ft=ndb).")
         if p.spares and "deadpool" not in ft_names(cfg):
             out.append(f"parallel.spares={p.spares} starts hot spares that only DeadPool uses: add ft=deadpool or set "
                        "parallel.spares=0.")
@@ -168,6 +169,19 @@ def _ft_problems(cfg: DictConfig, for_training: bool) -> list[str]:
     return out
 
 
+def _chaos_problems(f: DictConfig, where: str) -> list[str]:
+    out = []
+    if where != "fault":
+        out.append(f"{where}.kind=chaos: chaos is the main fault (fault=chaos); fault.extra takes fixed faults.")
+    unknown = [k for k in f.kinds if k not in CHAOS_KINDS]
+    if unknown or not f.kinds:
+        out.append(f"fault.kinds={list(f.kinds)}: chaos draws from a non-empty list of {', '.join(CHAOS_KINDS)}.")
+    if f.mtbf_s <= 0 or f.max_faults < 1 or f.until_s <= 0:
+        out.append(f"fault.mtbf_s ({f.mtbf_s}) and fault.until_s ({f.until_s}) must be > 0 and fault.max_faults "
+                   f"({f.max_faults}) >= 1.")
+    return out
+
+
 def _flash_ckpt_problems(fc: DictConfig) -> list[str]:
     every, persist = fc.get("every_n_steps", 1), fc.get("persist_every_n_steps", 0)
     out = []
@@ -217,7 +231,9 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
                                             or "deadpool" not in ft_names(cfg)):
             out.append(f"{where}: during=replication kills a rank while its ZeRO-1 shard is being copied: it needs "
                        "kind=kill_rank, a fault.step, parallel.zero=1 and ft=deadpool.")
-        if one.kind not in ("none", "slow_rank") and one.during in ("step", "after_reduce") and one.step < 0 and one.after_s < 0:
+        if one.kind == "chaos":
+            out += _chaos_problems(one, where)
+        elif one.kind not in ("none", "slow_rank") and one.during in ("step", "after_reduce") and one.step < 0 and one.after_s < 0:
             out.append(f"{where}: set fault.step (a step) or fault.after_s (seconds) to say when to inject.")
         if one.step >= cfg.trainer.max_steps:
             out.append(f"{where}.step={one.step} is not before trainer.max_steps={cfg.trainer.max_steps}; the fault would never fire.")
@@ -228,9 +244,6 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
     if cfg.trainer.sdc_factor < 0 or cfg.trainer.sdc_window < 1:
         out.append(f"trainer.sdc_factor ({cfg.trainer.sdc_factor}) must be >= 0 (0 = guard off) and "
                    f"trainer.sdc_window ({cfg.trainer.sdc_window}) >= 1.")
-    if cfg.fault.kind == "bitflip" and cfg.trainer.sdc_factor <= 0:
-        out.append("fault=bitflip with trainer.sdc_factor=0: the corruption guard is off, so the flipped bit would "
-                   "silently enter the model; set trainer.sdc_factor > 0 (default 100).")
     if cfg.trainer.max_steps < 1:
         out.append(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1.")
     return out

@@ -16,8 +16,11 @@ from collections import deque
 import torch
 
 
+MIN_HISTORY = 5  # accepted steps before the median means anything: a younger guard only rejects non-finite norms
+
+
 class GradientGuard:
-    def __init__(self, factor: float, window: int, min_history: int = 5) -> None:
+    def __init__(self, factor: float, window: int, min_history: int = MIN_HISTORY) -> None:
         self.factor, self.min_history = factor, min_history
         self.norms: deque[float] = deque(maxlen=window)
 
