@@ -57,7 +57,10 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
     ``no_snapshots``: logical ranks NDB neighbours compute, which write no flash snapshots of their own."""
     fault, cls, victims = classify(dead=dead, hung=hung, lost_nodes=lost_nodes, lost_ranks=lost_ranks,
                                    survivors=survivors, spares=spares)
-    what = _what(fault, cls, victims, lost_nodes, spares)
+    lost_shards = shards_without_copy(cfg, ft, victims)
+    if lost_shards and cls != "transient":
+        cls = "replica_lost"  # ZeRO-1: no live process holds these ranks' optimizer shards
+    what = _what(fault, cls, victims, lost_nodes, spares, lost_shards)
     row = policy.table(cfg, ft)[cls]
     skipped = []
     for action in row:
@@ -71,12 +74,31 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
     if skipped:
         return Decision(fault, "fail", victims, f"{what}, and no action of policy.{cls}={row} can act: "
                         f"{'; '.join(skipped)}", cls)
+    if lost_shards:
+        return Decision(fault, "fail", victims, f"{what}, so there is nothing to rebuild them from: add ft=flash_ckpt "
+                        "for snapshots to fall back on", cls)
     return Decision(fault, "fail", victims, _unhandled(fault, cls, victims, lost_nodes, spares, ft), cls)
 
 
-def _what(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spares: int) -> str:
+def shards_without_copy(cfg, ft: list[str], victims: list[int]) -> list[int]:
+    """ZeRO-1: the failed ranks whose optimizer shard no live process holds. Its only copy is DeadPool's
+    replica on the holder, ``procs_per_node`` logical ranks on (``deadpool.replicator``)."""
+    p = cfg.parallel
+    if not p.zero or not victims:
+        return []
+    if "deadpool" not in ft:
+        return sorted(victims)
+    dp = p.nodes * p.procs_per_node
+    return sorted(v for v in victims if (v + p.procs_per_node) % dp in set(victims))
+
+
+def _what(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spares: int,
+          lost_shards: list[int] = ()) -> str:
     if cls == "transient":
         return "collective error with every process alive"
+    if lost_shards:
+        return (f"{fault} of logical rank(s) {victims} took the ZeRO-1 optimizer shard(s) of rank(s) "
+                f"{list(lost_shards)} together with their only copy (DeadPool's replica on the next node)")
     if fault == "node_loss":
         return f"node(s) {lost_nodes} lost with logical ranks {victims} ({spares} ready spare(s))"
     if cls == "replica_lost":

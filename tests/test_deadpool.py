@@ -102,9 +102,28 @@ def test_zero1_laggard_finishes_its_update_from_the_peers_gradients(fault_free, 
     assert s["recoveries"][0]["action"] == "retry" and s["recoveries"][0]["rpo_steps"] == 0
 
 
-def test_zero1_owner_and_replica_lost_together_fails_clearly(run_dir):
-    run = run_cli(*ZERO, "fault=kill_rank", "fault.rank=2", "fault.step=10",
-                  "+fault.extra=[{kind: kill_rank, rank: 4, step: 10}]", run_dir=run_dir)
+OWNER_AND_HOLDER = ["fault=kill_rank", "fault.rank=2", "fault.step=10", "+fault.extra=[{kind: kill_rank, rank: 4, step: 10}]"]
+
+
+def test_zero1_owner_and_replica_lost_together_is_refused_at_config_time_without_flash_ckpt(run_dir):
+    run = run_cli(*ZERO, *OWNER_AND_HOLDER, run_dir=run_dir, timeout=60)
+    assert run.returncode == 2 and "took the ZeRO-1 optimizer shard(s) of rank(s) [2] together with their only copy" in run.output
+
+
+def test_zero1_owner_and_replica_lost_together_fails_clearly_at_run_time(run_dir):
+    run = run_cli(*ZERO, *OWNER_AND_HOLDER, "policy.reject_unhandled=false", run_dir=run_dir)
     s = run.summary
     assert run.returncode == 1 and s["status"] == "failed"
-    assert "logical rank 2's ZeRO-1 optimizer shard was lost with its replica on logical rank 4" in s["error"]
+    assert "took the ZeRO-1 optimizer shard(s) of rank(s) [2] together with their only copy" in s["error"]
+    assert "add ft=flash_ckpt" in s["error"]
+
+
+def test_zero1_owner_and_replica_lost_together_restart_every_rank_from_snapshots(fault_free, run_dir):
+    run = run_cli(*ZERO, "ft=[deadpool,flash_ckpt]", "ft.flash_ckpt.every_n_steps=5", *OWNER_AND_HOLDER,
+                  run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == fault_free["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_committed"]) == (0, 0, fault_free["samples_committed"])
+    (rec,) = s["recoveries"]
+    assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("restart_all", [2, 4], 0)
