@@ -1,7 +1,9 @@
 """Steps/s of the runner's Strategy against plain Lightning DDP, same model, data and ranks.
 
 Runs are interleaved (ours, DDP, ours, DDP, ...) in one invocation so that machine noise hits
-both alike; prints the median of each and their ratio (target >= 0.98).
+both alike; prints the median of each and their ratio (target >= 0.98). In both, every rank runs
+in a session of its own (torchrun's and the runner's workers alike), so on a busy host whose
+kernel schedules by session (autogroup) both get the same share of the CPUs.
 
     python bench/throughput.py [--ranks 4] [--steps 80] [--rounds 3]
 """

@@ -1,9 +1,10 @@
 """The runner's Lightning Strategy: it owns the process group and the gradient all-reduce.
 
 Why not DDP: DDP's reducer lives in hooks on a process group fixed at construction. Here the
-reduction is an explicit, bucketed all-reduce inside ``optimizer_step`` so that a failed
-collective can be abandoned, the group rebuilt for the next generation, state handed to newcomers,
-and the very same step retried. ``optimizer_step`` returns only once the step is committed, so
+reduction (``runner.reducer``: buckets launched from the step's own backward) is waited for and
+committed inside ``optimizer_step``, where a failed collective surfaces, so that it can be
+abandoned, the group rebuilt for the next generation, state handed to newcomers, and the very
+same step retried. ``optimizer_step`` returns only once the step is committed, so
 Lightning's ``global_step``, schedulers and loop counters count each committed step exactly once.
 """
 
