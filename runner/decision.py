@@ -83,9 +83,9 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
 def shards_without_copy(cfg, ft: list[str], victims: list[int]) -> list[int]:
     """ZeRO-1: the failed ranks whose optimizer shard no live process holds. Its only copy is DeadPool's
     replica on the holder, ``procs_per_node`` logical ranks on (``deadpool.replicator``)."""
-    p = cfg.parallel
-    if not p.zero or not victims:
+    if not victims or not cfg.get("parallel", {}).get("zero", 0):
         return []
+    p = cfg.parallel
     if "deadpool" not in ft:
         return sorted(victims)
     dp = p.nodes * p.procs_per_node

@@ -71,3 +71,16 @@ def test_packed_shard_round_trips_and_replay_is_the_same_update_bit_for_bit():
         assert torch.equal(rebuilt.params[pos], p.detach())
         for key, value in opt.state[p].items():
             assert torch.equal(rebuilt.state[pos][key], value), key
+
+
+def test_a_shard_is_lost_only_with_its_holder_or_without_deadpool():
+    from omegaconf import OmegaConf
+
+    from runner.decision import shards_without_copy
+
+    cfg = OmegaConf.create({"parallel": {"nodes": 3, "procs_per_node": 2, "zero": 1}})
+    assert shards_without_copy(cfg, ["deadpool"], [2, 3]) == []  # a whole node: replicas are on the next one
+    assert shards_without_copy(cfg, ["deadpool"], [2, 4]) == [2]  # rank 2's holder is rank 4
+    assert shards_without_copy(cfg, ["deadpool"], [4, 0]) == [4]  # wraps around: rank 4's holder is rank 0
+    assert shards_without_copy(cfg, ["flash_ckpt"], [1]) == [1]  # nothing replicates shards
+    assert shards_without_copy(OmegaConf.create({"parallel": {"zero": 0}}), [], [1]) == []
