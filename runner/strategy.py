@@ -32,6 +32,7 @@ from runner.zero import ZeroOne
 
 PEER_CKPT = "peer://replica"  # ckpt_path a replacement passes to fit(): state comes from a live replica
 SNAPSHOT_CKPT = "flash://snapshot"  # ckpt_path of a restarted rank: the newest flash snapshot every rank holds
+SDC_HISTORY = "resilient_sdc_norms"  # the corruption guard's history, in state handed to a replacement or laggard
 
 
 class ResilientStrategy(ParallelStrategy):
@@ -283,14 +284,16 @@ class ResilientStrategy(ParallelStrategy):
                     raise
                 self._recover_hook(self, str(err))
 
-    def final_gradients(self) -> list[Tensor]:
+    def final_gradients(self) -> dict:
         """The gradients the last update used: kept in ``.grad`` until the next backward, which no rank can
         have started while a laggard still misses that update (it waits in the parameter sync)."""
-        return [p.grad for p in self.zero.params]
+        return {"grads": [p.grad for p in self.zero.params],
+                **({SDC_HISTORY: list(self.guard.norms)} if self.guard is not None else {})}
 
-    def finish_update(self, grads: list[Tensor]) -> None:
+    def finish_update(self, final: dict) -> None:
         """A laggard applies the update it missed, with the final gradients every other rank used."""
-        for p, g in zip(self.zero.params, grads):
+        self._adopt_guard_history(final)
+        for p, g in zip(self.zero.params, final["grads"]):
             p.grad = g
         gen = self.lightning_module.trainer.global_step + 1
         if self.replicator is not None:
@@ -361,8 +364,16 @@ class ResilientStrategy(ParallelStrategy):
 
     # -- state transfer between replicas --------------------------------------------------------
     def dump_state(self) -> dict:
-        """This replica's full Lightning checkpoint."""
-        return self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        """This replica's full Lightning checkpoint, with the corruption guard's history (its verdicts must
+        stay the same on every rank, a replacement's too)."""
+        ckpt = self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if self.guard is not None:
+            ckpt[SDC_HISTORY] = list(self.guard.norms)
+        return ckpt
+
+    def _adopt_guard_history(self, state: Optional[dict]) -> None:
+        if self.guard is not None and state and SDC_HISTORY in state:
+            self.guard.adopt(state[SDC_HISTORY])
 
     def exchange(self, obj: Any, src_pg_rank: int, *, receive: bool) -> Any:
         """Broadcast ``obj`` (given on the source only) over the current group; receivers get a copy."""
@@ -385,6 +396,7 @@ class ResilientStrategy(ParallelStrategy):
         self.lightning_module.load_state_dict(ckpt["state_dict"])
         for opt, state in zip(self.optimizers, ckpt["optimizer_states"]):
             opt.load_state_dict(state)
+        self._adopt_guard_history(ckpt)
         self._skip_update = True
 
     def committed_steps(self) -> int:
@@ -399,7 +411,9 @@ class ResilientStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if checkpoint_path == PEER_CKPT:
             assert self._recover_hook is not None
-            return self._recover_hook(self, "join")  # type: ignore[return-value]
+            ckpt = self._recover_hook(self, "join")
+            self._adopt_guard_history(ckpt)
+            return ckpt  # type: ignore[return-value]
         if checkpoint_path == SNAPSHOT_CKPT:
             assert self._restore_snapshot is not None
             ckpt = self._restore_snapshot(self)

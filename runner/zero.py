@@ -73,7 +73,9 @@ class ZeroOne:
         """Keep only ``logical_rank``'s parameters in the optimizer's groups (group indices stay).
 
         ``zero_grad`` keeps clearing every parameter's gradient: all of them still go into the full
-        all-reduce, and a gradient left over from the previous step would be added to the next one.
+        all-reduce, and a gradient left over from the previous step would be added to the next one. It
+        always drops the gradients (``set_to_none``), never zeroes them in place: DeadPool's replay
+        records keep the last update's gradients by reference.
         """
         self._rank = logical_rank
         for group, indices in zip(self.optimizer.param_groups, self.plan.shard(logical_rank)):
@@ -82,11 +84,7 @@ class ZeroOne:
 
         def zero_grad(set_to_none: bool = True) -> None:
             for p in params:
-                if p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.detach_().zero_()
+                p.grad = None
 
         self.optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 

@@ -34,3 +34,8 @@ class GradientGuard:
         if not suspicious:
             self.norms.append(norm)
         return not suspicious, norm, median
+
+    def adopt(self, norms: list[float]) -> None:
+        """A replacement or laggard takes a replica's history, so every rank keeps reaching the same verdict."""
+        self.norms.clear()
+        self.norms.extend(norms)

@@ -40,9 +40,9 @@ def reconcile_shards(strategy, table: list[list[int]], events) -> Optional[dict]
     if replicator is not None:
         replicator.drain()  # the broken generation's exchange, if one was in flight
     if laggards:
-        grads = strategy.exchange(strategy.final_gradients() if me == source else None, source, receive=me in laggards)
+        final = strategy.exchange(strategy.final_gradients() if me == source else None, source, receive=me in laggards)
         if me in laggards:
-            strategy.finish_update(grads)
+            strategy.finish_update(final)
             events.emit("shard_update_finished", gen=comm.gen, step=newest, source=logical[source])
     if not comm.layout.complete:
         return None  # survivors only: joiners are served, and everyone synced, in the complete generation

@@ -79,7 +79,9 @@ class ShardReplicator:
     def record(self, logical_rank: int, gen: int) -> None:
         """Before this rank's update producing ``gen``: keep what the partner's update uses (for a replay)."""
         params = self.zero.params
-        grads = [params[i].grad.detach().clone() for i in self.zero.plan.flat_shard(self.partner(logical_rank))]
+        # references, not copies: the update leaves .grad alone and zero_grad drops it (ZeroOne), so these
+        # tensors stay as they are until the record is pruned
+        grads = [params[i].grad.detach() for i in self.zero.plan.flat_shard(self.partner(logical_rank))]
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.zero.optimizer.param_groups]
         self._records = [r for r in self._records if r.gen < gen] + [UpdateRecord(gen, grads, hyper)]
 
