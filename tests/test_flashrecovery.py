@@ -133,6 +133,18 @@ def test_bitflip_is_detected_and_the_step_recomputed_exactly(fault_free, run_dir
     assert len(run.events("worker_started")) == 4
 
 
+def test_a_replacement_judges_corruption_like_the_ranks_it_joins(fault_free, run_dir):
+    # a bitflip and a crash at the same step: the replacement gets the guard's history with the state,
+    # so it rejects the corrupted reduction as the others do instead of running one step ahead
+    run = run_cli(*FOUR, *FR, "fault=bitflip", "fault.rank=1", "fault.step=20",
+                  "+fault.extra=[{kind: kill_rank, rank: 3, step: 20}]", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == fault_free["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_committed"]) == (0, 0, fault_free["samples_committed"])
+    assert s["sdc_recomputed_steps"] == [20]
+
+
 def test_slow_link_slows_the_job_without_a_recovery(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=slow_link", "fault.rank=2", "fault.step=10", "fault.delay_s=0.05",
                   run_dir=run_dir)
