@@ -97,6 +97,7 @@ class Controller:
         self.assigned: dict[int, int] = {}  # logical rank -> wid
         self.takeovers: dict[int, int] = {}  # NDB: a failed logical rank -> the wid computing it too
         self.repairs: list[tuple[float, int]] = []  # NDB: (when, logical rank) to restart and rejoin
+        self.takeover_from: dict[int, int] = {}  # NDB: logical rank -> the committed step its takeover began at
         self.rejoining: dict[int, int] = {}  # NDB: logical rank -> wid of its restarted process
         self.spares: list[int] = []  # DeadPool: started, warm, not yet given a logical rank
         self.gen = -1
@@ -617,11 +618,17 @@ class Controller:
             self.events.emit("repair_started", logical=lrank, wid=self.rejoining[lrank], reason=(
                 f"ft.ndb.repair_after_s={self.cfg.ft.ndb.repair_after_s} elapsed since the takeover"))
         for lrank, wid in list(self.rejoining.items()):
-            if self.workers[wid].ready and self.active is None:
+            if self.workers[wid].ready and self.active is None and self._took_over_a_step(lrank):
                 del self.rejoining[lrank]
                 self.takeovers.pop(lrank, None)
                 self._publish()
                 self.events.emit("rejoined", logical=lrank, wid=wid, gen=self.gen)
+
+    def _took_over_a_step(self, lrank: int) -> bool:
+        """A repaired rank rejoins only once its takeover committed a step: rejoining before would be churn
+        (and with a fast repair it would make whether a takeover ever ran a matter of timing)."""
+        members = self.layouts[self.gen].members
+        return min((self.workers[wid].hb_step for wid in members), default=0) > self.takeover_from.get(lrank, -1)
 
     def _assign_takeovers(self, failed: list[int]) -> None:
         """Each failed logical rank goes to a live neighbour (ndb.neighbour), spread over distinct ones."""
@@ -636,6 +643,7 @@ class Controller:
                 f"ft.ndb.neighbour={self.cfg.ft.ndb.neighbour} among live ranks not yet taking over"))
             if self.cfg.ft.ndb.repair_after_s >= 0:
                 self.repairs.append((time.monotonic() + self.cfg.ft.ndb.repair_after_s, lrank))
+                self.takeover_from[lrank] = max((w.hb_step for w in self._live() if not w.dead), default=0)
 
     def _isolate_unreachable(self, rec: Recovery, now: float) -> bool:
         """A retry whose own generation failed again: members that do not arrive at its rendezvous
