@@ -222,11 +222,7 @@ class ResilientStrategy(ParallelStrategy):
                 self._extra_done, self._own_grads = {}, None
                 continue
             except CollectiveFailure as err:
-                self.status.phase = "recovering"
-                self.events.emit("collective_failed", gen=self.comm.gen, error=str(err))
-                if self._recover_hook is None:
-                    raise
-                self._recover_hook(self, str(err))
+                self._recover_from(err)
                 if self._skip_update:
                     return  # a lagging survivor received the committed state of this step
         self.joining = False
@@ -278,11 +274,15 @@ class ResilientStrategy(ParallelStrategy):
                 self.status.phase = "sync"
                 self.zero.sync(self.comm)
             except CollectiveFailure as err:
-                self.status.phase = "recovering"
-                self.events.emit("collective_failed", gen=self.comm.gen, error=str(err))
-                if self._recover_hook is None:
-                    raise
-                self._recover_hook(self, str(err))
+                self._recover_from(err)
+
+    def _recover_from(self, err: CollectiveFailure) -> None:
+        """A collective of this step failed: regroup (the run's recovery), or end the worker without one."""
+        self.status.phase = "recovering"
+        self.events.emit("collective_failed", gen=self.comm.gen, error=str(err))
+        if self._recover_hook is None:
+            raise err
+        self._recover_hook(self, str(err))
 
     def final_gradients(self) -> dict:
         """The gradients the last update used: kept in ``.grad`` until the next backward, which no rank can
