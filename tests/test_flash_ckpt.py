@@ -11,9 +11,11 @@ import sys
 import threading
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import Pipe
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,6 +37,7 @@ from runner.recovery.flash_ckpt import (
 )
 from runner.recovery.flash_ckpt import segment
 from runner.recovery.flash_ckpt.checksum import digest
+from runner.recovery.flash_ckpt.chunks import Plan, address
 from runner.recovery.flash_ckpt.codec import flatten
 from runner.recovery.flash_ckpt.disk import checkpoint_path, list_checkpoints
 from runner.recovery.flash_ckpt.segment import PAGE, read_header
@@ -207,6 +210,46 @@ def test_checksum_sees_flips_and_moved_blocks():
     swapped[:4096], swapped[4096:8192] = data[4096:8192], data[:4096]
     assert len({base, digest(flipped), digest(swapped), digest(data[:-1])}) == 4
     assert digest(data) == base
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 1 << 20])
+@pytest.mark.parametrize("two_streams", [False, True])
+def test_fused_copy_kernels_match_the_checksum_and_copy_every_byte(chunk_bytes, two_streams):
+    """The copy kernels' chunk checksums equal ``digest`` of the region bytes, padding is zeroed
+    on the way in and summed on the way out, odd-sized and caller-copied tensors included."""
+    g = torch.Generator().manual_seed(0)
+    state = {"big": torch.randn(300_000, generator=g), "odd_int8": torch.arange(13, dtype=torch.int8),
+             "odd_bf16": torch.randn(7, generator=g).bfloat16(), "strided": torch.randn(100, 100, generator=g)[:, :3],
+             "empty": torch.zeros(0), "across_chunks": torch.arange(2_000_001, dtype=torch.int8)}
+    flat = flatten(state)
+    entries, data_len = segment.plan_layout(flat)
+    plan = Plan.of(entries, data_len, chunk_bytes)
+    region = np.full(data_len, 0xAB, dtype=np.uint8)  # stale bytes everywhere, padding included
+    srcs = [address(t) for t in flat.tensors]
+    assert srcs[list(state).index("strided")] is None  # not contiguous: the caller copies it
+    for entry, tensor, src in zip(entries, flat.tensors, srcs):
+        if src is None:
+            region[entry["offset"] : entry["offset"] + entry["nbytes"]] = tensor.contiguous().view(torch.uint8).numpy().ravel()
+    with ThreadPoolExecutor(1) as pool:
+        helper = pool if two_streams else None
+        digests = plan.fill(region, srcs, helper)
+        assert digests == [digest(region[plan.span(c)]) for c in range(plan.nchunks)]
+        next_starts = [e["offset"] for e in entries[1:]] + [data_len]
+        for entry, src, next_start in zip(entries, srcs, next_starts):
+            if src is not None:  # the padding after a tensor the kernel copied is zeroed
+                assert not region[entry["offset"] + entry["nbytes"] : next_start].any()
+
+        outs = [torch.full(t.shape, 0, dtype=t.dtype) for t in flat.tensors]
+        plan.drain(region, [address(o) for o in outs], digests, lambda c: AssertionError(f"chunk {c}"), helper)
+        for out, tensor in zip(outs, flat.tensors):
+            assert torch.equal(out.view(torch.uint8), tensor.contiguous().view(torch.uint8))
+
+        padding = entries[list(state).index("odd_int8")]["offset"] + 13
+        for where in (padding, data_len - 1, 0):
+            corrupt = region.copy()
+            corrupt[where] ^= 0x10
+            with pytest.raises(ValueError, match=f"chunk {where // chunk_bytes}$"):
+                plan.drain(corrupt, [address(o) for o in outs], digests, lambda c: ValueError(f"chunk {c}"), helper)
 
 
 def test_invalidate_after_drops_an_abandoned_timeline(job, snap):

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 ALGORITHM = "bsum64x4k-crc32"
-_BLOCK_WORDS = 512
-_ZERO_WORD = bytes(8)
+BLOCK_BYTES = 4096
+_BLOCK_WORDS = BLOCK_BYTES // 8
 
 
 def digest(buf) -> int:
@@ -28,13 +28,25 @@ def digest(buf) -> int:
     nwords = raw.size // 8
     full = nwords - nwords % _BLOCK_WORDS
     # einsum sums the rows ~1.5x faster than .sum(axis=1), with the same wrapping uint64 result
-    crc = zlib.crc32(np.einsum("ij->i", raw[: full * 8].view(np.uint64).reshape(-1, _BLOCK_WORDS))) if full else 0
-    if raw.size > full * 8:  # the words of the last, partial block, then the odd bytes
-        crc = zlib.crc32(raw[full * 8 : nwords * 8].view(np.uint64).sum(dtype=np.uint64).tobytes(), crc)
-        crc = zlib.crc32(raw[nwords * 8 :], crc)
-    else:  # what the two lines above give for an empty tail
-        crc = zlib.crc32(_ZERO_WORD, crc)
-    return zlib.crc32(raw.size.to_bytes(8, "little"), crc)
+    block_sums = np.einsum("ij->i", raw[: full * 8].view(np.uint64).reshape(-1, _BLOCK_WORDS))
+    tail_sum = int(raw[full * 8 : nwords * 8].view(np.uint64).sum(dtype=np.uint64))
+    return _finish(block_sums, tail_sum, raw[nwords * 8 :], raw.size)
+
+
+def seal(sums: np.ndarray, nbytes: int) -> int:
+    """``digest`` of `nbytes` bytes (a multiple of 8) from the uint64 sums of their 4 KiB blocks
+    (the last one partial or not), as the fused copy kernels compute them."""
+    full = nbytes // BLOCK_BYTES
+    tail_sum = int(sums[full]) if nbytes % BLOCK_BYTES else 0
+    return _finish(sums[:full], tail_sum, b"", nbytes)
+
+
+def _finish(block_sums: np.ndarray, tail_sum: int, odd_bytes, size: int) -> int:
+    """crc32 over the whole blocks' sums, the sum of the words after them, the odd bytes, the size."""
+    crc = zlib.crc32(block_sums)
+    crc = zlib.crc32(tail_sum.to_bytes(8, "little"), crc)
+    crc = zlib.crc32(odd_bytes, crc)
+    return zlib.crc32(size.to_bytes(8, "little"), crc)
 
 
 def digest_file(path: Path) -> int:

@@ -1,18 +1,17 @@
-"""Copies between tensors and a slot's data region, one checksummed chunk at a time.
+"""Copies between tensors and a slot's data region, with a checksum per 1 MiB chunk.
 
-The data region is cut into fixed-size chunks (1 MiB, half a core's L2 here) and each chunk has
-its own checksum. A copy goes chunk by chunk: a restore checksums a source chunk and then copies
-its tensor pieces while the chunk is in the cache; a snapshot copies the pieces in and checksums
-the chunk while it is still cached. Verifying thus costs little beyond the copy. Where the caller
-waits anyway, two threads take alternate chunks (memmove and the checksum release the GIL), which
-a copy needs on this host to reach the memory bandwidth that ``Tensor.copy_`` gets from its two
-intra-op threads. A tensor is handled by its address and length only: a numpy or torch view per
-tensor costs ~10 us, which over a few hundred small tensors is a third of a 200 MB copy.
+The data region is cut into fixed-size chunks and each chunk has its own checksum, so a
+corrupt snapshot names the tensors it hit. The copy and the checksum are one pass (kernels.py):
+a snapshot sums the words it writes into the region, a restore the words it reads out of it, so
+verifying costs nothing beyond the copy. Where the caller waits anyway, two threads take one half
+of the chunks each (the kernels release the GIL), which a copy needs on this host to reach the
+memory bandwidth that ``Tensor.copy_`` gets from its two intra-op threads. A tensor is handled by
+its address and length only: a numpy or torch view per tensor costs ~10 us, which over a few
+hundred small tensors is a third of a 200 MB copy.
 """
 
 from __future__ import annotations
 
-import ctypes
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -20,101 +19,102 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .checksum import digest
+from . import kernels
+from .checksum import BLOCK_BYTES, seal
 
 CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
-class Piece:
-    """The bytes of tensor `index` from `tensor_off` on that lie in one chunk, at `region_off`."""
-
-    index: int
-    region_off: int
-    tensor_off: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class Plan:
-    """Which tensor pieces lie in each chunk of the first `data_len` bytes of a region."""
+    """Which tensor pieces lie in each chunk of the first `data_len` bytes of a region, as the
+    int64 tables the copy kernels take: chunk c holds pieces ``first[c]:first[c + 1]``, piece p
+    is ``nbytes[p]`` bytes of tensor ``index[p]`` from ``tensor_off[p]`` on, at ``region_off[p]``."""
 
     data_len: int
     chunk_bytes: int
-    chunks: list[list[Piece]]
+    first: np.ndarray
+    region_off: np.ndarray
+    index: np.ndarray
+    tensor_off: np.ndarray
+    nbytes: np.ndarray
 
     @classmethod
     def of(cls, entries: Sequence[dict], data_len: int, chunk_bytes: int = CHUNK_BYTES) -> Plan:
-        """Cut a layout (segment.plan_layout's entries) into chunks; ValueError if it leaves the region."""
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk size {chunk_bytes} must be positive")
-        chunks: list[list[Piece]] = [[] for _ in range(-(-data_len // chunk_bytes))]
+        """Cut a layout (segment.plan_layout's entries) into chunks; ValueError if it leaves the
+        region, overlaps itself or is not word aligned (the kernels copy 8-byte words)."""
+        if chunk_bytes < 1 or chunk_bytes % BLOCK_BYTES:
+            raise ValueError(f"chunk size {chunk_bytes} must be a positive multiple of {BLOCK_BYTES}")
+        if data_len < 0 or data_len % 8:
+            raise ValueError(f"data length {data_len} must be a multiple of 8")
+        nchunks = -(-data_len // chunk_bytes)
+        counts = [0] * nchunks
+        rows: list[tuple[int, int, int, int]] = []
+        end = 0
         for index, entry in enumerate(entries):
-            start, end = entry["offset"], entry["offset"] + entry["nbytes"]
-            if start < 0 or end > data_len:
-                raise ValueError(f"tensor {entry['path']} lies outside the data region")
-            pos = start
+            start = entry["offset"]
+            if start < end or start % 8 or start + entry["nbytes"] > data_len:
+                raise ValueError(f"tensor {entry['path']} overlaps another, is not 8-byte aligned "
+                                 "or lies outside the data region")
+            pos, end = start, start + entry["nbytes"]
             while pos < end:
                 c = pos // chunk_bytes
                 stop = min(end, (c + 1) * chunk_bytes)
-                chunks[c].append(Piece(index, pos, pos - start, stop - pos))
+                rows.append((pos, index, pos - start, stop - pos))
+                counts[c] += 1
                 pos = stop
-        return cls(data_len, chunk_bytes, chunks)
+        table = np.array(rows, dtype=np.int64).reshape(-1, 4)
+        first = np.zeros(nchunks + 1, dtype=np.int64)
+        np.cumsum(counts, out=first[1:])
+        return cls(data_len, chunk_bytes, first, *(np.ascontiguousarray(col) for col in table.T))
+
+    @property
+    def nchunks(self) -> int:
+        return len(self.first) - 1
 
     def span(self, c: int) -> slice:
         return slice(c * self.chunk_bytes, min((c + 1) * self.chunk_bytes, self.data_len))
 
-    def fill(self, region: np.ndarray, srcs: list[int | None], with_digests: bool,
-             helper: Executor | None = None) -> list[int] | None:
-        """Copy the tensors at addresses `srcs` into `region` (None: the caller copied that one);
-        with `with_digests`, checksum each chunk right after filling it and return the checksums."""
-        base = region.ctypes.data
-        digests = [0] * len(self.chunks)
+    def tensors_in(self, c: int) -> list[int]:
+        """Indices of the tensors with bytes in chunk c, in region order."""
+        return self.index[self.first[c] : self.first[c + 1]].tolist()
 
-        def run(part: list[int]) -> None:
-            for c in part:
-                for p in self.chunks[c]:
-                    if srcs[p.index] is not None:
-                        ctypes.memmove(base + p.region_off, srcs[p.index] + p.tensor_off, p.nbytes)
-                if with_digests:
-                    digests[c] = digest(region[self.span(c)])
-
-        _in_two_streams(list(range(len(self.chunks))), run, helper)
-        return digests if with_digests else None
+    def fill(self, region: np.ndarray, srcs: list[int | None], helper: Executor | None = None) -> list[int]:
+        """Copy the tensors at addresses `srcs` into `region` (None: the caller copied that one)
+        and zero the padding between them; returns each chunk's checksum, computed in the copy."""
+        return self._run(kernels.copy_in, region, srcs, helper)
 
     def drain(self, region: np.ndarray, dsts: list[int | None], expected: list[int],
               on_mismatch: Callable[[int], Exception], helper: Executor | None = None) -> None:
-        """Checksum each chunk of `region` against `expected`, then copy its pieces to the tensors at
-        addresses `dsts` (None: the caller copies that one afterwards); raises `on_mismatch(chunk)`."""
-        base = region.ctypes.data
+        """Copy each chunk's pieces from `region` to the tensors at addresses `dsts` (None: the
+        caller copies that one afterwards), checksumming the chunk in the copy; raises
+        `on_mismatch(chunk)` for the first chunk whose checksum is not the `expected` one, after
+        which the tensors hold unverified bytes."""
+        for c, (got, want) in enumerate(zip(self._run(kernels.copy_out, region, dsts, helper), expected)):
+            if got != want:
+                raise on_mismatch(c)
 
-        def run(part: list[int]) -> None:
-            for c in part:
-                if digest(region[self.span(c)]) != expected[c]:
-                    raise on_mismatch(c)
-                for p in self.chunks[c]:
-                    if dsts[p.index] is not None:
-                        ctypes.memmove(dsts[p.index] + p.tensor_off, base + p.region_off, p.nbytes)
-
-        _in_two_streams(list(range(len(self.chunks))), run, helper)
-
-    def digests(self, region: np.ndarray) -> list[int]:
-        """Checksums of every chunk of `region`, as a pass of its own."""
-        return [digest(region[self.span(c)]) for c in range(len(self.chunks))]
+    def _run(self, kernel, region: np.ndarray, addrs: list[int | None], helper: Executor | None) -> list[int]:
+        """Run a copy kernel over all chunks, the two halves at once on the caller and `helper`."""
+        sums = np.zeros(-(-self.data_len // BLOCK_BYTES), dtype=np.uint64)
+        args = (region.ctypes.data, self.data_len, self.chunk_bytes)
+        tables = (self.first, self.region_off, self.index, self.tensor_off, self.nbytes)
+        table = np.array([a or 0 for a in addrs] or [0], dtype=np.int64)
+        half = (self.nchunks + 1) // 2 if helper is not None else self.nchunks
+        other = helper.submit(kernel, *args, half, self.nchunks, tables, table, sums) if half < self.nchunks else None
+        try:
+            kernel(*args, 0, half, tables, table, sums)
+        finally:
+            if other is not None:
+                other.result()
+        per_chunk = self.chunk_bytes // BLOCK_BYTES
+        return [seal(sums[c * per_chunk : (c + 1) * per_chunk], self.span(c).stop - self.span(c).start)
+                for c in range(self.nchunks)]
 
 
 def address(t: torch.Tensor) -> int | None:
-    """Address of a tensor's bytes if they are plain CPU memory; None: copy it with copy_."""
-    return t.data_ptr() if t.device.type == "cpu" and t.is_contiguous() else None
-
-
-def _in_two_streams(items: list[int], fn: Callable[[list[int]], None], helper: Executor | None) -> None:
-    """Run `fn` over alternate items on the caller and on `helper` at once; without one, on the caller."""
-    if helper is None:
-        fn(items)
-        return
-    other = helper.submit(fn, items[1::2])
-    try:
-        fn(items[::2])
-    finally:
-        other.result()
+    """Address of a tensor's bytes if the kernels can copy them (plain CPU memory, contiguous,
+    8-byte aligned); None: copy it with copy_."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() % 8:
+        return None
+    return t.data_ptr()

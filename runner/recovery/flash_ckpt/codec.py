@@ -103,6 +103,36 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return dec(skeleton)
 
 
+def tensors_at(skeleton: Any, state: Any) -> dict[int, torch.Tensor]:
+    """The tensors of `state` that sit where `skeleton` (from ``flatten``) has tensor i, by i: the
+    targets of an in-place restore. Walks only the skeleton's shape, which is much cheaper than
+    flattening `state` (no path strings, no alias keys); positions that differ are left out."""
+    found: dict[int, torch.Tensor] = {}
+
+    def walk(node: Any, obj: Any) -> None:
+        if not isinstance(node, dict):
+            return
+        if "T" in node:
+            if isinstance(obj, torch.Tensor):
+                found.setdefault(node["T"], obj)
+            return
+        items = node.get("D", node.get("O"))
+        if items is not None:
+            if isinstance(obj, dict):
+                for key, value in items:
+                    key = unflatten(key, []) if isinstance(key, dict) else key
+                    if key in obj:
+                        walk(value, obj[key])
+            return
+        seq = node.get("L", node.get("U"))
+        if seq is not None and isinstance(obj, (list, tuple)):
+            for value, item in zip(seq, obj):
+                walk(value, item)
+
+    walk(skeleton, state)
+    return found
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

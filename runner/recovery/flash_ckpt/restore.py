@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .codec import flatten
 from .disk import list_checkpoints, read_verified, sidecar_path
 from .events import EventSink, emit
 from .segment import CorruptSnapshot
@@ -66,10 +65,6 @@ def load_newest(job_id: str, rank: int, ckpt_dir: str | Path | None = None, *, s
     restart): memory snapshots are copied straight into its tensors where shape and dtype match.
     Raises NoSnapshot when nothing verifies.
     """
-    targets = None
-    if into is not None:
-        flat = flatten(into)
-        targets = dict(zip(flat.paths, flat.tensors))
     skipped = []
     for cand in list_snapshots(job_id, rank, ckpt_dir):
         if step is not None and cand.step != step:
@@ -78,7 +73,7 @@ def load_newest(job_id: str, rank: int, ckpt_dir: str | Path | None = None, *, s
             if cand.source == "disk":
                 state = read_verified(cand.location)
             else:
-                state = load_slot(cand.location, step=cand.step, into=targets)[1]
+                state = load_slot(cand.location, step=cand.step, into=into)[1]
         except (CorruptSnapshot, OSError) as e:
             skipped.append(Skipped(cand, str(e)))
             emit(on_event, "skipped", cand.step, str(cand.location), str(e))

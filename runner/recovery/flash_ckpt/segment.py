@@ -222,13 +222,13 @@ class Slot:
             plan = Plan.of(meta["tensors"], meta["data_len"], meta["chunk_bytes"])
         except ValueError as e:
             raise CorruptSnapshot(f"{self.path.name}: {e}") from e
-        if len(meta["digests"]) != len(plan.chunks):
-            raise CorruptSnapshot(f"{self.path.name}: {len(meta['digests'])} chunk checksums for {len(plan.chunks)} chunks")
+        if len(meta["digests"]) != plan.nchunks:
+            raise CorruptSnapshot(f"{self.path.name}: {len(meta['digests'])} chunk checksums for {plan.nchunks} chunks")
         return plan
 
     def mismatch(self, meta: dict[str, Any], plan: Plan, chunk: int) -> CorruptSnapshot:
         """The error for a chunk whose bytes fail their checksum, naming the tensors in it."""
-        names = dict.fromkeys(meta["tensors"][p.index]["path"] for p in plan.chunks[chunk])
+        names = dict.fromkeys(meta["tensors"][i]["path"] for i in plan.tensors_in(chunk))
         span = plan.span(chunk)
         return CorruptSnapshot(f"{self.path.name}: checksum mismatch in data bytes {span.start}-{span.stop} "
                                f"(tensors {', '.join(names) or 'none: alignment padding'})")

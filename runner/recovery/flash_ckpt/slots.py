@@ -50,22 +50,24 @@ def newest_verified(name: str, use: Callable[[Path, int], T]) -> T:
     raise LookupError(f"no committed snapshot in {name} verifies ({'; '.join(reasons) or 'none committed'})")
 
 
-def load_slot(path: Path, *, step: int | None = None, into: dict[str, torch.Tensor] | None = None) -> tuple[dict, Any]:
+def load_slot(path: Path, *, step: int | None = None, into: Any = None) -> tuple[dict, Any]:
     """Copy a committed slot's state out into private tensors (never views into shm), checking
     each chunk's checksum right before copying from it; raises CorruptSnapshot on a mismatch.
 
-    `into` maps tensor paths (codec.tensor_path) to existing tensors; a tensor of the same shape
-    and dtype there is filled in place instead of allocating a new one. After a CorruptSnapshot
-    those tensors hold partly copied data: the caller loads another snapshot or gives up.
+    `into` is a state of the same structure (e.g. the live checkpoint dict); a tensor of the same
+    shape and dtype at a tensor's position there is filled in place instead of allocating a new
+    one. After a CorruptSnapshot those tensors hold partly copied data: the caller loads another
+    snapshot or gives up.
     """
     slot = Slot.open(path)
     try:
         slot.lock(exclusive=False)
         meta = slot.committed_meta(step)
         plan = slot.plan(meta)
+        targets = codec.tensors_at(meta["skeleton"], into) if into is not None else {}
         dsts = []
-        for entry in meta["tensors"]:
-            dst = (into or {}).get(entry["path"])
+        for index, entry in enumerate(meta["tensors"]):
+            dst = targets.get(index)
             if dst is None or list(dst.shape) != entry["shape"] or codec.dtype_name(dst.dtype) != entry["dtype"]:
                 dst = torch.empty(entry["shape"], dtype=codec.dtype_from_name(entry["dtype"]))
             if dst.numel() * dst.element_size() != entry["nbytes"]:

@@ -4,8 +4,8 @@ Parameters and optimizer state only change in the optimizer step, so a snapshot 
 step k can be copied while forward/backward of step k+1 run: ``save_async`` keeps references
 and returns, a background thread copies into the slot that is not the newest commit (checksumming
 each chunk as it lands) and commits, and ``wait`` (called right before the next optimizer step)
-blocks only for what is left. ``save`` copies in the caller and leaves checksum and commit to the
-thread.
+blocks only for what is left. ``save`` copies (and checksums, in the same pass) in the caller
+and leaves the commit to the thread.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Snapshotter:
         job = self._prepare(state, step)
         slot = self._writer.begin(self._meta_bound(job), job.data_len)
         self._copy_or_abort(slot, job, helper=self._pool)  # idle after wait(): copy in two streams
-        self._inflight = self._pool.submit(self._seal, slot, job)
+        self._inflight = self._pool.submit(self._seal, slot, job)  # the commit and its event
         return perf_counter() - t0
 
     def save_async(self, state: Any, step: int) -> float:
@@ -106,18 +106,18 @@ class Snapshotter:
 
     def _write(self, job: _Job) -> None:
         slot = self._writer.begin(self._meta_bound(job), job.data_len)
-        self._copy_or_abort(slot, job, with_digests=True)  # nobody waits on this thread yet: one pass
+        self._copy_or_abort(slot, job)  # nobody waits on this thread yet: one stream
         self._seal(slot, job)
 
-    def _copy_or_abort(self, slot: Slot, job: _Job, helper: Executor | None = None, with_digests: bool = False) -> None:
-        """Copy the tensors into the slot chunk by chunk (`with_digests`: checksum each chunk too)."""
+    def _copy_or_abort(self, slot: Slot, job: _Job, helper: Executor | None = None) -> None:
+        """Copy the tensors into the slot, checksumming each chunk in the copy."""
         t0 = perf_counter()
         try:
             srcs = [address(t) for t in job.flat.tensors]
             for entry, tensor, src in zip(job.entries, job.flat.tensors, srcs):
                 if src is None:  # strided or on a device (the device-to-host copy on GPU)
                     slot.view(entry).copy_(tensor)
-            job.digests = Plan.of(job.entries, job.data_len).fill(slot.region(), srcs, with_digests, helper)
+            job.digests = Plan.of(job.entries, job.data_len).fill(slot.region(), srcs, helper)
         except BaseException:
             self._writer.abort(slot)
             raise
@@ -125,12 +125,6 @@ class Snapshotter:
 
     def _seal(self, slot: Slot, job: _Job) -> None:
         t0 = perf_counter()
-        try:
-            if job.digests is None:
-                job.digests = Plan.of(job.entries, job.data_len).digests(slot.region())
-        except BaseException:
-            self._writer.abort(slot)
-            raise
         self._writer.commit(slot, job.step, self._meta(job))
         emit(self._on_event, "committed", job.step, str(slot.path),
-             f"copy {job.copy_s:.4f} s, checksum+commit {perf_counter() - t0:.4f} s")
+             f"copy+checksum {job.copy_s:.4f} s, commit {perf_counter() - t0:.4f} s")
