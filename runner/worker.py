@@ -34,7 +34,7 @@ from runner.lightning_module import GPTModule, StepDataModule
 from runner.loggers import build_logger
 from runner.plan import gpt_config
 from runner.recovery.ndb.config import NDBConfig
-from runner.recovery.flash_ckpt import Event
+from runner.recovery.flash_ckpt import Event, Prefetch
 from runner.recovery.flash_ckpt.persister import persister_address
 from runner.recovery.ndb.runtime import NDBRuntime
 from runner.recovery.flash_names import flash_job_id, partner_rank
@@ -105,6 +105,9 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                           orphan_after_s=max(5.0, cfg.heartbeat.interval_s * cfg.heartbeat.misses * 4))
     heartbeat.start()
     events.emit("worker_started", wid=spec.wid, node=spec.node, role=spec.role, pid=os.getpid())
+    # a restarted rank maps its snapshots and faults in memory for them while it builds its model
+    restoring = spec.role == "restore" and "flash_ckpt" in cfg.ft
+    prefetch = Prefetch(flash_job_id(spec.run_dir), spec.logical_rank) if restoring else None
 
     micro_batch = cfg.trainer.global_batch_size // dp
     module, datamodule = build_module_and_data(cfg, micro_batch)
@@ -114,7 +117,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     joining = spec.role in ("joiner", "spare", "restore")  # none holds the state yet: setup collectives stay local
     ndb = NDBRuntime(module.model, NDBConfig(**cfg.ft.ndb), cfg.seed) if "ndb" in cfg.ft else None
     flash = flash_callback(cfg, spec, events) if "flash_ckpt" in cfg.ft else None
-    restore = SnapshotRestore(comm, events, recovery, flash.job_id, flash.dir) if flash else None
+    restore = SnapshotRestore(comm, events, recovery, flash.job_id, flash.dir, prefetch) if flash else None
     replicate = bool(cfg.parallel.zero) and "deadpool" in cfg.ft
     comm.want_side_group = replicate
     strategy = ResilientStrategy(

@@ -24,6 +24,7 @@ from runner.recovery.flash_ckpt import (
     PersistClient,
     PersistError,
     Persister,
+    Prefetch,
     ShmSpaceError,
     Snapshotter,
     backup_to_partner,
@@ -147,6 +148,36 @@ def test_restore_into_live_tensors_fills_them_in_place(job, snap):
     assert restored.state["state_dict"]["w"].data_ptr() == w.data_ptr()
     assert_same(make_state(4)["state_dict"], live["state_dict"])
 
+
+def test_prefetched_restore_reads_premapped_slots_into_prepared_memory(job, monkeypatch):
+    """A restarting rank's restore goes through the mappings and the memory its Prefetch made,
+    skips a corrupt newest snapshot all the same, and returns private, bit-identical tensors."""
+    writer = Snapshotter(job, 0)
+    writer.save(make_state(1), 1)
+    writer.save(make_state(2), 2)
+    writer.close()  # as in a restarted rank: no writer mapping of these slots in this process
+    path = slot_of(job, 2)
+    flip_byte(path, read_header(path).data_off + 100)
+
+    prefetch = Prefetch(job, 0)
+    try:
+        assert prefetch.ready(60)
+        assert len(segment._READERS) == 2  # both slots mapped ahead
+        monkeypatch.setattr(segment.mmap, "mmap", lambda *a, **k: pytest.fail("a slot was mapped again"))
+        live = make_state(99)
+        restored = load_newest(job, 0, into={"state_dict": live["state_dict"]}, prefetch=prefetch)
+        assert restored.candidate.step == 1 and [s.candidate.step for s in restored.skipped] == [2]
+        assert_same(make_state(1), restored.state)
+        assert restored.state["state_dict"]["w"].data_ptr() == live["state_dict"]["w"].data_ptr()
+        exp_avg = restored.state["optimizer_states"][0]["state"][0]["exp_avg"]
+        ids = restored.state["extra"]["ids"]
+        assert exp_avg.untyped_storage().data_ptr() == ids.untyped_storage().data_ptr()  # both in the prepared memory
+        exp_avg.add_(1.0)  # training on the restored tensors leaves the snapshot as it was
+        assert_same(make_state(1), load_newest(job, 0).state)
+    finally:
+        prefetch.close()
+        cleanup(job)
+    assert not segment._READERS
 
 def test_save_async_copies_referenced_tensors_and_double_buffers(job, snap):
     for step in (1, 2, 3):

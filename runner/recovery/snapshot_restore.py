@@ -21,25 +21,33 @@ import torch
 
 from runner.comm import CollectiveFailure, Comm
 from runner.events import EventLog
-from runner.recovery.flash_ckpt import NoSnapshot, invalidate_newer, list_snapshots, load_newest, newest_common_step
+from runner.recovery.flash_ckpt import NoSnapshot, Prefetch, invalidate_newer, list_snapshots, load_newest, newest_common_step
 from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
 
 
 class SnapshotRestore:
-    def __init__(self, comm: Comm, events: EventLog, recovery: ReplicaRecovery, job_id: str, ckpt_dir: Path) -> None:
+    """`prefetch`: this rank's segments mapped, and memory faulted in, while the process started."""
+
+    def __init__(self, comm: Comm, events: EventLog, recovery: ReplicaRecovery, job_id: str, ckpt_dir: Path,
+                 prefetch: Prefetch | None = None) -> None:
         self.comm, self.events, self.recovery = comm, events, recovery
         self.job_id, self.ckpt_dir = job_id, ckpt_dir
+        self.prefetch = prefetch
 
     def __call__(self, strategy) -> dict:
         regroup = False
-        while True:
-            try:
-                if regroup:
-                    self.comm.join(self.comm.await_layout(self.recovery.recovery_timeout_s, newer_than=self.comm.gen))
-                return self._agree_and_load(strategy)
-            except CollectiveFailure as err:  # a rank died meanwhile: the controller restarts everyone again
-                self.recovery.abandon(strategy, f"during snapshot restore: {err}")
-                regroup = True
+        try:
+            while True:
+                try:
+                    if regroup:
+                        self.comm.join(self.comm.await_layout(self.recovery.recovery_timeout_s, newer_than=self.comm.gen))
+                    return self._agree_and_load(strategy)
+                except CollectiveFailure as err:  # a rank died meanwhile: the controller restarts everyone again
+                    self.recovery.abandon(strategy, f"during snapshot restore: {err}")
+                    regroup = True
+        finally:
+            if self.prefetch is not None:
+                self.prefetch.close()
 
     def _agree_and_load(self, strategy) -> dict:
         t0 = time.time()
@@ -57,7 +65,7 @@ class SnapshotRestore:
                     "there is nothing consistent to restart from: snapshot more often (ft.flash_ckpt.every_n_steps), "
                     "persist to disk (ft.flash_ckpt.persist_every_n_steps) or keep neighbour backups on")
             try:
-                restored = load_newest(self.job_id, rank, self.ckpt_dir, step=step, into=live)
+                restored = load_newest(self.job_id, rank, self.ckpt_dir, step=step, into=live, prefetch=self.prefetch)
                 skipped = restored.skipped
             except NoSnapshot as err:
                 restored, skipped = None, err.skipped

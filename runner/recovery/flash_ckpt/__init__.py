@@ -15,6 +15,7 @@ from .persister import (
     persister_address,
     spawn_persister,
 )
+from .prefetch import Prefetch
 from .replica import backup_to_partner
 from .restore import (
     Candidate,
@@ -39,6 +40,7 @@ __all__ = [
     "PersistError",
     "PersistOutcome",
     "Persister",
+    "Prefetch",
     "Restored",
     "ShmSpaceError",
     "Skipped",

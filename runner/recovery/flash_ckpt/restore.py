@@ -11,11 +11,13 @@ from typing import Any
 
 from .disk import list_checkpoints, read_verified, sidecar_path
 from .events import EventSink, emit
+from .prefetch import Prefetch
 from .segment import CorruptSnapshot
 from .slots import SlotWriter, committed_steps, load_slot
 from .shm import backup_names, segment_name
 
 _PREFERENCE = {"memory": 0, "partner": 1, "disk": 2}
+_PREFETCH_WAIT_S = 30.0  # mapping and faulting in a few GB takes seconds at most; after that, go on without
 
 
 @dataclass(frozen=True)
@@ -58,13 +60,15 @@ def list_snapshots(job_id: str, rank: int, ckpt_dir: str | Path | None = None) -
 
 
 def load_newest(job_id: str, rank: int, ckpt_dir: str | Path | None = None, *, step: int | None = None,
-                into: Any = None, on_event: EventSink = None) -> Restored:
+                into: Any = None, on_event: EventSink = None, prefetch: Prefetch | None = None) -> Restored:
     """Load the newest candidate that verifies (only copies of `step` if given).
 
     `into` is a state of the same structure (e.g. the live checkpoint dict after an in-process
     restart): memory snapshots are copied straight into its tensors where shape and dtype match.
-    Raises NoSnapshot when nothing verifies.
+    With a `prefetch` made for this rank at process start, memory snapshots are read through its
+    mappings and other tensors carved out of its memory. Raises NoSnapshot when nothing verifies.
     """
+    new = prefetch.new_tensor if prefetch is not None and prefetch.ready(_PREFETCH_WAIT_S) else None
     skipped = []
     for cand in list_snapshots(job_id, rank, ckpt_dir):
         if step is not None and cand.step != step:
@@ -73,7 +77,9 @@ def load_newest(job_id: str, rank: int, ckpt_dir: str | Path | None = None, *, s
             if cand.source == "disk":
                 state = read_verified(cand.location)
             else:
-                state = load_slot(cand.location, step=cand.step, into=into)[1]
+                if new is not None:
+                    prefetch.rewind()
+                state = load_slot(cand.location, step=cand.step, into=into, new=new)[1]
         except (CorruptSnapshot, OSError) as e:
             skipped.append(Skipped(cand, str(e)))
             emit(on_event, "skipped", cand.step, str(cand.location), str(e))

@@ -17,9 +17,10 @@ flag last; the other slot keeps the previous commit meanwhile. flock() orders wr
 readers across processes: a writer holds LOCK_EX on the slot it fills, readers and persist pins
 hold LOCK_SH, and the kernel drops the locks of a process that dies.
 
-Mapping a slot costs page-table work for every 4 KiB page (about as much as copying it here), so
-a reader in a process that also writes the slot (an in-process restore) reads through the
-writer's mapping instead of mapping the file again.
+Mapping a slot costs page-table work for every 4 KiB page (~0.4x of copying it here), so a reader
+in a process that also writes the slot (an in-process restore) reads through the writer's
+mapping, and a restarted rank through the mapping it made while starting (prefetch.py), instead
+of mapping the file again.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ _COMMITTED_AT = 12
 
 # (st_dev, st_ino) of a slot file -> the Slot that has it mapped for writing in this process
 _WRITERS: dict[tuple[int, int], "Slot"] = {}
+# (st_dev, st_ino) of a slot file -> (descriptor, read-only mapping) made ahead of a restore (prefetch.py)
+_READERS: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
 
 
 class CorruptSnapshot(Exception):
@@ -136,7 +139,7 @@ class Slot:
         self.path, self._fd, self._writable = path, fd, writable
         st = os.fstat(fd)
         self._key = (st.st_dev, st.st_ino)
-        self._mm = None if writable else _writer_mapping(self._key, st.st_size)
+        self._mm = None if writable else _existing_mapping(self._key, st.st_size)
         if self._mm is None and st.st_size:
             self._mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
         if writable:
@@ -277,14 +280,45 @@ class Slot:
         os.close(self._fd)
 
 
-def _writer_mapping(key: tuple[int, int], size: int) -> mmap.mmap | None:
-    """This process's writable mapping of the file `key`, if it has one of `size` bytes. The
-    writer's file must still be linked: an unlinked file's inode number can be reused."""
+def map_for_reading(path: Path) -> mmap.mmap | None:
+    """Map a slot read-only now, for this process's later readers to use instead of mapping it
+    again (``Slot.open``); None if the file is gone. ``unmap_for_reading`` forgets it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    st = os.fstat(fd)
+    if not st.st_size:
+        os.close(fd)
+        return None
+    mapping = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+    old = _READERS.pop((st.st_dev, st.st_ino), None)
+    if old is not None:
+        os.close(old[0])
+    _READERS[(st.st_dev, st.st_ino)] = (fd, mapping)
+    return mapping
+
+
+def unmap_for_reading(mapping: mmap.mmap) -> None:
+    for key, (fd, held) in list(_READERS.items()):
+        if held is mapping:
+            del _READERS[key]
+            os.close(fd)
+
+
+def _existing_mapping(key: tuple[int, int], size: int) -> mmap.mmap | None:
+    """This process's mapping of the file `key` if it has one of `size` bytes: the writer's, or one
+    made ahead for reading. The file must still be linked: an unlinked file's inode number can be
+    reused."""
     writer = _WRITERS.get(key)
-    if writer is None or writer._mm is None or len(writer._mm) != size:
+    if writer is not None and writer._mm is not None:
+        fd, mapping = writer._fd, writer._mm
+    elif key in _READERS:
+        fd, mapping = _READERS[key]
+    else:
         return None
     try:
-        linked = os.fstat(writer._fd).st_nlink > 0
+        linked = os.fstat(fd).st_nlink > 0
     except OSError:
         return None
-    return writer._mm if linked else None
+    return mapping if linked and len(mapping) == size else None

@@ -50,14 +50,16 @@ def newest_verified(name: str, use: Callable[[Path, int], T]) -> T:
     raise LookupError(f"no committed snapshot in {name} verifies ({'; '.join(reasons) or 'none committed'})")
 
 
-def load_slot(path: Path, *, step: int | None = None, into: Any = None) -> tuple[dict, Any]:
-    """Copy a committed slot's state out into private tensors (never views into shm), checking
-    each chunk's checksum right before copying from it; raises CorruptSnapshot on a mismatch.
+def load_slot(path: Path, *, step: int | None = None, into: Any = None,
+              new: Callable[[list[int], torch.dtype], torch.Tensor] | None = None) -> tuple[dict, Any]:
+    """Copy a committed slot's state out into private tensors (never views into shm), verifying
+    each chunk's checksum in the copy; raises CorruptSnapshot on a mismatch.
 
     `into` is a state of the same structure (e.g. the live checkpoint dict); a tensor of the same
     shape and dtype at a tensor's position there is filled in place instead of allocating a new
-    one. After a CorruptSnapshot those tensors hold partly copied data: the caller loads another
-    snapshot or gives up.
+    one; other tensors come from `new(shape, dtype)` (default ``torch.empty``). After a
+    CorruptSnapshot those tensors hold partly copied data: the caller loads another snapshot or
+    gives up.
     """
     slot = Slot.open(path)
     try:
@@ -69,7 +71,8 @@ def load_slot(path: Path, *, step: int | None = None, into: Any = None) -> tuple
         for index, entry in enumerate(meta["tensors"]):
             dst = targets.get(index)
             if dst is None or list(dst.shape) != entry["shape"] or codec.dtype_name(dst.dtype) != entry["dtype"]:
-                dst = torch.empty(entry["shape"], dtype=codec.dtype_from_name(entry["dtype"]))
+                dtype = codec.dtype_from_name(entry["dtype"])
+                dst = new(entry["shape"], dtype) if new is not None else torch.empty(entry["shape"], dtype=dtype)
             if dst.numel() * dst.element_size() != entry["nbytes"]:
                 raise CorruptSnapshot(f"{path.name}: tensor {entry['path']} has {entry['nbytes']} bytes for its shape {entry['shape']}")
             dsts.append(dst)
