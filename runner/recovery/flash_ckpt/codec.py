@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -28,8 +29,9 @@ class Flat:
     paths: list[str]
 
 
+@lru_cache(maxsize=1 << 16)  # positions repeat at every snapshot of a run
 def tensor_path(keys: tuple) -> str:
-    """Stable text id of a position in the nested state (used in reports and to match targets)."""
+    """Stable text id of a position in the nested state (used in the layout and in reports)."""
     return json.dumps(list(keys))
 
 
@@ -54,6 +56,8 @@ def flatten(state: Any) -> Flat:
         if type(obj) in _PRIMITIVES:
             return obj
         if type(obj) is dict:
+            if all(type(k) is str and type(v) in _PRIMITIVES for k, v in obj.items()):  # most of the dict
+                return {"D": [[k, v] for k, v in obj.items()]}
             return {"D": [[enc_key(k, keys), enc(v, keys + (k,))] for k, v in obj.items()]}
         if type(obj) is OrderedDict:
             node = {"O": [[enc_key(k, keys), enc(v, keys + (k,))] for k, v in obj.items()]}
@@ -62,6 +66,8 @@ def flatten(state: Any) -> Flat:
                 node["m"] = enc(meta, keys + ("_metadata",))
             return node
         if type(obj) is list:
+            if all(type(v) in _PRIMITIVES for v in obj):  # e.g. an optimizer group's parameter ids
+                return {"L": list(obj)}
             return {"L": [enc(v, keys + (i,)) for i, v in enumerate(obj)]}
         if type(obj) is tuple:
             return {"U": [enc(v, keys + (i,)) for i, v in enumerate(obj)]}
