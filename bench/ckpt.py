@@ -8,15 +8,27 @@ torch.save and torch.distributed.checkpoint.async_save, on a GPT + AdamW state.
 before the next optimizer step, with a real forward/backward of the model in between (the
 background copy competes with it for the same cores, so the forward/backward time is shown
 too). The floor is one copy_ of the same number of bytes from one private tensor into a warm,
-pre-faulted /dev/shm mapping. Each of --repeats rounds runs every method once, so load from
+pre-faulted /dev/shm mapping, with every core's intra-op thread: the best copy of this host.
+Everything else runs as a rank of the runner does where ranks share the host's cores (its
+worker sets torch to cores / ranks threads, one here): torch's idle OpenMP workers spin for ~10 ms
+after each parallel region, which would halve any copy started by other threads right after a
+two-thread optimizer step, a contention that a rank with one intra-op thread does not have. Each of --repeats rounds runs every method once, so load from
 other processes hits them alike; "x floor" is the median over rounds of time / that round's
 floor. The first flash save (which creates and pre-faults the segment) is reported on its own.
 
 Each restore runs right after its kind of save (flash restores after the flash saves, before
-torch.save and DCP write files). Restores from memory are measured three ways: into the live tensors in the process that wrote
-the snapshot (an in-process restart; it reads through the writer's mapping), into tensors of
-another process that maps the slot afresh each time (a restarted rank whose model exists), and
-into new tensors (page-faulting fresh private memory, compared with "copy into new memory").
+torch.save and DCP write files). Restores from memory, the two the runner does first (with
+targets), then what they would cost without their preparation:
+- into the live tensors of the process that wrote the snapshot (an in-process restart; it reads
+  through the writer's mapping);
+- in another process, as the runner's restarted ranks do it: the model weights into the
+  module's parameters, the rest (optimizer state) into new tensors, with the Prefetch that such a
+  rank starts at process start done beforehand and not timed (it maps the slots, faults in
+  memory for the new tensors and loads the copy kernels while the process imports and builds its
+  model);
+- the same process without a Prefetch, into tensors of its own through a mapping made afresh;
+- into new tensors without a Prefetch (page-faulting fresh private memory: compare with "copy
+  into new memory").
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import mmap
 import multiprocessing as mp
 import os
 import statistics
+from contextlib import contextmanager
 from collections import defaultdict
 import sys
 import tempfile
@@ -42,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runner.model import GPT, GPTConfig  # noqa: E402
-from runner.recovery.flash_ckpt import Snapshotter, cleanup, load_newest  # noqa: E402
+from runner.recovery.flash_ckpt import Prefetch, Snapshotter, cleanup, load_newest  # noqa: E402
 from runner.recovery.flash_ckpt.checksum import digest  # noqa: E402
 from runner.recovery.flash_ckpt.codec import flatten  # noqa: E402
 from runner.recovery.flash_ckpt.shm import SHM_DIR  # noqa: E402
@@ -51,9 +64,11 @@ SIZES = {
     "200MB": GPTConfig(vocab_size=8192, seq_len=64, n_layer=4, n_head=8, d_model=512),
     "1GB": GPTConfig(vocab_size=16384, seq_len=64, n_layer=10, n_head=12, d_model=768),
 }
-LIVE, COLD, NEW = ("restore flash -> live tensors", "restore flash -> live tensors, other process",
-                   "restore flash -> new tensors")
-TARGETS = {"flash save, overlap on": 0.25, "flash save, overlap off": 1.2, LIVE: 1.2, COLD: 1.2, NEW: 1.2}
+LIVE = "restore flash -> live tensors"
+RESTARTED = "restore flash -> restarted rank (prefetched)"
+COLD = "  same, unprepared: fresh mapping"
+NEW = "restore flash -> new tensors, unprepared"
+TARGETS = {"flash save, overlap on": 0.25, "flash save, overlap off": 1.2, LIVE: 1.2, RESTARTED: 1.2}
 
 
 class Trainer:
@@ -106,20 +121,41 @@ def timed(fn) -> float:
     return perf_counter() - t0
 
 
+@contextmanager
+def all_cores():
+    """torch with one intra-op thread per core for the floor copies, one thread otherwise."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
+
+
 def fresh_copy(src: torch.Tensor) -> None:
     """What any restore into new memory pays at least: allocate, then one copy (page faults included)."""
     torch.empty_like(src).copy_(src)
 
 
 def _restorer(job: str, conn) -> None:
-    """Child process: restore `job`'s newest snapshot into tensors of its own on request; its
-    slot mapping is made afresh each time, as in a restarted rank."""
+    """Child process: restore `job`'s newest snapshot on request, as a restarted rank does.
+    "cold": into tensors of its own through a mapping made afresh. "prepared": as the runner's
+    restarted ranks do, with a Prefetch made beforehand (untimed: a rank makes it while it
+    starts), the model weights into live tensors and the rest into the prepared memory."""
+    torch.set_num_threads(1)  # a rank, as in the parent
     live = load_newest(job, 0).state
     conn.send("ready")
-    while conn.recv():
+    while mode := conn.recv():
+        prefetch = Prefetch(job, 0) if mode == "prepared" else None
+        if prefetch is not None and not prefetch.ready(60):
+            raise RuntimeError("the prefetch did not finish within 60 s")
         t0 = perf_counter()
-        load_newest(job, 0, into=live)
+        if prefetch is None:
+            load_newest(job, 0, into=live)
+        else:
+            load_newest(job, 0, into={"state_dict": live["state_dict"]}, prefetch=prefetch)
         conn.send(perf_counter() - t0)
+        if prefetch is not None:
+            prefetch.close()
 
 
 def flash_step(tr: Trainer, snap: Snapshotter, step: int, overlap: bool) -> tuple[float, float]:
@@ -156,8 +192,9 @@ def run_size(label: str, cfg: GPTConfig, repeats: int) -> dict:
         with tempfile.TemporaryDirectory(prefix="rr-bench-ckpt") as d:
             path = Path(d) / "torch_save.ckpt"
             for r in range(repeats):
-                res["memcpy floor"].append(timed(lambda: floor_dst.copy_(floor_src)))
-                res["copy into new memory"].append(timed(lambda: fresh_copy(floor_src)))
+                with all_cores():
+                    res["memcpy floor"].append(timed(lambda: floor_dst.copy_(floor_src)))
+                    res["copy into new memory"].append(timed(lambda: fresh_copy(floor_src)))
                 res["checksum digest (all bytes)"].append(timed(lambda: digest(floor_src.numpy())))
                 res["zlib.crc32 (all bytes, for comparison)"].append(timed(lambda: zlib.crc32(floor_src.numpy())))
                 res["fwd/bwd alone"].append(tr.forward_backward())
@@ -170,10 +207,11 @@ def run_size(label: str, cfg: GPTConfig, repeats: int) -> dict:
                 # each restore runs right after its own kind of save: torch.save and DCP leave
                 # page-cache writeback running, which would slow whatever is measured next
                 res[LIVE].append(timed(lambda: load_newest(job, 0, into=state)))
-                conn.send(True)
-                if not conn.poll(60):
-                    raise RuntimeError("the restoring child process did not answer within 60 s")
-                res[COLD].append(conn.recv())
+                for mode, row in (("prepared", RESTARTED), ("cold", COLD)):
+                    conn.send(mode)
+                    if not conn.poll(60):
+                        raise RuntimeError("the restoring child process did not answer within 60 s")
+                    res[row].append(conn.recv())
                 res[NEW].append(timed(lambda: load_newest(job, 0)))
                 with open(path, "wb") as f:
                     res["torch.save to file (page cache)"].append(timed(lambda: torch.save(state, f)))
@@ -184,7 +222,7 @@ def run_size(label: str, cfg: GPTConfig, repeats: int) -> dict:
                 fut.result()
                 res["restore torch.load(weights_only=True)"].append(timed(lambda: torch.load(path, weights_only=True)))
                 res["restore dcp.load (in place)"].append(timed(lambda: dcp.load(dcp_state, checkpoint_id=Path(d) / f"dcp{r}")))
-        conn.send(False)
+        conn.send("")
         child.join(60)
     finally:
         if child is not None and child.is_alive():
@@ -213,7 +251,8 @@ def main() -> None:
     store = Path(tempfile.mkdtemp(prefix="rr-bench-store")) / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)  # DCP wants a group
     try:
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+        torch.set_num_threads(1)  # as a rank sharing the cores; the floor copies use all (all_cores)
+        print(f"torch {torch.__version__}, 1 intra-op thread ({os.cpu_count()} for the floor copies), {os.cpu_count()} CPUs, "
               f"load {os.getloadavg()[0]:.2f}, files in {tempfile.gettempdir()}")
         results = {label: run_size(label, cfg, args.repeats) for label, cfg in SIZES.items() if args.large or label != "1GB"}
     finally:
