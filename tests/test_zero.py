@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.recovery.deadpool.shard_state import UpdateRecord, describe, pack, replay, unpack
+from runner.recovery.deadpool.shard_state import ShardPacker, UpdateRecord, describe, replay, unpack
 from runner.zero import ShardPlan, ZeroOne
 
 
@@ -53,8 +53,7 @@ def test_packed_shard_round_trips_and_replay_is_the_same_update_bit_for_bit():
         grads = [torch.randn_like(p) for p in params]
         if step == 1:
             layout = describe(params, opt)
-            data = torch.empty(layout.nbytes, dtype=torch.uint8)
-            pack(params, opt, layout, data)
+            data = ShardPacker().pack(params, opt, layout).clone()
         if step >= 1:
             gens.append(UpdateRecord(step + 1, [g.clone() for g in grads],
                                      [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]))

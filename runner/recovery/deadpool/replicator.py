@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from runner.comm import CollectiveFailure
-from runner.recovery.deadpool.shard_state import (ShardLayout, ShardState, UpdateRecord, describe, pack, replay,
-                                                  unpack)
+from runner.recovery.deadpool.shard_state import (ShardLayout, ShardPacker, ShardState, UpdateRecord, describe,
+                                                  replay, unpack)
 from runner.zero import ZeroOne
 
 TAG_HEADER, TAG_LAYOUT, TAG_DATA = 0, 1, 2
@@ -60,7 +60,7 @@ class ShardReplicator:
         self._job: Optional[Future] = None
         self._slots = [_Slot(), _Slot()]
         self._records: list[UpdateRecord] = []  # the partner's updates newer than its newest complete replica
-        self._send = torch.empty(0, dtype=torch.uint8)
+        self._packer = ShardPacker()
         self._partner_layout: Optional[ShardLayout] = None
         self._layout: Optional[ShardLayout] = None  # this rank's shard layout, and encoded for the holder
         self._encoded = b""
@@ -119,9 +119,7 @@ class ShardReplicator:
             raise CollectiveFailure("no side group (aborted)")
         own = [self.zero.params[i] for i in self.zero.plan.flat_shard(me)]
         layout = describe(own, self.zero.optimizer)
-        if self._send.numel() < layout.nbytes:
-            self._send = torch.empty(layout.nbytes, dtype=torch.uint8)
-        pack(own, self.zero.optimizer, layout, self._send)
+        data = self._packer.pack(own, self.zero.optimizer, layout)
         if layout != self._layout:  # the layout changes only when the optimizer state gains keys
             self._layout, self._encoded = layout, _encode_layout(layout)
         encoded = self._encoded
@@ -132,7 +130,7 @@ class ShardReplicator:
             sends.append(pg.send([torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8)], holder, TAG_LAYOUT))
         if self.pause_before_data is not None:
             self.pause_before_data.wait(self.timeout_s)
-        sends.append(pg.send([self._send[:layout.nbytes]], holder, TAG_DATA))
+        sends.append(pg.send([data], holder, TAG_DATA))
         self._receive(pg, partner)
         for work in sends:
             work.wait()
@@ -181,7 +179,7 @@ class ShardReplicator:
         """Host memory the replication holds: the send buffer, both replica slots and the replay records."""
         slots = sum(s.data.numel() for s in self._slots if s.data is not None)
         records = sum(g.numel() * g.element_size() for r in self._records for g in r.grads)
-        return self._send.numel() + slots + records
+        return self._packer.buffer.numel() + slots + records
 
     def close(self) -> None:
         self.drain()

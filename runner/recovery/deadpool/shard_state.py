@@ -1,8 +1,8 @@
 """A ZeRO-1 shard as bytes: its parameters and optimizer state, packed without pickling tensors.
 
-The owner packs its shard into one flat byte buffer per step (cheap: one copy per tensor) plus a
-small layout description that changes only when the optimizer's state gains keys (its first
-step). The holder of the replica keeps the bytes as they came and decodes them only when a
+The owner packs its shard into one flat byte buffer per step (one foreach copy of all its
+tensors) plus a small layout description that changes only when the optimizer's state gains keys
+(its first step). The holder of the replica keeps the bytes as they came and decodes them only when a
 replacement needs them, possibly replaying the updates it missed (``replay``).
 """
 
@@ -62,12 +62,34 @@ def describe(params: list[Tensor], optimizer: torch.optim.Optimizer) -> ShardLay
     return ShardLayout(entries, values, offset)
 
 
-def pack(params: list[Tensor], optimizer: torch.optim.Optimizer, layout: ShardLayout, out: Tensor) -> None:
-    """Copy the shard's tensors into ``out`` (uint8, ``layout.nbytes`` long)."""
-    for pos, key, _, _, offset in layout.entries:
-        t = params[pos].detach() if key == "" else optimizer.state[params[pos]][key]
-        raw = t.reshape(-1).view(torch.uint8)
-        out[offset:offset + raw.numel()].copy_(raw)
+class ShardPacker:
+    """Copies a shard into one byte buffer, every tensor in a single ``_foreach_copy_`` (a copy_ per
+    tensor cost ~3x as much in dispatch as in copying for a small model's shard, every step). The
+    typed views of the buffer are made once per layout."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._views: list[Tensor] = []
+        self._entries: list = []
+
+    def pack(self, params: list[Tensor], optimizer: torch.optim.Optimizer, layout: ShardLayout) -> Tensor:
+        """The shard's bytes (``layout.nbytes``, a view of the buffer, valid until the next pack)."""
+        if self.buffer.numel() < layout.nbytes:
+            self.buffer, self._entries = torch.empty(layout.nbytes, dtype=torch.uint8), []
+        if self._entries != layout.entries:
+            self._views = [_typed(self.buffer, dtype, shape, offset) for _, _, dtype, shape, offset in layout.entries]
+            self._entries = layout.entries
+        state = optimizer.state
+        tensors = [params[pos].detach() if key == "" else state[params[pos]][key] for pos, key, *_ in layout.entries]
+        torch._foreach_copy_(self._views, tensors)
+        return self.buffer[: layout.nbytes]
+
+
+def _typed(data: Tensor, dtype: str, shape: tuple[int, ...], offset: int) -> Tensor:
+    """The bytes of one packed tensor as a tensor of its dtype and shape (a view of ``data``)."""
+    dt = getattr(torch, dtype)
+    n = int(torch.Size(shape).numel()) * dt.itemsize
+    return data[offset:offset + n].view(dt).reshape(shape)
 
 
 def unpack(layout: ShardLayout, data: Tensor, gen: int) -> ShardState:
@@ -75,9 +97,7 @@ def unpack(layout: ShardLayout, data: Tensor, gen: int) -> ShardState:
     params: dict[int, Tensor] = {}
     state: dict[int, dict[str, Any]] = defaultdict(dict)
     for pos, key, dtype, shape, offset in layout.entries:
-        dt = getattr(torch, dtype)
-        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-        t = data[offset:offset + n].view(dt).reshape(shape).clone()
+        t = _typed(data, dtype, shape, offset).clone()
         if key == "":
             params[pos] = t
         else:
