@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
-from runner.comm import Comm, CollectiveFailure
+from runner.comm import Comm, CollectiveFailure, RunFailedError
 from runner.data import IndexedDatasetSource, StepLoader, derive_seed, seed_step
 from runner.environment import RunnerEnvironment
 from runner.events import EventLog
@@ -93,6 +93,7 @@ class ResilientStrategy(ParallelStrategy):
         self.procs_per_node = procs_per_node
         self.zero: Optional[ZeroOne] = None  # built in setup(), once the optimizer exists
         self.replicator: Optional[ShardReplicator] = None
+        self._replication_failed_in: Optional[int] = None  # group generation of the last failed exchange
         self.fault_hooks = None  # the fault injector, for faults that strike during a shard replication
         self._inner_step: Optional[Callable[[], Any]] = None  # the optimizer's own step, under the gate
         self._failed = False
@@ -262,11 +263,23 @@ class ResilientStrategy(ParallelStrategy):
     def _await_replication(self) -> None:
         """The previous exchange must be complete before the shard changes again. A failed one is logged
         only: the main group's next collective meets the same fault, and recovery starts there, at a
-        point where every rank agrees on the step."""
+        point where every rank agrees on the step. A second failure in a row in the same group
+        generation is no peer's fault (every collective between them succeeded): the run fails, as
+        its shards would go on without a replica."""
         try:
             self.replicator.wait()
         except CollectiveFailure as err:
             self.events.emit("replication_failed", gen=self.comm.gen, error=str(err))
+            if self._replication_failed_in == self.comm.gen:
+                raise RunFailedError(
+                    f"the replication of logical rank {self.logical_rank}'s ZeRO-1 optimizer shard to its neighbour "
+                    f"failed twice in a row while every rank was alive ({err}); its replica would stay stale and a "
+                    "node loss could not be recovered from it. This is not a peer failure: check the side group's "
+                    "network (the same interface as the main group's) and the worker's events.jsonl, or run "
+                    "without ft=deadpool's ZeRO-1 replication (parallel.zero=0) until it is fixed.") from None
+            self._replication_failed_in = self.comm.gen
+        else:
+            self._replication_failed_in = None
 
     def _sync_params(self) -> None:
         while self.zero.stale:  # a recovery ends with a sync of its own, so it is not retried after one

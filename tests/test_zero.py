@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runner.recovery.deadpool.shard_state import ShardPacker, UpdateRecord, describe, replay, unpack
@@ -83,3 +84,35 @@ def test_a_shard_is_lost_only_with_its_holder_or_without_deadpool():
     assert shards_without_copy(cfg, ["deadpool"], [4, 0]) == [4]  # wraps around: rank 4's holder is rank 0
     assert shards_without_copy(cfg, ["flash_ckpt"], [1]) == [1]  # nothing replicates shards
     assert shards_without_copy(OmegaConf.create({"parallel": {"zero": 0}}), [], [1]) == []
+
+
+def test_replication_failing_twice_in_one_healthy_group_fails_the_run():
+    """One failed exchange is a peer's fault until proven otherwise (the next collective finds it);
+    a second one in the same group generation is not, and the run must not go on unprotected."""
+    from types import SimpleNamespace
+
+    from runner.comm import CollectiveFailure, RunFailedError
+    from runner.strategy import ResilientStrategy
+
+    outcomes = []
+
+    class Replicator:
+        def wait(self):
+            if outcomes.pop(0) == "fail":
+                raise CollectiveFailure("shard replication failed: connection reset")
+
+    emitted = []
+    strategy = ResilientStrategy.__new__(ResilientStrategy)  # only the replication bookkeeping is exercised
+    strategy.replicator, strategy._replication_failed_in = Replicator(), None
+    strategy.comm = SimpleNamespace(gen=3, logical_rank=1)
+    strategy.events = SimpleNamespace(emit=lambda kind, **fields: emitted.append((kind, fields["gen"])))
+
+    outcomes[:] = ["fail", "ok", "fail"]
+    for _ in range(3):  # a success in between: failures are not "in a row"
+        strategy._await_replication()
+    strategy.comm.gen = 4  # a recovery regrouped: the earlier failure was the lost peer's
+    outcomes[:] = ["fail", "fail"]
+    strategy._await_replication()
+    with pytest.raises(RunFailedError, match="failed twice in a row while every rank was alive"):
+        strategy._await_replication()
+    assert emitted == [("replication_failed", 3), ("replication_failed", 3), ("replication_failed", 4), ("replication_failed", 4)]

@@ -25,7 +25,7 @@ import io
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -37,6 +37,7 @@ from runner.recovery.deadpool.shard_state import (ShardLayout, ShardPacker, Shar
 from runner.zero import ZeroOne
 
 TAG_HEADER, TAG_LAYOUT, TAG_DATA = 0, 1, 2
+HEADER_BYTES = 32  # gen, shard bytes, layout bytes, whether the rest came in the same message (int64 each)
 
 
 class ReplicaLost(RuntimeError):
@@ -47,7 +48,8 @@ class ReplicaLost(RuntimeError):
 class _Slot:
     gen: int = -1  # -1: empty or being written
     layout: Optional[ShardLayout] = None
-    data: Optional[Tensor] = None
+    data: Optional[Tensor] = None  # the shard's bytes: a view of ``buffer`` after the header
+    buffer: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
 
 
 class ShardReplicator:
@@ -64,7 +66,9 @@ class ShardReplicator:
         self._partner_layout: Optional[ShardLayout] = None
         self._layout: Optional[ShardLayout] = None  # this rank's shard layout, and encoded for the holder
         self._encoded = b""
-        self._layout_sent: tuple[int, bytes] = (-1, b"")  # (group generation, layout bytes) last sent to the holder
+        self._group_gen = -1  # the side group the sizes below are about
+        self._layout_sent = b""  # the layout bytes the holder has
+        self._expect_send = self._expect_recv = HEADER_BYTES  # the size of the next first message, each way
         self.pause_before_data: Optional[threading.Event] = None  # fault injection: hold the copy half-way
         self.bytes_per_step = 0
 
@@ -115,43 +119,65 @@ class ShardReplicator:
             pass
 
     def _exchange(self, pg, group_gen: int, holder: int, partner: int, me: int, gen: int) -> None:
+        """One message per step once sizes settle: [header | layout if new | shard bytes], sent as
+        one when the holder expects exactly its size (the size of the previous one), else the
+        header goes first on its own (the first exchange in a group, a new layout or shard size).
+        A header message of its own cost a third of a small shard's exchange."""
         if pg is None:
             raise CollectiveFailure("no side group (aborted)")
+        if self._group_gen != group_gen:  # a new group: the holder has nothing of ours yet
+            self._group_gen, self._layout_sent, self._expect_send, self._expect_recv = group_gen, b"", HEADER_BYTES, HEADER_BYTES
         own = [self.zero.params[i] for i in self.zero.plan.flat_shard(me)]
         layout = describe(own, self.zero.optimizer)
-        data = self._packer.pack(own, self.zero.optimizer, layout)
         if layout != self._layout:  # the layout changes only when the optimizer state gains keys
             self._layout, self._encoded = layout, _encode_layout(layout)
-        encoded = self._encoded
-        layout_bytes = b"" if self._layout_sent == (group_gen, encoded) else encoded  # the holder has it already
-        header = torch.tensor([gen, layout.nbytes, len(layout_bytes)], dtype=torch.int64)
-        sends = [pg.send([header], holder, TAG_HEADER)]
+        layout_bytes = b"" if self._layout_sent == self._encoded else self._encoded  # the holder has it already
+        prefix = _prefix(len(layout_bytes))
+        message = self._packer.pack(own, self.zero.optimizer, layout, prefix)
+        combined = message.numel() == self._expect_send
+        message[:HEADER_BYTES].view(torch.int64).copy_(
+            torch.tensor([gen, layout.nbytes, len(layout_bytes), int(combined)], dtype=torch.int64))
         if layout_bytes:
-            sends.append(pg.send([torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8)], holder, TAG_LAYOUT))
+            message[HEADER_BYTES:HEADER_BYTES + len(layout_bytes)].copy_(torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8))
+        sends = []
+        if not combined:
+            sends.append(pg.send([message[:HEADER_BYTES]], holder, TAG_HEADER))
+            if layout_bytes:
+                sends.append(pg.send([message[HEADER_BYTES:HEADER_BYTES + len(layout_bytes)]], holder, TAG_LAYOUT))
         if self.pause_before_data is not None:
             self.pause_before_data.wait(self.timeout_s)
-        sends.append(pg.send([data], holder, TAG_DATA))
+        if combined:
+            sends.append(pg.send([message], holder, TAG_HEADER))
+        else:
+            sends.append(pg.send([message[prefix:]], holder, TAG_DATA))
         self._receive(pg, partner)
         for work in sends:
             work.wait()
-        self._layout_sent = (group_gen, encoded)
+        self._layout_sent, self._expect_send = self._encoded, message.numel()
         self.bytes_per_step = layout.nbytes
 
     def _receive(self, pg, partner: int) -> None:
-        header = torch.zeros(3, dtype=torch.int64)
-        pg.recv([header], partner, TAG_HEADER).wait()
-        gen, nbytes, layout_len = (int(v) for v in header.tolist())
-        if layout_len:
-            raw = torch.empty(layout_len, dtype=torch.uint8)
-            pg.recv([raw], partner, TAG_LAYOUT).wait()
-            self._partner_layout = _decode_layout(raw)
         newest = self._newest()
         slot = self._slots[1] if newest is self._slots[0] else self._slots[0]
         slot.gen = -1  # a half-written replica is never taken for a complete one
-        if slot.data is None or slot.data.numel() < nbytes:
-            slot.data = torch.empty(nbytes, dtype=torch.uint8)
-        pg.recv([slot.data[:nbytes]], partner, TAG_DATA).wait()
-        slot.layout, slot.gen = self._partner_layout, gen
+        expect = self._expect_recv
+        if slot.buffer.numel() < expect:
+            slot.buffer = torch.empty(expect, dtype=torch.uint8)
+        pg.recv([slot.buffer[:expect]], partner, TAG_HEADER).wait()  # the header alone, or all of it
+        gen, nbytes, layout_len, combined = slot.buffer[:HEADER_BYTES].view(torch.int64).tolist()
+        prefix = _prefix(layout_len)
+        if combined and prefix + nbytes != expect:
+            raise CollectiveFailure(f"shard replica of {prefix + nbytes} bytes where {expect} were expected")
+        if not combined:
+            if slot.buffer.numel() < prefix + nbytes:
+                slot.buffer = torch.empty(prefix + nbytes, dtype=torch.uint8)
+            if layout_len:
+                pg.recv([slot.buffer[HEADER_BYTES:HEADER_BYTES + layout_len]], partner, TAG_LAYOUT).wait()
+            pg.recv([slot.buffer[prefix:prefix + nbytes]], partner, TAG_DATA).wait()
+        if layout_len:
+            self._partner_layout = _decode_layout(slot.buffer[HEADER_BYTES:HEADER_BYTES + layout_len])
+        slot.layout, slot.data, slot.gen = self._partner_layout, slot.buffer[prefix:prefix + nbytes], gen
+        self._expect_recv = prefix + nbytes
         self._records = [r for r in self._records if r.gen > gen]
 
     def _newest(self) -> Optional[_Slot]:
@@ -177,13 +203,19 @@ class ShardReplicator:
 
     def memory_bytes(self) -> int:
         """Host memory the replication holds: the send buffer, both replica slots and the replay records."""
-        slots = sum(s.data.numel() for s in self._slots if s.data is not None)
+        slots = sum(s.buffer.numel() for s in self._slots)
         records = sum(g.numel() * g.element_size() for r in self._records for g in r.grads)
         return self._packer.buffer.numel() + slots + records
 
     def close(self) -> None:
         self.drain()
         self._pool.shutdown(wait=True)
+
+
+def _prefix(layout_len: int) -> int:
+    """Where the shard's bytes start in a message: after the header and the layout, 64-byte aligned
+    so that every tensor of the shard can be viewed in place."""
+    return HEADER_BYTES + -(-layout_len // 64) * 64
 
 
 def _encode_layout(layout: ShardLayout) -> bytes:

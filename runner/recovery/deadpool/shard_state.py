@@ -70,19 +70,21 @@ class ShardPacker:
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._views: list[Tensor] = []
-        self._entries: list = []
+        self._entries: tuple = ()  # (prefix, layout entries) the views were made for
 
-    def pack(self, params: list[Tensor], optimizer: torch.optim.Optimizer, layout: ShardLayout) -> Tensor:
-        """The shard's bytes (``layout.nbytes``, a view of the buffer, valid until the next pack)."""
-        if self.buffer.numel() < layout.nbytes:
-            self.buffer, self._entries = torch.empty(layout.nbytes, dtype=torch.uint8), []
-        if self._entries != layout.entries:
-            self._views = [_typed(self.buffer, dtype, shape, offset) for _, _, dtype, shape, offset in layout.entries]
-            self._entries = layout.entries
+    def pack(self, params: list[Tensor], optimizer: torch.optim.Optimizer, layout: ShardLayout,
+             prefix: int = 0) -> Tensor:
+        """``prefix`` bytes left for the caller, then the shard's bytes: a view of the buffer,
+        ``prefix + layout.nbytes`` long, valid until the next pack."""
+        if self.buffer.numel() < prefix + layout.nbytes:
+            self.buffer, self._entries = torch.empty(prefix + layout.nbytes, dtype=torch.uint8), ()
+        if self._entries != (prefix, layout.entries):
+            self._views = [_typed(self.buffer, dtype, shape, prefix + offset) for _, _, dtype, shape, offset in layout.entries]
+            self._entries = (prefix, layout.entries)
         state = optimizer.state
         tensors = [params[pos].detach() if key == "" else state[params[pos]][key] for pos, key, *_ in layout.entries]
         torch._foreach_copy_(self._views, tensors)
-        return self.buffer[: layout.nbytes]
+        return self.buffer[: prefix + layout.nbytes]
 
 
 def _typed(data: Tensor, dtype: str, shape: tuple[int, ...], offset: int) -> Tensor:
