@@ -39,10 +39,10 @@ def median_spread(values: list[float]) -> str:
     return f"median {statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f}, n={len(values)})"
 
 
-def throughput_args(doc: str) -> argparse.Namespace:
+def throughput_args(doc: str, steps: int = 80, rounds: int = 3) -> argparse.Namespace:
     """--ranks, --steps and --rounds of the interleaved steps/s comparisons."""
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=80)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--rounds", type=int, default=rounds)
     return ap.parse_args()
