@@ -23,9 +23,8 @@ targets), then what they would cost without their preparation:
   through the writer's mapping);
 - in another process, as the runner's restarted ranks do it: the model weights into the
   module's parameters, the rest (optimizer state) into new tensors, with the Prefetch that such a
-  rank starts at process start done beforehand and not timed (it maps the slots, faults in
-  memory for the new tensors and loads the copy kernels while the process imports and builds its
-  model);
+  rank starts at process start done beforehand and not timed (it maps the slots and faults in
+  memory for the new tensors while the process imports and builds its model);
 - the same process without a Prefetch, into tensors of its own through a mapping made afresh;
 - into new tensors without a Prefetch (page-faulting fresh private memory: compare with "copy
   into new memory").

@@ -136,8 +136,8 @@ class Controller:
             fc = self.cfg.ft.flash_ckpt if self.flash_job is not None else None
             persist = NodePersist(self.flash_job, self.run_dir / "checkpoints", fc.keep, self.run_dir / "events.jsonl") \
                 if fc is not None and fc.persist_every_n_steps else None  # a persister per node (runner/agent.py)
-            self.fleet = LocalFleet(self.cfg.parallel.nodes + spare_nodes, self.queue, self.hb.interval_s,
-                                    FORKSERVER_PRELOAD, persist)
+            preload = FORKSERVER_PRELOAD + (["runner.recovery.flash_ckpt.warm_kernels"] if self.flash_job is not None else [])
+            self.fleet = LocalFleet(self.cfg.parallel.nodes + spare_nodes, self.queue, self.hb.interval_s, preload, persist)
         self.cfg_dict = OmegaConf.to_container(self.cfg, resolve=True)
         self.events.emit("run_start", world_size=self.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
                          recipe=self.cfg.recipe_name, store_port=self.port, policy=policy.table(self.cfg, self.ft))

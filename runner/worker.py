@@ -108,6 +108,10 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     # a restarted rank maps its snapshots and faults in memory for them while it builds its model
     restoring = spec.role == "restore" and "flash_ckpt" in cfg.ft
     prefetch = Prefetch(flash_job_id(spec.run_dir), spec.logical_rank) if restoring else None
+    if "flash_ckpt" in cfg.ft:  # inherited from the fork server; loaded here under torchrun or SLURM
+        from runner.recovery.flash_ckpt.kernels import warm_up  # numba only where flash checkpoints run
+
+        warm_up()
 
     micro_batch = cfg.trainer.global_batch_size // dp
     module, datamodule = build_module_and_data(cfg, micro_batch)

@@ -19,7 +19,6 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from . import kernels
 from .checksum import BLOCK_BYTES, seal
 
 CHUNK_BYTES = 1 << 20
@@ -82,6 +81,8 @@ class Plan:
     def fill(self, region: np.ndarray, srcs: list[int | None], helper: Executor | None = None) -> list[int]:
         """Copy the tensors at addresses `srcs` into `region` (None: the caller copied that one)
         and zero the padding between them; returns each chunk's checksum, computed in the copy."""
+        from . import kernels  # numba is imported by the runs that copy, not by every import of the package
+
         return self._run(kernels.copy_in, region, srcs, helper)
 
     def drain(self, region: np.ndarray, dsts: list[int | None], expected: list[int],
@@ -90,6 +91,8 @@ class Plan:
         caller copies that one afterwards), checksumming the chunk in the copy; raises
         `on_mismatch(chunk)` for the first chunk whose checksum is not the `expected` one, after
         which the tensors hold unverified bytes."""
+        from . import kernels
+
         for c, (got, want) in enumerate(zip(self._run(kernels.copy_out, region, dsts, helper), expected)):
             if got != want:
                 raise on_mismatch(c)

@@ -3,8 +3,8 @@
 A fresh process that restores from /dev/shm pays twice before it copies at memory speed: mapping
 a slot costs page-table work for every 4 KiB page (~0.4x of a copy of it here) and new tensors
 page-fault fresh memory (~3x). Neither has to wait for the restore: a restarted rank knows its
-segments as soon as it starts, so ``Prefetch`` maps them, faults in memory for the tensors to
-come and loads the copy kernels, in a background thread, while the process imports, builds its model and joins its group.
+segments as soon as it starts, so ``Prefetch`` maps them and faults in memory for the tensors to
+come, in a background thread, while the process imports, builds its model and joins its group.
 ``load_newest(..., prefetch=)`` then reads through those mappings and carves its new tensors out
 of that memory. The work is moved, not saved: on a host whose cores are all busy starting ranks it
 still competes with them.
@@ -18,7 +18,6 @@ import threading
 import numpy as np
 import torch
 
-from . import kernels
 from .segment import ALIGN, PAGE, map_for_reading, read_header, unmap_for_reading
 from .slots import committed_steps
 from .shm import backup_names, segment_name
@@ -66,7 +65,6 @@ class Prefetch:
             self._arena = None
 
     def _prepare(self) -> None:
-        kernels.warm_up()
         names = [segment_name(self.job_id, self.rank), *backup_names(self.job_id, self.rank)]
         paths = [path for name in names for _, path in committed_steps(name)]
         headers = [h for h in map(read_header, paths) if h is not None]
