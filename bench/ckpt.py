@@ -43,6 +43,7 @@ from collections import defaultdict
 import sys
 import tempfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from time import perf_counter
 
@@ -56,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runner.model import GPT, GPTConfig  # noqa: E402
 from runner.recovery.flash_ckpt import Prefetch, Snapshotter, cleanup, load_newest  # noqa: E402
 from runner.recovery.flash_ckpt.checksum import digest  # noqa: E402
+from runner.recovery.flash_ckpt.chunks import Plan  # noqa: E402
 from runner.recovery.flash_ckpt.codec import flatten  # noqa: E402
 from runner.recovery.flash_ckpt.shm import SHM_DIR  # noqa: E402
 
@@ -63,6 +65,7 @@ SIZES = {
     "200MB": GPTConfig(vocab_size=8192, seq_len=64, n_layer=4, n_head=8, d_model=512),
     "1GB": GPTConfig(vocab_size=16384, seq_len=64, n_layer=10, n_head=12, d_model=768),
 }
+KERNEL = "copy + checksum kernel alone (same bytes)"
 LIVE = "restore flash -> live tensors"
 RESTARTED = "restore flash -> restarted rank (prefetched)"
 COLD = "  same, unprepared: fresh mapping"
@@ -179,6 +182,8 @@ def run_size(label: str, cfg: GPTConfig, repeats: int) -> dict:
     res: dict[str, list[float]] = defaultdict(list)
     step = 0
     child = None
+    whole = Plan.of([{"path": "all bytes", "offset": 0, "nbytes": total - total % 8}], total - total % 8)
+    helper = ThreadPoolExecutor(1, thread_name_prefix="bench-kernel")
     try:
         res["flash first save (creates + pre-faults)"].append(timed(lambda: snap.save(tr.checkpoint(0), 0)))
         snap.save(tr.checkpoint(0), 0)  # the second slot is created at the second save
@@ -196,6 +201,7 @@ def run_size(label: str, cfg: GPTConfig, repeats: int) -> dict:
                     res["copy into new memory"].append(timed(lambda: fresh_copy(floor_src)))
                 res["checksum digest (all bytes)"].append(timed(lambda: digest(floor_src.numpy())))
                 res["zlib.crc32 (all bytes, for comparison)"].append(timed(lambda: zlib.crc32(floor_src.numpy())))
+                res[KERNEL].append(timed(lambda: whole.fill(floor_dst.numpy(), [floor_src.data_ptr()], helper)))
                 res["fwd/bwd alone"].append(tr.forward_backward())
                 for overlap in (False, True):
                     step += 1
@@ -224,6 +230,7 @@ def run_size(label: str, cfg: GPTConfig, repeats: int) -> dict:
         conn.send("")
         child.join(60)
     finally:
+        helper.shutdown()
         if child is not None and child.is_alive():
             child.kill()
         snap.close(unlink=True)
