@@ -16,6 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["logger=none", "trainer.progress_bar=false", "runner.console_events=true"]
+# the events that tell why a recovery started and what it did, quoted when a test expected another count
+RECOVERY_TRAIL = ("fault_injected", "collective_failed", "replication_failed", "symptom_reported", "fault_detected",
+                  "worker_killed", "recovery_decided", "generation")
 
 
 class Run:
@@ -34,6 +37,14 @@ class Run:
         lines = (self.dir / "events.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines if line.strip()]
         return [r for r in records if kind is None or r["kind"] == kind]
+
+    def only_recovery(self) -> dict:
+        """The run's one recovery; if there were more or none, the failure says what each was and why."""
+        recoveries = self.summary["recoveries"]
+        assert len(recoveries) == 1, "expected one recovery, got:\n" + "\n".join(
+            [f"  {r['fault']} -> {r['action']} of {r['victims']} at step {r['step']}: {r['reason']}" for r in recoveries]
+            + [f"  {json.dumps(e)}" for e in self.events() if e["kind"] in RECOVERY_TRAIL])
+        return recoveries[0]
 
     def metrics(self) -> list[dict]:
         return [json.loads(x) for x in (self.dir / "metrics.jsonl").read_text().splitlines() if x.strip()]

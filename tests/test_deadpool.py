@@ -19,8 +19,8 @@ def fault_free(tmp_path_factory):
 
 def test_node_loss_is_replaced_by_warm_spares_exactly(fault_free, run_dir):
     run = run_cli(*SIX, "fault=kill_node", "fault.node=1", "fault.step=12", run_dir=run_dir)
-    s = assert_exact(run, fault_free)
-    (rec,) = s["recoveries"]
+    assert_exact(run, fault_free)
+    rec = run.only_recovery()
     assert (rec["fault"], rec["action"], rec["victims"], rec["rpo_steps"]) == ("node_loss", "swap_spare", [2, 3], 0)
     assert len(run.events("worker_started")) == 8  # 6 ranks + 2 spares started with the job, nothing after
     assert sorted(e["logical"] for e in run.events("spare_assigned")) == [2, 3]
@@ -73,8 +73,8 @@ def test_zero1_with_replication_trains_exactly_like_replicated_state(fault_free,
 
 def test_zero1_node_loss_spares_get_their_shards_from_the_neighbour_replicas(fault_free, run_dir):
     run = run_cli(*ZERO, "fault=kill_node", "fault.node=1", "fault.step=20", run_dir=run_dir)
-    s = assert_exact(run, fault_free)
-    (rec,) = s["recoveries"]
+    assert_exact(run, fault_free)
+    rec = run.only_recovery()
     assert (rec["action"], rec["victims"]) == ("swap_spare", [2, 3]) and rec["rpo_steps"] <= 1
     restored = {e["rank"]: e for e in run.events("shard_restored")}
     assert sorted(restored) == [2, 3]
@@ -84,7 +84,7 @@ def test_zero1_node_loss_spares_get_their_shards_from_the_neighbour_replicas(fau
 def test_zero1_kill_during_an_in_flight_replication_replays_the_previous_generation(fault_free, run_dir):
     run = run_cli(*ZERO, "fault=kill_rank", "fault.rank=2", "fault.step=20", "fault.during=replication",
                   run_dir=run_dir)
-    s = assert_exact(run, fault_free)
+    assert_exact(run, fault_free)
     (restored,) = run.events("shard_restored")
     # the copy of update 21 was cut half-way: update 20's replica plus a replay of update 21
     assert (restored["rank"], restored["step"], restored["replayed_updates"]) == (2, 21, 1)
@@ -118,6 +118,6 @@ def test_zero1_owner_and_replica_lost_together_fails_clearly_at_run_time(run_dir
 def test_zero1_owner_and_replica_lost_together_restart_every_rank_from_snapshots(fault_free, run_dir):
     run = run_cli(*ZERO, "ft=[deadpool,flash_ckpt]", "ft.flash_ckpt.every_n_steps=5", *OWNER_AND_HOLDER,
                   run_dir=run_dir)
-    s = assert_exact(run, fault_free)
-    (rec,) = s["recoveries"]
+    assert_exact(run, fault_free)
+    rec = run.only_recovery()
     assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("restart_all", [2, 4], 0)

@@ -38,7 +38,7 @@ def assert_restarted(run, reference, resumed_at: int, fault_step: int = 23) -> d
     assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
     assert s["samples_committed"] == reference["samples_committed"]
     assert s["steps_redone"] == fault_step - resumed_at
-    (rec,) = s["recoveries"]
+    rec = run.only_recovery()
     assert rec["action"] == "restart_all" and rec["step"] == fault_step
     assert rec["rpo_steps"] == fault_step - resumed_at
     assert rec["rto_s"] > 0
