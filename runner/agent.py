@@ -28,6 +28,7 @@ class NodeAgent:
         self.node, self.events, self.interval_s = node, events, interval_s
         self.persister = persister
         self.procs: dict[int, object] = {}  # wid -> multiprocessing.Process
+        self.reported: set[int] = set()  # wids whose exit this agent has reported (or, once lost, seen)
         self.lost = False
         self.last_beat = time.monotonic()
         self._lock = threading.Lock()
@@ -44,6 +45,12 @@ class NodeAgent:
     def pids(self) -> dict[int, int]:
         with self._lock:
             return {wid: p.pid for wid, p in self.procs.items() if p.exitcode is None}
+
+    def exit_reported(self, wid: int) -> bool:
+        """The worker is gone and the controller has its exit in the queue (a lost node reports none)."""
+        with self._lock:
+            proc = self.procs.get(wid)
+            return proc is None or wid in self.reported or (self.lost and proc.exitcode is not None)
 
     def signal(self, wid: int, sig: int) -> None:
         with self._lock:
@@ -76,8 +83,11 @@ class NodeAgent:
 
     def _watch(self) -> None:
         while not self._stop:
+            # every worker whose exit is not reported yet, also one another thread already reaped (reading
+            # ``exitcode`` reaps, as pids() does while the controller awaits a kill): its sentinel stays
+            # readable, so its exit is reported on this round
             with self._lock:
-                live = {p.sentinel: wid for wid, p in self.procs.items() if p.exitcode is None}
+                live = {p.sentinel: wid for wid, p in self.procs.items() if wid not in self.reported}
             ready = wait(list(live) + [self._wake_r], timeout=self.interval_s)
             if not self.lost:
                 self.last_beat = time.monotonic()
@@ -91,6 +101,8 @@ class NodeAgent:
                 proc.join(timeout=1)
                 if not self.lost:
                     self.events.put(("exit", wid, proc.exitcode, time.time()))
+                with self._lock:
+                    self.reported.add(wid)
 
 
 class LocalFleet:

@@ -169,8 +169,9 @@ class Controller:
         next_hb = time.monotonic()
         while self.status == "running":
             try:
-                item = self.queue.get(timeout=poll)
-                self._on_event(item)
+                self._on_event(self.queue.get(timeout=poll))
+                while True:  # every exit queued by now, so that a decision due this round sees them all
+                    self._on_event(self.queue.get_nowait())
             except Empty:
                 pass
             now = time.monotonic()
@@ -488,12 +489,13 @@ class Controller:
 
     def _await_exit(self, workers: list[Worker], timeout_s: float = 5.0) -> None:
         """SIGKILL is asynchronous: a victim may still finish a system call (create a snapshot file) after
-        os.kill returns. Wait until the node agents see every victim gone, so that what follows (dropping a
-        node's memory, restarting every rank, deciding on all the exits at once) sees their final state.
-        Only the local fleet has agents; under torchrun/SLURM nothing here killed anyone."""
+        os.kill returns. Wait until the node agents have reported every victim's exit (a lost node's are
+        only seen), so that what follows (dropping a node's memory, restarting every rank, deciding on all
+        the exits at once) sees their final state and every exit. Only the local fleet has agents; under
+        torchrun/SLURM nothing here killed anyone."""
         agents = getattr(self.fleet, "agents", None)
         deadline = time.monotonic() + timeout_s
-        while agents and time.monotonic() < deadline and any(w.wid in agents[w.node].pids() for w in workers):
+        while agents and time.monotonic() < deadline and not all(agents[w.node].exit_reported(w.wid) for w in workers):
             time.sleep(0.005)
 
     # -- decision and action ------------------------------------------------------------------------
