@@ -38,6 +38,7 @@ from runner.zero import ZeroOne
 
 TAG_HEADER, TAG_LAYOUT, TAG_DATA = 0, 1, 2
 HEADER_BYTES = 32  # gen, shard bytes, layout bytes, whether the rest came in the same message (int64 each)
+ABANDON_AFTER_S = 1.0  # how long a recovery waits for the broken generation's exchange (see drain())
 
 
 class ReplicaLost(RuntimeError):
@@ -60,6 +61,8 @@ class ShardReplicator:
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deadpool-replicate")
         self._job: Optional[Future] = None
+        self._lock = threading.Lock()  # the exchange thread's changes to the slots against an abandonment
+        self._epoch = 0  # bumped when an exchange is abandoned: an older one changes nothing any more
         self._slots = [_Slot(), _Slot()]
         self._records: list[UpdateRecord] = []  # the partner's updates newer than its newest complete replica
         self._packer = ShardPacker()
@@ -96,7 +99,7 @@ class ShardReplicator:
         me = comm.logical_rank
         pg_of = {lr: i for i, lr in enumerate(comm.layout.logical)}
         self._job = self._pool.submit(self._exchange, comm.side_pg, comm.gen, pg_of[self.holder(me)],
-                                      pg_of[self.partner(me)], me, gen)
+                                      pg_of[self.partner(me)], me, gen, self._epoch)
 
     def wait(self) -> None:
         """Block until the exchange in flight is complete; a failed one raises CollectiveFailure."""
@@ -112,13 +115,30 @@ class ShardReplicator:
             raise CollectiveFailure(f"shard replication failed: {message}") from None
 
     def drain(self) -> None:
-        """Recovery: let an exchange of a broken generation end (its group is gone, so it fails soon)."""
+        """Recovery: end the exchange of the broken generation, if one is in flight. Once its peers drop
+        their groups it fails within milliseconds; one still running after ABANDON_AFTER_S waits on a
+        peer whose own exchange of that generation is stuck the same way, each thread keeping the
+        other's connection open until gloo's timeout (the collective timeout, which the recovery's
+        collectives would hit first). It is abandoned: it fails on its own later and changes nothing
+        here (``_epoch``), the slot it was writing gets a new buffer, and the next exchange runs on a
+        new thread."""
+        job, self._job = self._job, None
+        if job is None:
+            return
         try:
-            self.wait()
-        except CollectiveFailure:
-            pass
+            job.result(timeout=ABANDON_AFTER_S)
+        except FutureTimeout:
+            with self._lock:
+                self._epoch += 1
+                for slot in self._slots:
+                    if slot.gen < 0:
+                        slot.buffer = torch.empty(0, dtype=torch.uint8)
+            self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="deadpool-replicate")
+        except Exception:
+            pass  # failed with its generation: what it left is what the slots say
 
-    def _exchange(self, pg, group_gen: int, holder: int, partner: int, me: int, gen: int) -> None:
+    def _exchange(self, pg, group_gen: int, holder: int, partner: int, me: int, gen: int, epoch: int) -> None:
         """One message per step once sizes settle: [header | layout if new | shard bytes], sent as
         one when the holder expects exactly its size (the size of the previous one), else the
         header goes first on its own (the first exchange in a group, a new layout or shard size).
@@ -150,35 +170,45 @@ class ShardReplicator:
             sends.append(pg.send([message], holder, TAG_HEADER))
         else:
             sends.append(pg.send([message[prefix:]], holder, TAG_DATA))
-        self._receive(pg, partner)
+        self._receive(pg, partner, epoch)
         for work in sends:
             work.wait()
-        self._layout_sent, self._expect_send = self._encoded, message.numel()
-        self.bytes_per_step = layout.nbytes
+        with self._lock:
+            _still_current(epoch, self._epoch)
+            self._layout_sent, self._expect_send = self._encoded, message.numel()
+            self.bytes_per_step = layout.nbytes
 
-    def _receive(self, pg, partner: int) -> None:
-        newest = self._newest()
-        slot = self._slots[1] if newest is self._slots[0] else self._slots[0]
-        slot.gen = -1  # a half-written replica is never taken for a complete one
-        expect = self._expect_recv
-        if slot.buffer.numel() < expect:
-            slot.buffer = torch.empty(expect, dtype=torch.uint8)
-        pg.recv([slot.buffer[:expect]], partner, TAG_HEADER).wait()  # the header alone, or all of it
-        gen, nbytes, layout_len, combined = slot.buffer[:HEADER_BYTES].view(torch.int64).tolist()
+    def _receive(self, pg, partner: int, epoch: int) -> None:
+        with self._lock:
+            _still_current(epoch, self._epoch)
+            newest = self._newest()
+            slot = self._slots[1] if newest is self._slots[0] else self._slots[0]
+            slot.gen = -1  # a half-written replica is never taken for a complete one
+            expect = self._expect_recv
+            if slot.buffer.numel() < expect:
+                slot.buffer = torch.empty(expect, dtype=torch.uint8)
+            buf = slot.buffer  # this exchange's: an abandonment gives the slot another one
+        pg.recv([buf[:expect]], partner, TAG_HEADER).wait()  # the header alone, or all of it
+        gen, nbytes, layout_len, combined = buf[:HEADER_BYTES].view(torch.int64).tolist()
         prefix = _prefix(layout_len)
         if combined and prefix + nbytes != expect:
             raise CollectiveFailure(f"shard replica of {prefix + nbytes} bytes where {expect} were expected")
         if not combined:
-            if slot.buffer.numel() < prefix + nbytes:
-                slot.buffer = torch.empty(prefix + nbytes, dtype=torch.uint8)
+            if buf.numel() < prefix + nbytes:
+                grown = torch.empty(prefix + nbytes, dtype=torch.uint8)
+                grown[:HEADER_BYTES].copy_(buf[:HEADER_BYTES])
+                buf = grown
             if layout_len:
-                pg.recv([slot.buffer[HEADER_BYTES:HEADER_BYTES + layout_len]], partner, TAG_LAYOUT).wait()
-            pg.recv([slot.buffer[prefix:prefix + nbytes]], partner, TAG_DATA).wait()
-        if layout_len:
-            self._partner_layout = _decode_layout(slot.buffer[HEADER_BYTES:HEADER_BYTES + layout_len])
-        slot.layout, slot.data, slot.gen = self._partner_layout, slot.buffer[prefix:prefix + nbytes], gen
-        self._expect_recv = prefix + nbytes
-        self._records = [r for r in self._records if r.gen > gen]
+                pg.recv([buf[HEADER_BYTES:HEADER_BYTES + layout_len]], partner, TAG_LAYOUT).wait()
+            pg.recv([buf[prefix:prefix + nbytes]], partner, TAG_DATA).wait()
+        with self._lock:
+            _still_current(epoch, self._epoch)
+            if layout_len:
+                self._partner_layout = _decode_layout(buf[HEADER_BYTES:HEADER_BYTES + layout_len])
+            slot.buffer = buf
+            slot.layout, slot.data, slot.gen = self._partner_layout, buf[prefix:prefix + nbytes], gen
+            self._expect_recv = prefix + nbytes
+            self._records = [r for r in self._records if r.gen > gen]
 
     def _newest(self) -> Optional[_Slot]:
         complete = [s for s in self._slots if s.gen >= 0]
@@ -210,6 +240,11 @@ class ShardReplicator:
     def close(self) -> None:
         self.drain()
         self._pool.shutdown(wait=True)
+
+
+def _still_current(epoch: int, current: int) -> None:
+    if epoch != current:
+        raise CollectiveFailure("abandoned: a recovery replaced the generation of this exchange")
 
 
 def _prefix(layout_len: int) -> int:
