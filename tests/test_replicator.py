@@ -47,7 +47,7 @@ def _rank_main(rank: int, port: int, results) -> None:
         rep.start(comm, 2)  # its peer never joins this one: the exchange blocks on the peer's message
         stuck = [t for t in threading.enumerate() if t.name.startswith("deadpool-replicate")]
         t0 = time.monotonic()
-        rep.drain()
+        abandoned = rep.drain()
         drained_s = time.monotonic() - t0
         del comm  # the recovery drops the broken generation's group (Comm.abort)
         store.set("drained", "1")
@@ -68,7 +68,7 @@ def _rank_main(rank: int, port: int, results) -> None:
         lost = ""
     except ReplicaLost as err:
         lost = str(err)
-    results.put(("holder", drained_s, replica.gen, [t.tolist() for t in replica.params], lost))
+    results.put(("holder", abandoned, drained_s, replica.gen, [t.tolist() for t in replica.params], lost))
 
 
 def test_a_recovery_abandons_an_exchange_its_peer_never_completes():
@@ -87,8 +87,8 @@ def test_a_recovery_abandons_an_exchange_its_peer_never_completes():
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    drained_s, gen, params, lost = got["holder"]
+    abandoned, drained_s, gen, params, lost = got["holder"]
     (peer_params,) = got["peer"]
-    assert drained_s < ABANDON_AFTER_S + 2.0 < COLLECTIVE_TIMEOUT_S  # not the collective timeout
+    assert abandoned and drained_s < ABANDON_AFTER_S + 2.0 < COLLECTIVE_TIMEOUT_S  # not the collective timeout
     assert gen == 3 and params == peer_params  # the next generation's replica, the peer's own bytes
     assert "the updates up to 2 were not all recorded" in lost  # the abandoned copy of update 2 left nothing

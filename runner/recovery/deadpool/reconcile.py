@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 from runner.comm import RunFailedError
-from runner.recovery.deadpool.replicator import ReplicaLost
+from runner.recovery.deadpool.replicator import ABANDON_AFTER_S, ReplicaLost
 from runner.recovery.deadpool.shard_state import ShardState
 
 
@@ -37,8 +37,8 @@ def reconcile_shards(strategy, table: list[list[int]], events) -> Optional[dict]
     laggards = [r for r, (c, j) in enumerate(table) if not j and c < newest]
     joiners = [r for r, (_, j) in enumerate(table) if j]
     replicator = strategy.replicator
-    if replicator is not None:
-        replicator.drain()  # the broken generation's exchange, if one was in flight
+    if replicator is not None and replicator.drain():  # the broken generation's exchange, if one was in flight
+        events.emit("replication_abandoned", gen=comm.gen, waited_s=ABANDON_AFTER_S)
     if laggards:
         final = strategy.exchange(strategy.final_gradients() if me == source else None, source, receive=me in laggards)
         if me in laggards:

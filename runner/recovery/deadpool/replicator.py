@@ -114,8 +114,8 @@ class ShardReplicator:
             message = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise CollectiveFailure(f"shard replication failed: {message}") from None
 
-    def drain(self) -> None:
-        """Recovery: end the exchange of the broken generation, if one is in flight. Once its peers drop
+    def drain(self) -> bool:
+        """Recovery: end the exchange of the broken generation, if one is in flight; True if abandoned. Once its peers drop
         their groups it fails within milliseconds; one still running after ABANDON_AFTER_S waits on a
         peer whose own exchange of that generation is stuck the same way, each thread keeping the
         other's connection open until gloo's timeout (the collective timeout, which the recovery's
@@ -124,7 +124,7 @@ class ShardReplicator:
         new thread."""
         job, self._job = self._job, None
         if job is None:
-            return
+            return False
         try:
             job.result(timeout=ABANDON_AFTER_S)
         except FutureTimeout:
@@ -135,8 +135,10 @@ class ShardReplicator:
                         slot.buffer = torch.empty(0, dtype=torch.uint8)
             self._pool.shutdown(wait=False)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="deadpool-replicate")
+            return True
         except Exception:
             pass  # failed with its generation: what it left is what the slots say
+        return False
 
     def _exchange(self, pg, group_gen: int, holder: int, partner: int, me: int, gen: int, epoch: int) -> None:
         """One message per step once sizes settle: [header | layout if new | shard bytes], sent as
