@@ -115,13 +115,15 @@ class ShardReplicator:
             raise CollectiveFailure(f"shard replication failed: {message}") from None
 
     def drain(self) -> bool:
-        """Recovery: end the exchange of the broken generation, if one is in flight; True if abandoned. Once its peers drop
-        their groups it fails within milliseconds; one still running after ABANDON_AFTER_S waits on a
-        peer whose own exchange of that generation is stuck the same way, each thread keeping the
-        other's connection open until gloo's timeout (the collective timeout, which the recovery's
-        collectives would hit first). It is abandoned: it fails on its own later and changes nothing
-        here (``_epoch``), the slot it was writing gets a new buffer, and the next exchange runs on a
-        new thread."""
+        """Recovery: end the broken generation's exchange, if one is in flight; True if it was abandoned.
+
+        Once its peers drop their groups it fails within milliseconds; one still running after
+        ABANDON_AFTER_S waits on a peer whose own exchange of that generation is stuck the same way,
+        each thread keeping open the connection the other waits on until gloo's timeout (the
+        collective timeout, which the recovery's collectives would hit first). It is abandoned: it
+        fails on its own later and changes nothing here (``_epoch``), the slot it was writing gets a
+        new buffer, and the next exchange runs on a new thread. Until it fails, that thread also
+        delays the worker's exit (the executor joins it), which the launcher's shutdown bounds."""
         job, self._job = self._job, None
         if job is None:
             return False
@@ -197,9 +199,7 @@ class ShardReplicator:
             raise CollectiveFailure(f"shard replica of {prefix + nbytes} bytes where {expect} were expected")
         if not combined:
             if buf.numel() < prefix + nbytes:
-                grown = torch.empty(prefix + nbytes, dtype=torch.uint8)
-                grown[:HEADER_BYTES].copy_(buf[:HEADER_BYTES])
-                buf = grown
+                buf = torch.empty(prefix + nbytes, dtype=torch.uint8)  # the header is read already
             if layout_len:
                 pg.recv([buf[HEADER_BYTES:HEADER_BYTES + layout_len]], partner, TAG_LAYOUT).wait()
             pg.recv([buf[prefix:prefix + nbytes]], partner, TAG_DATA).wait()
