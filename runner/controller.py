@@ -9,7 +9,6 @@ never on the training path: healthy steps cost it nothing.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from dataclasses import dataclass, field

@@ -17,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["logger=none", "trainer.progress_bar=false", "runner.console_events=true"]
 # the events that tell why a recovery started and what it did, quoted when a test expected another count
-RECOVERY_TRAIL = ("fault_injected", "collective_failed", "replication_failed", "symptom_reported", "fault_detected",
-                  "worker_killed", "recovery_decided", "generation")
+RECOVERY_TRAIL = ("fault_injected", "collective_failed", "replication_failed", "replication_abandoned",
+                  "symptom_reported", "fault_detected", "worker_killed", "recovery_decided", "generation")
 
 
 class Run:
