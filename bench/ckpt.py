@@ -38,12 +38,12 @@ import mmap
 import multiprocessing as mp
 import os
 import statistics
-from contextlib import contextmanager
-from collections import defaultdict
 import sys
 import tempfile
 import zlib
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from time import perf_counter
 

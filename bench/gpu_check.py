@@ -13,7 +13,6 @@ import argparse
 import sys
 
 import torch
-
 from common import run_cli
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from time import perf_counter
-from typing import Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback

@@ -7,7 +7,6 @@ child process).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 

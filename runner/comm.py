@@ -18,7 +18,6 @@ from torch.distributed import PrefixStore, TCPStore
 from runner import protocol
 from runner.protocol import Layout
 
-
 _WAIT_MARGIN = timedelta(seconds=5)  # a launched op fails by itself at the collective timeout; waits allow this more
 
 

@@ -23,17 +23,18 @@ from torch.distributed import PrefixStore, TCPStore
 from runner import chaos, protocol
 from runner.agent import LocalFleet
 from runner.config import policy
-from runner.config.validate import all_faults, dp_size, ft_names
+from runner.config.validate import all_faults, ft_names
 from runner.decision import Decision, decide, restart_owner
 from runner.events import EventLog
-from runner.protocol import Layout
 from runner.loggers import log_summary_to_wandb
+from runner.protocol import Layout
 from runner.recovery import memory_faults
 from runner.recovery.flash_ckpt import cleanup as cleanup_snapshots
 from runner.recovery.flash_ckpt.persister import NodePersist
-from runner.recovery.flash_names import flash_job_id, partner_node
+from runner.recovery.flash_names import flash_job_id
 from runner.recovery.sdc import MIN_HISTORY
 from runner.summary import write_summary
+from runner.topology import Topology
 
 FORKSERVER_PRELOAD = ["runner.worker"]
 CHAOS_END_MARGIN_STEPS = 5  # no chaos fault this close to trainer.max_steps: it would hit ranks that are finishing
@@ -88,7 +89,8 @@ class Controller:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.fleet, self.store, self.namespace = fleet, store, namespace
         self.host, self.port = address or ("127.0.0.1", 0)
-        self.dp = dp_size(cfg)
+        self.topo = Topology.from_cfg(cfg)
+        self.dp = self.topo.dp
         self.ft = ft_names(cfg)
         self.hb = cfg.heartbeat
         self.queue: Queue = Queue()
@@ -131,24 +133,21 @@ class Controller:
                                   timeout=timedelta(seconds=self.cfg.launcher.start_timeout_s))
             self.port = self.store.port
         if self.fleet is None:
-            spare_nodes = -(-self.cfg.parallel.spares // self.cfg.parallel.procs_per_node)
             fc = self.cfg.ft.flash_ckpt if self.flash_job is not None else None
             persist = NodePersist(self.flash_job, self.run_dir / "checkpoints", fc.keep, self.run_dir / "events.jsonl") \
                 if fc is not None and fc.persist_every_n_steps else None  # a persister per node (runner/agent.py)
             preload = FORKSERVER_PRELOAD + (["runner.recovery.flash_ckpt.warm_kernels"] if self.flash_job is not None else [])
-            self.fleet = LocalFleet(self.cfg.parallel.nodes + spare_nodes, self.queue, self.hb.interval_s, preload, persist)
+            self.fleet = LocalFleet(self.topo.total_nodes, self.queue, self.hb.interval_s, preload, persist)
         self.cfg_dict = OmegaConf.to_container(self.cfg, resolve=True)
         self.events.emit("run_start", world_size=self.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
                          recipe=self.cfg.recipe_name, store_port=self.port, policy=policy.table(self.cfg, self.ft))
         try:
             for lrank in range(self.dp):
-                node, local = divmod(lrank, self.cfg.parallel.procs_per_node)
-                self._spawn(lrank, node, local, role="initial", first_gen=0)
+                self._spawn(lrank, *self.topo.place(lrank), role="initial", first_gen=0)
             for w in self.workers.values():
                 w.ready = w.synced = True
-            for i in range(self.cfg.parallel.spares):  # hot spares live on nodes of their own
-                node, local = divmod(i, self.cfg.parallel.procs_per_node)
-                self.spares.append(self._spawn(-1, self.cfg.parallel.nodes + node, local, role="spare", first_gen=0).wid)
+            for i in range(self.topo.spares):  # hot spares live on nodes of their own
+                self.spares.append(self._spawn(-1, *self.topo.spare_place(i), role="spare", first_gen=0).wid)
             self._publish()
             self._loop()
         except KeyboardInterrupt:
@@ -598,15 +597,8 @@ class Controller:
         self.repairs.clear()
         self.rejoining.clear()
         self.silent_reported |= set(lost_nodes)  # handled here: its silence is no new symptom
-        gone = self.silent_reported
-        ppn = self.cfg.parallel.procs_per_node
         for lrank in range(self.dp):
-            node, local = divmod(lrank, ppn)
-            if node in gone:
-                partner = partner_node(node, self.cfg.parallel.nodes)
-                node = partner if partner is not None and partner not in gone else min(
-                    n for n in range(self.cfg.parallel.nodes) if n not in gone)
-                local += ppn
+            node, local = self.topo.restart_place(lrank, self.silent_reported)
             self._spawn(lrank, node, local, role="restore", first_gen=self.gen + 1)
 
     def _poll_repairs(self, now: float) -> None:
@@ -633,13 +625,11 @@ class Controller:
 
     def _assign_takeovers(self, failed: list[int]) -> None:
         """Each failed logical rank goes to a live neighbour (ndb.neighbour), spread over distinct ones."""
-        from runner.recovery.ndb.neighbour import neighbour_of
-
         live = {w.logical: w.wid for w in self._live() if not w.dead}
         for lrank in failed:
             busy = set(self.takeovers.values())
             free = [l for l in live if live[l] not in busy] or list(live)
-            self.takeovers[lrank] = live[neighbour_of(lrank, free, self.cfg.ft.ndb.neighbour)]
+            self.takeovers[lrank] = live[self.topo.ndb_neighbour(lrank, free, self.cfg.ft.ndb.neighbour)]
             self.events.emit("takeover_assigned", logical=lrank, neighbour_wid=self.takeovers[lrank], reason=(
                 f"ft.ndb.neighbour={self.cfg.ft.ndb.neighbour} among live ranks not yet taking over"))
             if self.cfg.ft.ndb.repair_after_s >= 0:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from runner.config import policy
+from runner.topology import Topology
 
 DOES = {
     "retry": "rebuild the group and retry the step; nobody restarts",
@@ -82,14 +83,12 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
 
 def shards_without_copy(cfg, ft: list[str], victims: list[int]) -> list[int]:
     """ZeRO-1: the failed ranks whose optimizer shard no live process holds. Its only copy is DeadPool's
-    replica on the holder, ``procs_per_node`` logical ranks on (``deadpool.replicator``)."""
+    replica on the holder (``Topology.replica_holder``)."""
     if not victims or not cfg.get("parallel", {}).get("zero", 0):
         return []
-    p = cfg.parallel
     if "deadpool" not in ft:
         return sorted(victims)
-    dp = p.nodes * p.procs_per_node
-    return sorted(v for v in victims if (v + p.procs_per_node) % dp in set(victims))
+    return Topology.from_cfg(cfg).shards_without_copy(victims)
 
 
 def _what(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spares: int,

@@ -54,7 +54,7 @@ class Layout:
         return json.dumps(asdict(self))
 
     @staticmethod
-    def from_json(raw: bytes | str) -> "Layout":
+    def from_json(raw: bytes | str) -> Layout:
         return Layout(**json.loads(raw))
 
 

@@ -22,7 +22,8 @@ model without such a bucket (bf16 weights) gets a float64 bucket holding only th
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -13,14 +13,15 @@ from __future__ import annotations
 import io
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
-from runner.comm import Comm, CollectiveFailure, RunFailedError
+from runner.comm import CollectiveFailure, Comm, RunFailedError
 from runner.data import IndexedDatasetSource, StepLoader, derive_seed, seed_step
 from runner.environment import RunnerEnvironment
 from runner.events import EventLog
@@ -28,6 +29,7 @@ from runner.recovery.deadpool.replicator import ShardReplicator
 from runner.recovery.deadpool.shard_state import ShardState
 from runner.reducer import GradReducer
 from runner.status import WorkerStatus
+from runner.topology import Topology
 from runner.zero import ZeroOne
 
 PEER_CKPT = "peer://replica"  # ckpt_path a replacement passes to fit(): state comes from a live replica
@@ -47,8 +49,8 @@ class ResilientStrategy(ParallelStrategy):
         bucket_mb: float,
         events: EventLog,
         status: WorkerStatus,
-        recover: Callable[["ResilientStrategy", str], None] | None = None,
-        restore_snapshot: Callable[["ResilientStrategy"], dict] | None = None,
+        recover: Callable[[ResilientStrategy, str], None] | None = None,
+        restore_snapshot: Callable[[ResilientStrategy], dict] | None = None,
         on_commit: Callable[[int, Tensor, float], None] | None = None,
         joining: bool = False,
         ndb=None,
@@ -57,7 +59,7 @@ class ResilientStrategy(ParallelStrategy):
         start_timeout_s: float = 120.0,
         zero_stage: int = 0,
         replicate_shards: bool = False,
-        procs_per_node: int = 1,
+        topology: Optional[Topology] = None,
     ) -> None:
         super().__init__(
             accelerator=None,
@@ -90,7 +92,7 @@ class ResilientStrategy(ParallelStrategy):
         self._batch_loss: Optional[float] = None
         self.zero_stage = zero_stage
         self.replicate_shards = replicate_shards  # DeadPool: copy this rank's shard to a neighbour every step
-        self.procs_per_node = procs_per_node
+        self.topology = topology  # who holds whose shard replica (ZeRO-1 replication)
         self.zero: Optional[ZeroOne] = None  # built in setup(), once the optimizer exists
         self.replicator: Optional[ShardReplicator] = None
         self._replication_failed_in: Optional[int] = None  # group generation of the last failed exchange
@@ -173,7 +175,7 @@ class ResilientStrategy(ParallelStrategy):
         # gradient's (every rank holds it after the full all-reduce), summed in the same order as unsharded.
         self.precision_plugin.main_params = lambda optimizer: self.zero.unsharded
         if self.replicate_shards:
-            self.replicator = ShardReplicator(self.zero, self.procs_per_node, self.comm.collective_timeout.total_seconds())
+            self.replicator = ShardReplicator(self.zero, self.topology, self.comm.collective_timeout.total_seconds())
 
     # -- per-step seeding and the committed, failure-aware reduction ----------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -33,16 +33,17 @@ from runner.events import EventLog, JsonLines
 from runner.lightning_module import GPTModule, StepDataModule
 from runner.loggers import build_logger
 from runner.plan import gpt_config
-from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.flash_ckpt import Event, Prefetch
 from runner.recovery.flash_ckpt.persister import persister_address
+from runner.recovery.flash_names import flash_job_id
+from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.ndb.runtime import NDBRuntime
-from runner.recovery.flash_names import flash_job_id, partner_rank
 from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
 from runner.recovery.sdc import GradientGuard
 from runner.recovery.snapshot_restore import SnapshotRestore
 from runner.status import WorkerStatus
 from runner.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy
+from runner.topology import Topology
 
 EXIT_ABORTED = 3  # the controller ended the run
 EXIT_FAILED = 4  # recovery impossible
@@ -129,7 +130,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         recover=recovery, restore_snapshot=restore, joining=joining, ndb=ndb, first_gen=spec.first_gen,
         guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
         start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
-        zero_stage=cfg.parallel.zero, replicate_shards=replicate, procs_per_node=cfg.parallel.procs_per_node,
+        zero_stage=cfg.parallel.zero, replicate_shards=replicate, topology=Topology.from_cfg(cfg),
     )
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, strategy,
                             tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
@@ -174,7 +175,7 @@ def flash_callback(cfg: DictConfig, spec: WorkerSpec, events: EventLog) -> Flash
     fc = cfg.ft.flash_ckpt
 
     def partner(rank: int):
-        return partner_rank(rank, cfg.parallel.nodes, cfg.parallel.procs_per_node) if fc.neighbour_backup else None
+        return Topology.from_cfg(cfg).partner_rank(rank) if fc.neighbour_backup else None
 
     def on_event(event: Event) -> None:
         if event.kind not in ("committed", "backed_up"):  # one per snapshot and rank would drown the log

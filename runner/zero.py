@@ -30,7 +30,7 @@ class ShardPlan:
     dp: int
 
     @staticmethod
-    def balanced(params: list[Tensor], groups: list[list[int]], dp: int) -> "ShardPlan":
+    def balanced(params: list[Tensor], groups: list[list[int]], dp: int) -> ShardPlan:
         """Whole tensors, largest first, each to the least-loaded rank (ties: lowest rank)."""
         load = [0] * dp
         owner = [0] * len(params)

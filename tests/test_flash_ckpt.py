@@ -22,8 +22,8 @@ import torch
 from runner.recovery.flash_ckpt import (
     NoSnapshot,
     PersistClient,
-    PersistError,
     Persister,
+    PersistError,
     Prefetch,
     ShmSpaceError,
     Snapshotter,
@@ -34,9 +34,9 @@ from runner.recovery.flash_ckpt import (
     load_newest,
     newest_common_step,
     persist_latest,
+    segment,
     segment_name,
 )
-from runner.recovery.flash_ckpt import segment
 from runner.recovery.flash_ckpt.checksum import digest
 from runner.recovery.flash_ckpt.chunks import Plan, address
 from runner.recovery.flash_ckpt.codec import flatten

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ from runner.recovery.ndb import (
     extra_microbatch_loss,
     lowrank_linear,
     lowrank_rank,
-    neighbour_of,
 )
 
 ALL_OFF = NDBConfig(skip_attention=False, recompute_ffn=False, lowrank_ffn=False, warmup_steps=0)
@@ -214,15 +212,6 @@ def test_contributor_counts_drop_skipped_microbatches_for_attention_only():
     assert set(no_skip.values()) == {4}
     with pytest.raises(ValueError, match="own"):
         contributor_counts(model, microbatches=2, takeovers=2, cfg=NDBConfig())
-
-
-def test_neighbour_policies_skip_dead_ranks():
-    assert neighbour_of(1, [0, 2, 3], "ring_next") == 2
-    assert neighbour_of(3, [0, 1, 2], "ring_next") == 0
-    assert neighbour_of(2, [0, 1, 3], "ring_prev") == 1
-    assert neighbour_of(0, [1, 2], "ring_prev") == 2
-    with pytest.raises(ValueError):
-        neighbour_of(0, [], "ring_next")
 
 
 def test_yaml_mirrors_config_dataclass():

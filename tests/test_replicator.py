@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from runner.recovery.deadpool.replicator import ABANDON_AFTER_S, ReplicaLost, ShardReplicator
+from runner.topology import Topology
 from runner.zero import ZeroOne
 
 COLLECTIVE_TIMEOUT_S = 30.0
@@ -24,7 +25,7 @@ def _replicator(rank: int) -> ShardReplicator:
     module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     zero = ZeroOne(module, torch.optim.AdamW(module.parameters(), lr=1e-2), dp=2)
     zero.shard_for(rank)
-    return ShardReplicator(zero, procs_per_node=1, timeout_s=COLLECTIVE_TIMEOUT_S)
+    return ShardReplicator(zero, Topology(nodes=2, procs_per_node=1), timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 def _group(store, gen: int, rank: int) -> SimpleNamespace:

@@ -7,7 +7,7 @@ cross-field rules (layouts, ranges) live in ``runner.config.validate``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -50,9 +50,9 @@ class FaultConfig:
     after_s: float = -1.0  # or after this many seconds of training
     delay_s: float = 0.0  # slow_rank: delay per step; slow_link: delay per collective
     duration_s: float = -1.0  # partition: how long the rank's connections stay cut; -1 = for good
-    extra: List[Dict[str, Any]] = field(default_factory=list)  # further faults: same keys
+    extra: list[dict[str, Any]] = field(default_factory=list)  # further faults: same keys
     # chaos: faults of random kinds and victims, drawn and injected by the controller
-    kinds: List[str] = field(default_factory=lambda: ["transient", "kill_rank", "hang_rank", "kill_node", "bitflip"])
+    kinds: list[str] = field(default_factory=lambda: ["transient", "kill_rank", "hang_rank", "kill_node", "bitflip"])
     mtbf_s: float = 20.0  # mean time between faults (exponential inter-arrival times)
     max_faults: int = 10  # no more faults than this
     until_s: float = 600.0  # no fault after this many seconds of training
@@ -62,13 +62,13 @@ class FaultConfig:
 class PolicyConfig:
     """The ordered recovery actions per fault class (``runner/config/policy.py``); null = the seeds' row."""
 
-    transient: Optional[List[str]] = None
-    process_crash: Optional[List[str]] = None
-    hang: Optional[List[str]] = None
-    node_loss_spare_free: Optional[List[str]] = None
-    node_loss_no_spare: Optional[List[str]] = None
-    replica_lost: Optional[List[str]] = None
-    silent_corruption: Optional[List[str]] = None
+    transient: Optional[list[str]] = None
+    process_crash: Optional[list[str]] = None
+    hang: Optional[list[str]] = None
+    node_loss_spare_free: Optional[list[str]] = None
+    node_loss_no_spare: Optional[list[str]] = None
+    replica_lost: Optional[list[str]] = None
+    silent_corruption: Optional[list[str]] = None
     reject_unhandled: bool = True  # refuse a config whose mix cannot handle a fault it is configured to face
 
 
@@ -105,7 +105,7 @@ class TrainerConfig:
     min_lr: float = 3e-4
     warmup_steps: int = 5
     weight_decay: float = 0.1
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
     precision: str = "32-true"
     bucket_mb: float = 25.0  # gradient all-reduce bucket size
@@ -128,7 +128,7 @@ class ModelConfig:
     ffn_mult: int = 4
     dropout: float = 0.0
     bias: bool = True
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to a user's _target_
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to a user's _target_
 
 
 @dataclass
@@ -138,7 +138,7 @@ class DataConfig:
     _target_: Optional[str] = None
     kind: str = "synthetic"  # synthetic | memmap
     path: Optional[str] = None  # memmap: a nanoGPT-style uint16 .bin token file
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to a user's _target_
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to a user's _target_
 
 
 @dataclass
@@ -156,7 +156,7 @@ class RunnerConfig:
 @dataclass
 class RootConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    ft: Dict[str, Any] = field(default_factory=dict)
+    ft: dict[str, Any] = field(default_factory=dict)
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)

@@ -26,8 +26,8 @@ import torch
 
 from runner import protocol
 from runner.comm import CollectiveFailure, Comm, RunFailedError
-from runner.recovery.deadpool.reconcile import reconcile_shards
 from runner.events import EventLog
+from runner.recovery.deadpool.reconcile import reconcile_shards
 from runner.status import WorkerStatus
 
 

@@ -15,7 +15,6 @@ from collections import deque
 
 import torch
 
-
 MIN_HISTORY = 5  # accepted steps before the median means anything: a younger guard only rejects non-finite norms
 
 

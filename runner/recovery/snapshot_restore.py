@@ -21,7 +21,14 @@ import torch
 
 from runner.comm import CollectiveFailure, Comm
 from runner.events import EventLog
-from runner.recovery.flash_ckpt import NoSnapshot, Prefetch, invalidate_newer, list_snapshots, load_newest, newest_common_step
+from runner.recovery.flash_ckpt import (
+    NoSnapshot,
+    Prefetch,
+    invalidate_newer,
+    list_snapshots,
+    load_newest,
+    newest_common_step,
+)
 from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
 
 

@@ -6,8 +6,9 @@ reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from runner.report.collect import PHASES, Job
 

@@ -12,9 +12,9 @@ flat in N or were measured at the target scale. Unknown names are errors, so a
 typo cannot silently leave a paper default in place.
 """
 import json
+from collections.abc import Mapping
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Dict, Mapping, Tuple
 
 from runner.sim.costs import PHASES
 from runner.sim.errors import ConfigError
@@ -32,7 +32,7 @@ def _check_keys(section: object, allowed, where: str) -> dict:
     return section
 
 
-def _numbers(section: object, allowed, where: str) -> Dict[str, float]:
+def _numbers(section: object, allowed, where: str) -> dict[str, float]:
     section = _check_keys(section, allowed, where)
     bad = [k for k, v in section.items() if not isinstance(v, (int, float)) or v < 0]
     if bad:
@@ -40,7 +40,7 @@ def _numbers(section: object, allowed, where: str) -> Dict[str, float]:
     return {k: float(v) for k, v in section.items()}
 
 
-def load(path: str, costs) -> Tuple[object, PhaseOverrides]:
+def load(path: str, costs) -> tuple[object, PhaseOverrides]:
     """Return (costs with overrides applied, per-strategy phase overrides)."""
     try:
         data = json.loads(Path(path).read_text())

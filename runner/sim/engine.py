@@ -14,8 +14,9 @@ import heapq
 import itertools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 from runner.sim.costs import CostModel, Phases
 from runner.sim.failures import FailureModel
@@ -90,7 +91,7 @@ class RunResult:
     downtime_s: float = 0.0
     checkpoint_s: float = 0.0
     degraded_s: float = 0.0
-    events: List[Event] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
 
     @property
     def ettr(self) -> float:
@@ -112,7 +113,7 @@ class Job:
         self.gpus = plan.gpus
         self.spares = plan.spares
         self.dp_degree = plan.nodes // plan.model_parallel_nodes
-        self.takeovers: Dict[int, _Takeover] = {}
+        self.takeovers: dict[int, _Takeover] = {}
         self.pending: list = []  # heap of (time, seq, action, args)
         self.seq = itertools.count()
         self.r = RunResult()
@@ -260,7 +261,7 @@ class Job:
 
 
 def run_point(plan: JobPlan, mix: Sequence[Strategy], failures: FailureModel, seed: int,
-              runs: int) -> List[RunResult]:
+              runs: int) -> list[RunResult]:
     """`runs` independent histories. The RNG stream depends on (seed, N, run)
     only, so every mix at one size meets the same failures in running time."""
     return [

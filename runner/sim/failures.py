@@ -7,9 +7,9 @@ configured mix, and the cause decides the fault class the strategies see.
 import bisect
 import enum
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Mapping, Tuple
 
 from runner.sim.errors import ConfigError
 
@@ -39,7 +39,7 @@ class FailureModel:
         causes = [(name, c) for name, c in f.mix.items() if c.count > 0]
         if not causes:
             raise ConfigError("failures.mix needs at least one cause with count > 0")
-        self._causes: Tuple[Tuple[str, FaultClass], ...] = tuple(
+        self._causes: tuple[tuple[str, FaultClass], ...] = tuple(
             (name, FaultClass(c.fault)) for name, c in causes
         )
         self._cumulative = list(accumulate(c.count for _, c in causes))

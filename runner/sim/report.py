@@ -7,7 +7,7 @@ printed next to the model's output; nothing in the model reads them.
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Optional
 
 from runner.sim.costs import PHASES
 from runner.sim.failures import FaultClass
@@ -35,7 +35,7 @@ class FreshJob:
         return node + 1 if self.dp_degree >= 2 else None
 
 
-def model_rto(sweep: Sweep, cfg, gpus: int) -> Dict[str, dict]:
+def model_rto(sweep: Sweep, cfg, gpus: int) -> dict[str, dict]:
     """RTO of a node loss for every strategy at `gpus`, from the phase model."""
     nodes = gpus // cfg.cluster.gpus_per_node
     job = FreshJob(gpus, cfg.cluster.spares_nodes, nodes // cfg.cluster.model_parallel_nodes)
@@ -149,7 +149,7 @@ def format_text(summary: dict, cfg) -> str:
     labels = list(dict.fromkeys(p["label"] for p in summary["points"]))
     width = max(len(lbl) for lbl in labels + ["mix"]) + 2
     f = summary["failures"]
-    lines: List[str] = [
+    lines: list[str] = [
         f"runner.sim: {cfg.job.days:g} days, {cfg.runs} runs per point, seed {cfg.seed}; "
         f"{f['per_gpu_hour']:.3g} failures per GPU-hour; fault classes "
         + ", ".join(f"{k} {v:.0%}" for k, v in f["class_shares"].items()),

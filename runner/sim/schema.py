@@ -7,7 +7,7 @@ ranges types cannot express; strategy names are checked in `strategies.check_mix
 so that error can list the valid names.
 """
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -51,7 +51,7 @@ class FailuresConf:
     reference_days: float = MISSING
     reference_gpus: int = MISSING
     rate_scale: float = MISSING
-    mix: Dict[str, CauseConf] = MISSING
+    mix: dict[str, CauseConf] = MISSING
 
 
 @dataclass
@@ -91,8 +91,8 @@ class SimConf:
     job: JobConf = field(default_factory=JobConf)
     failures: FailuresConf = field(default_factory=FailuresConf)
     costs: CostsConf = field(default_factory=CostsConf)
-    ft: Optional[List[str]] = MISSING  # one mix to compare against the baseline
-    mixes: List[List[str]] = MISSING  # used when ft is null
+    ft: Optional[list[str]] = MISSING  # one mix to compare against the baseline
+    mixes: list[list[str]] = MISSING  # used when ft is null
     seed: int = MISSING
     runs: int = MISSING
     calibration: Optional[str] = MISSING

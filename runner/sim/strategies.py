@@ -6,8 +6,9 @@ components in costs.py. `choose` walks the `ft` list in order and falls back to
 restarting everything from the last disk checkpoint.
 """
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import List, Mapping, Optional, Protocol, Sequence
+from typing import Optional, Protocol
 
 from runner.sim.costs import CostModel, Phases
 from runner.sim.errors import ConfigError
@@ -201,7 +202,7 @@ def check_mix(names: Sequence[str]) -> None:
 
 def build(
     names: Sequence[str], model: CostModel, overrides: Mapping[str, Mapping[str, float]]
-) -> List[Strategy]:
+) -> list[Strategy]:
     """The mix in `ft` order, with the restart-all fallback appended."""
     check_mix(names)
     mix = [_BY_NAME[n](model, overrides.get(n, {})) for n in names]

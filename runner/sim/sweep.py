@@ -3,8 +3,8 @@
 Kept apart from Hydra so tests and notebooks can call `simulate` on a plain
 `SimConf` object.
 """
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Sequence, Tuple
 
 from runner.sim import schema
 from runner.sim.costs import CostModel
@@ -13,7 +13,7 @@ from runner.sim.errors import ConfigError
 from runner.sim.failures import FailureModel
 from runner.sim.strategies import build, check_mix
 
-Mix = Tuple[str, ...]
+Mix = tuple[str, ...]
 
 
 @dataclass
@@ -21,20 +21,20 @@ class Point:
     gpus: int
     mix: Mix
     plan: JobPlan
-    runs: List[RunResult]
+    runs: list[RunResult]
 
 
 @dataclass
 class Sweep:
-    sizes: List[int]
-    mixes: List[Mix]
+    sizes: list[int]
+    mixes: list[Mix]
     model: CostModel
     failures: FailureModel
     overrides: Mapping[str, Mapping[str, float]]
-    points: Dict[Tuple[int, Mix], Point] = field(default_factory=dict)
+    points: dict[tuple[int, Mix], Point] = field(default_factory=dict)
 
 
-def sizes_of(cfg) -> List[int]:
+def sizes_of(cfg) -> list[int]:
     raw = cfg.cluster.gpus
     values = list(raw) if isinstance(raw, (list, tuple)) else [raw]
     per_node, mp = cfg.cluster.gpus_per_node, cfg.cluster.model_parallel_nodes
@@ -53,10 +53,10 @@ def check_layout(gpus: int, per_node: int, mp_nodes: int) -> None:
         )
 
 
-def mixes_of(cfg) -> List[Mix]:
+def mixes_of(cfg) -> list[Mix]:
     """`ft` given: the baseline plus that mix; `ft` null: every mix in `mixes`."""
     chosen = [[], list(cfg.ft)] if cfg.ft is not None else [list(m) for m in cfg.mixes]
-    unique: List[Mix] = []
+    unique: list[Mix] = []
     for names in chosen:
         check_mix(names)
         if tuple(names) not in unique:

@@ -2,9 +2,9 @@
 
 After every optimizer update each rank packs its shard (its parameters and their optimizer state)
 and sends it to its *holder*, the logical rank one node further on (``procs_per_node`` ranks
-later, wrapping around), while it receives the shard of its *partner* (one node back). The
-exchange runs on the generation's side group (``Comm.side_pg``, gloo) in a background thread, so
-it overlaps the next step's parameter sync, forward and backward; the next update waits for it.
+later, wrapping around: ``Topology.replica_holder``), while it receives the shard of its *partner*
+(one node back). The exchange runs on the generation's side group (``Comm.side_pg``, gloo) in a
+background thread, so it overlaps the next step's parameter sync, forward and backward; the next update waits for it.
 
 The holder keeps two replica slots (ping-pong): a new replica is received into the slot that does
 *not* hold the newest complete one, so a failure in the middle of a copy always leaves the
@@ -32,8 +32,16 @@ import torch
 from torch import Tensor
 
 from runner.comm import CollectiveFailure
-from runner.recovery.deadpool.shard_state import (ShardLayout, ShardPacker, ShardState, UpdateRecord, describe,
-                                                  replay, unpack)
+from runner.recovery.deadpool.shard_state import (
+    ShardLayout,
+    ShardPacker,
+    ShardState,
+    UpdateRecord,
+    describe,
+    replay,
+    unpack,
+)
+from runner.topology import Topology
 from runner.zero import ZeroOne
 
 TAG_HEADER, TAG_LAYOUT, TAG_DATA = 0, 1, 2
@@ -54,10 +62,9 @@ class _Slot:
 
 
 class ShardReplicator:
-    def __init__(self, zero: ZeroOne, procs_per_node: int, timeout_s: float) -> None:
+    def __init__(self, zero: ZeroOne, topology: Topology, timeout_s: float) -> None:
         self.zero = zero
-        self.dp = zero.plan.dp
-        self.ppn = procs_per_node
+        self.topology = topology
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deadpool-replicate")
         self._job: Optional[Future] = None
@@ -77,10 +84,10 @@ class ShardReplicator:
 
     # -- who backs up whom -----------------------------------------------------------------------
     def holder(self, logical_rank: int) -> int:
-        return (logical_rank + self.ppn) % self.dp
+        return self.topology.replica_holder(logical_rank)
 
     def partner(self, logical_rank: int) -> int:
-        return (logical_rank - self.ppn) % self.dp
+        return self.topology.replica_owner(logical_rank)
 
     # -- the owner's side: one exchange per update -----------------------------------------------
     def record(self, logical_rank: int, gen: int) -> None:

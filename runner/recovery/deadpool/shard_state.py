@@ -42,7 +42,7 @@ class ShardState:
         return {"gen": self.gen, "base_gen": self.base_gen, "params": self.params, "state": self.state}
 
     @staticmethod
-    def from_payload(payload: dict) -> "ShardState":
+    def from_payload(payload: dict) -> ShardState:
         return ShardState(payload["gen"], payload["params"], payload["state"], payload["base_gen"])
 
 

@@ -7,9 +7,9 @@ from .events import Event
 from .hygiene import cleanup, cleanup_stale
 from .persister import (
     PersistClient,
+    Persister,
     PersistError,
     PersistOutcome,
-    Persister,
     connect_persister,
     persist_latest,
     persister_address,

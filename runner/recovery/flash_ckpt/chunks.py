@@ -12,9 +12,9 @@ hundred small tensors is a third of a 200 MB copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch

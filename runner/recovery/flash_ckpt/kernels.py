@@ -20,10 +20,10 @@ data length must be multiples of 8 (chunks.address and chunks.Plan ensure it).
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
-from llvmlite import ir
 
 _BLOCK_SHIFT = 9  # 512 words = 4 KiB, checksum.BLOCK_BYTES
 _BLOCK_BYTES = 8 << _BLOCK_SHIFT

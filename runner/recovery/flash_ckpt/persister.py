@@ -18,17 +18,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Callable
+from typing import Any
 
 from .disk import apply_retention, checkpoint_path, sidecar_path, write_atomic
 from .events import EventSink, emit
 from .shm import PREFIX, check_job_id
 from .slots import committed_steps, find_step, load_slot, newest_verified, pin_step
-
 
 FAILED = "failed"  # a trainer's last message when its fit failed: persist at breakpoint, as after a crash
 

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from .segment import ALIGN, PAGE, map_for_reading, read_header, unmap_for_reading
-from .slots import committed_steps
 from .shm import backup_names, segment_name
+from .slots import committed_steps
 
 
 class Prefetch:

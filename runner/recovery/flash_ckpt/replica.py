@@ -13,8 +13,8 @@ from pathlib import Path
 
 from .chunks import Plan
 from .segment import Slot, encode_meta
-from .slots import SlotWriter, newest_verified
 from .shm import segment_name
+from .slots import SlotWriter, newest_verified
 
 
 def backup_to_partner(job_id: str, owner: int, holder: int) -> int:

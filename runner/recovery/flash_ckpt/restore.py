@@ -13,8 +13,8 @@ from .disk import list_checkpoints, read_verified, sidecar_path
 from .events import EventSink, emit
 from .prefetch import Prefetch
 from .segment import CorruptSnapshot
-from .slots import SlotWriter, committed_steps, load_slot
 from .shm import backup_names, segment_name
+from .slots import SlotWriter, committed_steps, load_slot
 
 _PREFERENCE = {"memory": 0, "partner": 1, "disk": 2}
 _PREFETCH_WAIT_S = 30.0  # mapping and faulting in a few GB takes seconds at most; after that, go on without

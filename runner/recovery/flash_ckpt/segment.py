@@ -57,7 +57,7 @@ _COMMITTED_AT = 12
 
 
 # (st_dev, st_ino) of a slot file -> the Slot that has it mapped for writing in this process
-_WRITERS: dict[tuple[int, int], "Slot"] = {}
+_WRITERS: dict[tuple[int, int], Slot] = {}
 # (st_dev, st_ino) of a slot file -> (descriptor, read-only mapping) made ahead of a restore (prefetch.py)
 _READERS: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
 

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from . import codec
+from .chunks import address
 from .segment import CorruptSnapshot, Slot, encode_meta, read_header, read_header_fd
 from .shm import slot_paths
-from .chunks import address
 
 T = TypeVar("T")
 

@@ -19,8 +19,8 @@ from .chunks import CHUNK_BYTES, Plan, address
 from .codec import Flat, flatten
 from .events import EventSink, emit
 from .segment import Slot, encode_meta, plan_layout, snapshot_meta
-from .slots import SlotWriter
 from .shm import check_job_id, segment_name
+from .slots import SlotWriter
 
 _DIGEST_BOUND = 2**32 - 1  # widest digest, used to size the metadata before digests exist
 

@@ -1,6 +1,6 @@
 """NDB (Neighbour-Do-Both, from MeCeFO): a DP neighbour computes a failed rank's micro-batch too.
 
-When a data-parallel rank fails and no spare exists, a neighbour (``neighbour_of``) runs its own
+When a data-parallel rank fails and no spare exists, a neighbour (``Topology.ndb_neighbour``) runs its own
 micro-batch exactly and the failed rank's with three cheap approximations, each switchable
 (``NDBConfig``, mirrored by ``conf/ft/ndb.yaml``): attention skip-connection, FFN recomputation and
 low-rank FFN weight gradients. API:
@@ -16,7 +16,6 @@ low-rank FFN weight gradients. API:
 
 from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.ndb.lowrank import LowRankWgradLinear, SVDCache, lowrank_linear, lowrank_rank
-from runner.recovery.ndb.neighbour import neighbour_of
 from runner.recovery.ndb.params import attention_param_names, contributor_counts
 from runner.recovery.ndb.takeover import TakeoverForward, extra_microbatch_loss
 
@@ -30,5 +29,4 @@ __all__ = [
     "extra_microbatch_loss",
     "lowrank_linear",
     "lowrank_rank",
-    "neighbour_of",
 ]
