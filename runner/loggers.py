@@ -30,9 +30,17 @@ def build_logger(cfg: DictConfig, run_dir: Path):
 
 
 def _wandb_group(cfg: DictConfig, run_dir: Path) -> str:
-    """Runs of one sweep share a group: the sweep directory."""
-    in_sweep = Path(run_dir).name.isdigit()
-    return cfg.logger.group or str(Path(run_dir).parent if in_sweep else run_dir)
+    """Runs of one sweep share a group: the sweep directory, relative to the working directory (or its last
+    three parts, e.g. multirun/<date>/<time>, when it lies elsewhere), so that a group name does not carry one
+    machine's absolute paths."""
+    if cfg.logger.group:
+        return cfg.logger.group
+    run_dir = Path(run_dir).resolve()
+    group = run_dir.parent if run_dir.name.isdigit() else run_dir
+    try:
+        return str(group.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(Path(*group.parts[-3:]))
 
 
 def _wandb_id(run_dir: Path) -> str:

@@ -28,22 +28,22 @@ def _jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def _fake_job(job_dir: Path, fault: str) -> None:
+def _fake_job(job_dir: Path, fault: str, ft: tuple[str, ...] = ("flashrecovery",), step_s: float = 0.02) -> None:
     """A 12-step, 2-rank gpt_tiny run following docs/outputs.md; kill_rank loses rank 1 at step 6."""
     (job_dir / ".hydra").mkdir(parents=True)
-    (job_dir / ".hydra" / "overrides.yaml").write_text(f"- +recipe=gpt_tiny\n- ft=[flashrecovery]\n- fault={fault}\n")
+    (job_dir / ".hydra" / "overrides.yaml").write_text(f"- +recipe=gpt_tiny\n- ft=[{','.join(ft)}]\n- fault={fault}\n")
     (job_dir / ".hydra" / "config.yaml").write_text("recipe_name: gpt_tiny\nseed: 1234\n")
     faulty = fault != "none"
     metrics, t = [], T0 + 1.0
     for step in range(12):
-        step_time = 0.3 if faulty and step == 6 else 0.02
+        step_time = 0.3 if faulty and step == 6 else step_s
         t += step_time
         metrics.append({"step": step, "t": t, "loss": 5.5 - 0.03 * step, "step_time_s": step_time, "reduce_s": 0.004,
                         "tokens_per_s": 1024 / step_time, "counts": [1, 1], "misplaced": 0,
                         "gen": 2 if faulty and step >= 6 else 0})
     _jsonl(job_dir / "metrics.jsonl", metrics)
     events = [{"t": T0, "step": -1, "rank": "controller", "kind": "run_start", "world_size": 2, "nodes": 1,
-               "ft": ["flashrecovery"], "recipe": "gpt_tiny", "store_port": 40000}]
+               "ft": list(ft), "recipe": "gpt_tiny", "store_port": 40000}]
     recoveries = []
     if faulty:
         t_fault = metrics[5]["t"] + 0.005
@@ -61,8 +61,8 @@ def _fake_job(job_dir: Path, fault: str) -> None:
                        "reason": "process_crash of logical rank(s) [1]: restart in place", "rpo_steps": 0,
                        "rto_s": 0.25, **PHASES, "survivors_ready_s": 0.06, "t_fault": t_fault}]
     train_s = metrics[-1]["t"] - metrics[0]["t"] + metrics[0]["step_time_s"]
-    summary = {"status": "completed", "recipe": "gpt_tiny", "run_name": f"gpt_tiny-flashrecovery-{fault}-w1x2",
-               "ft": ["flashrecovery"], "fault": fault, "world_size": 2, "nodes": 1, "global_step": 12,
+    summary = {"status": "completed", "recipe": "gpt_tiny", "run_name": f"gpt_tiny-{'+'.join(ft)}-{fault}-w1x2",
+               "ft": list(ft), "fault": fault, "world_size": 2, "nodes": 1, "global_step": 12,
                "initial_loss": 5.5, "final_loss": 5.17, "tokens_per_s": 12 * 1024 / train_s,
                "steps_per_s": 12 / train_s, "mfu": 0.05, "wall_s": train_s + 1.0, "train_s": train_s,
                "param_checksum": CHECKSUM, "recoveries": recoveries, "samples_committed": 96, "samples_lost": 0,
@@ -72,13 +72,13 @@ def _fake_job(job_dir: Path, fault: str) -> None:
     _jsonl(job_dir / "events.jsonl", events)
 
 
-def _rows(report: str) -> dict[str, list[str]]:
-    """The main table's rows, keyed by fault, as lists of cells."""
+def _rows(report: str) -> dict[tuple[str, str], dict[str, str]]:
+    """The main table's rows, keyed by (strategy, fault), as cells keyed by column."""
     section = report.split("## Strategy x fault")[1].split("## Recoveries")[0]
     table = [line for line in section.splitlines() if line.startswith("|")]
     cells = [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in table]
     header, body = cells[0], cells[2:]
-    return {row[header.index("fault")]: dict(zip(header, row)) for row in body}
+    return {(row[header.index("strategy")], row[header.index("fault")]): dict(zip(header, row)) for row in body}
 
 
 def _assert_report(sweep: Path) -> str:
@@ -86,7 +86,7 @@ def _assert_report(sweep: Path) -> str:
     for line in report.splitlines():
         if line.startswith("|"):
             assert all(c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]), f"empty cell in: {line}"
-    for name in ("rto_phases.png", "throughput.png", "loss.png"):
+    for name in ("progress.png", "rto_phases.png", "throughput.png", "loss.png"):
         data = (sweep / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 10_000, name
     return report
@@ -95,19 +95,22 @@ def _assert_report(sweep: Path) -> str:
 def test_report_on_a_hand_made_sweep(tmp_path):
     _fake_job(tmp_path / "0", "none")
     _fake_job(tmp_path / "1", "kill_rank")
+    _fake_job(tmp_path / "2", "none", ft=(), step_s=0.019)
     proc = _python("-m", "runner.report", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     report = _assert_report(tmp_path)
     rows = _rows(report)
-    assert set(rows) == {"none", "kill_rank"}
-    killed, clean = rows["kill_rank"], rows["none"]
+    assert set(rows) == {("flashrecovery", "none"), ("flashrecovery", "kill_rank"), ("none", "none")}
+    killed, clean = rows["flashrecovery", "kill_rank"], rows["flashrecovery", "none"]
     assert killed["strategy"] == clean["strategy"] == "flashrecovery"
     assert killed["status"] == "completed" and killed["recoveries"] == "1"
     assert killed["RTO (s)"] == "0.250" and killed["detect (s)"] == "0.020" and killed["restore (s)"] == "0.140"
     assert killed["RPO (steps)"] == "0"
     assert killed["checksum = fault-free"] == "yes"
-    assert killed["fault-free overhead"].endswith("(vs 0)") and killed["fault-free overhead"].startswith("+")
-    assert killed["ETTR"] == f"{json.loads((tmp_path / '1' / 'summary.json').read_text())['effective_training_time_ratio']:.3f}"
+    assert killed["fault-free overhead"].startswith("n/a[^") and "measures no fault-free overhead" in report
+    assert clean["fault-free overhead"] == "+5.0% (vs 2)"  # 0.020 s against ft=[]'s 0.019 s per step
+    ettr = json.loads((tmp_path / "1" / "summary.json").read_text())["effective_training_time_ratio"]
+    assert killed["ETTR"] == f"{ettr:.3f}"
     assert clean["RTO (s)"].startswith("n/a[^") and "no recovery in this job" in report
     assert "| 1 | 0 | process_crash | 1 | 6 | restart_rank | 0.250 |" in report  # the per-recovery table
 
@@ -135,6 +138,16 @@ def test_report_on_a_real_kill_rank_sweep(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     proc = _python("-m", "runner.report", str(sweep))
     assert proc.returncode == 0, proc.stderr
-    killed = _rows(_assert_report(sweep))["kill_rank"]
+    killed = _rows(_assert_report(sweep))["flashrecovery", "kill_rank"]
     assert killed["status"] == "completed" and killed["checksum = fault-free"] == "yes"
     assert float(killed["RTO (s)"]) > 0
+
+
+def test_throughput_is_smoothed_and_a_pause_is_left_blank():
+    from runner.report.plots import _with_gaps, smoothed
+
+    assert smoothed([10, 10, 100, 10, 10], 3) == [10, 10, 10, 10, 10]  # one slow step draws no spike
+    times, values = _with_gaps([0.0, 1.0, 2.0, 3.0, 30.0, 31.0], [1.0] * 6)
+    assert times[:4] == [0.0, 1.0, 2.0, 3.0] and times[5:] == [30.0, 31.0]
+    assert values[4] != values[4]  # NaN: matplotlib draws no line across the recovery
+    assert _with_gaps([0.0, 1.0, 2.0, 3.0], [1.0] * 4) == ([0.0, 1.0, 2.0, 3.0], [1.0] * 4)

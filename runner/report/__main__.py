@@ -1,4 +1,5 @@
-"""``python -m runner.report DIR``: write report.md, rto_phases.png, throughput.png and loss.png into DIR."""
+"""``python -m runner.report DIR``: write report.md, progress.png, rto_phases.png, throughput.png and loss.png
+into DIR."""
 
 from __future__ import annotations
 

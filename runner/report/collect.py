@@ -41,6 +41,11 @@ class Job:
         return self.fault == "none"
 
     @property
+    def failed(self) -> bool:
+        """The run wrote a summary that says it did not complete."""
+        return bool(self.summary) and self.summary.get("status") != "completed"
+
+    @property
     def label(self) -> str:
         return f"{self.name}: {self.strategy} / {self.fault}"
 

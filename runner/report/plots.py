@@ -1,7 +1,13 @@
-"""The report's PNGs: RTO phases per recovery, tokens/s over wall time, and loss per step."""
+"""The report's PNGs: progress over wall time, RTO phases per recovery, smoothed tokens/s, and loss per step.
+
+Read at a glance: a recovery is a flat in the progress plot and a gap (not a bridging line) in the
+throughput plot; a failed job is marked with an x where it stopped and "(failed)" in its label.
+"""
 
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -14,13 +20,16 @@ from runner.report.collect import PHASES, Job  # noqa: E402
 DPI = 120
 LEGEND_INSIDE_MAX = 4  # more series than this and the legend moves outside the axes
 MARKERS = {"fault_injected": ("-", "fault injected"), "fault_detected": (":", "fault detected")}
+SMOOTH_STEPS = 9  # throughput: median over this many consecutive committed steps (odd: centred)
+GAP_FACTOR = 5.0  # a pause between commits longer than this many median step times breaks the line
 
 
 def draw_all(jobs: list[Job], out_dir: Path) -> list[str]:
-    """Write the three plots into ``out_dir``; returns their file names."""
+    """Write the plots into ``out_dir``; returns their file names."""
     jobs = [j for j in jobs if j.summary]
     names = []
-    for name, draw in (("rto_phases.png", rto_phases), ("throughput.png", throughput), ("loss.png", loss)):
+    for name, draw in (("progress.png", progress), ("rto_phases.png", rto_phases), ("throughput.png", throughput),
+                       ("loss.png", loss)):
         fig = draw(jobs)
         fig.savefig(out_dir / name, dpi=DPI, bbox_inches="tight")
         plt.close(fig)
@@ -50,18 +59,43 @@ def rto_phases(jobs: list[Job]):
     return fig
 
 
-def throughput(jobs: list[Job]):
-    """tokens/s of every committed step against seconds since the run started, with fault markers."""
+def progress(jobs: list[Job]):
+    """Committed global step against wall time: the run's slope is its speed, a recovery a flat stretch."""
     fig, ax = plt.subplots(figsize=(10, 5))
-    ax.set_title("Throughput over wall time (vertical lines: faults injected / detected)")
+    ax.set_title("Progress (flat stretches: recoveries; x: a failed job stopped there)")
+    ax.set_xlabel("wall time since the first step started (s)")
+    ax.set_ylabel("committed global step")
+    for job in jobs:
+        t0 = job.first_step_start()
+        if t0 is None:
+            continue
+        times, steps = [m["t"] - t0 for m in job.metrics], [m["step"] + 1 for m in job.metrics]
+        line, = ax.plot([0.0, *times], [0, *steps], drawstyle="steps-post", linewidth=1.5, label=_label(job))
+        if job.failed:
+            ax.plot(times[-1:], steps[-1:], marker="x", markersize=10, color=line.get_color())
+    _legend(ax, len(jobs))
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    return fig
+
+
+def throughput(jobs: list[Job]):
+    """tokens/s, a centred running median over ``SMOOTH_STEPS`` committed steps, against wall time; the line
+    breaks where commits paused (a recovery) instead of bridging it; fault markers as vertical lines."""
+    fig, ax = plt.subplots(figsize=(10, 5))
+    ax.set_title(f"Throughput over wall time, median of {SMOOTH_STEPS} steps (vertical lines: faults)")
     ax.set_xlabel("wall time since the first step started (s)")
     ax.set_ylabel("tokens/s")
     for job in jobs:
         t0 = job.first_step_start()
         if t0 is None:
             continue
-        line, = ax.plot([m["t"] - t0 for m in job.metrics], [m["tokens_per_s"] for m in job.metrics],
-                        marker=".", linewidth=1, label=job.label)
+        times, rates = _with_gaps([m["t"] - t0 for m in job.metrics], smoothed(
+            [m["tokens_per_s"] for m in job.metrics], SMOOTH_STEPS))
+        line, = ax.plot(times, rates, linewidth=1.5, label=_label(job))
+        if job.failed:
+            ax.plot(times[-1:], rates[-1:], marker="x", markersize=10, color=line.get_color())
         for e in job.events:
             if e.get("kind") in MARKERS:
                 style, _ = MARKERS[e["kind"]]
@@ -69,9 +103,31 @@ def throughput(jobs: list[Job]):
     for style, what in MARKERS.values():
         ax.plot([], [], color="grey", linestyle=style, label=what)
     _legend(ax, len(jobs) + len(MARKERS))
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.08)  # headroom: a flat line does not hide under the frame
     fig.tight_layout()
     return fig
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    """Centred running median (shorter at both ends): one slow step does not draw a spike."""
+    half = window // 2
+    return [statistics.median(values[max(0, i - half):i + half + 1]) for i in range(len(values))]
+
+
+def _with_gaps(times: list[float], values: list[float]) -> tuple[list[float], list[float]]:
+    """Insert a NaN point where two commits are more than ``GAP_FACTOR`` median intervals apart, so that
+    matplotlib leaves the pause blank."""
+    if len(times) < 3:
+        return times, values
+    limit = GAP_FACTOR * statistics.median(b - a for a, b in zip(times, times[1:]))
+    out_t, out_v = [times[0]], [values[0]]
+    for (a, b), v in zip(zip(times, times[1:]), values[1:]):
+        if b - a > limit:
+            out_t.append((a + b) / 2)
+            out_v.append(math.nan)
+        out_t.append(b)
+        out_v.append(v)
+    return out_t, out_v
 
 
 def loss(jobs: list[Job]):
@@ -82,11 +138,15 @@ def loss(jobs: list[Job]):
     ax.set_ylabel("loss (mean over micro-batches)")
     for job in jobs:
         dashed = job.fault_free  # drawn thinner and on top, so an identical faulted curve stays visible
-        ax.plot([m["step"] for m in job.metrics], [m["loss"] for m in job.metrics], label=job.label,
+        ax.plot([m["step"] for m in job.metrics], [m["loss"] for m in job.metrics], label=_label(job),
                 linestyle="--" if dashed else "-", linewidth=1.5 if dashed else 3, zorder=3 if dashed else 2)
     _legend(ax, len(jobs))
     fig.tight_layout()
     return fig
+
+
+def _label(job: Job) -> str:
+    return f"{job.label} (failed)" if job.failed else job.label
 
 
 def _legend(ax, series: int) -> None:

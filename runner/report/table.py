@@ -18,6 +18,8 @@ RECOVERY_UNFINISHED = "the run failed before this recovery committed a step"
 NO_THROUGHPUT_REF = "no completed fault-free job in the sweep with the same recipe and world size"
 IS_THROUGHPUT_REF = ("this job is the fault-free run of its strategy and the sweep has no fault-free job without "
                      "fault tolerance (ft=[]) of the same recipe and world size to compare it with")
+FAULT_JOB_OVERHEAD = ("a fault job's tokens/s includes its recoveries, so it measures no fault-free overhead: compare "
+                      "the fault-free job of the same strategy")
 NO_CHECKSUM = "no param_checksum: the run failed or its replicas ended with different parameters"
 NO_CHECKSUM_REF = "no fault-free run in sweep with the same recipe, world size, step count and seed"
 IS_CHECKSUM_REF = ("this job is the fault-free run; the sweep has no other fault-free run of the same recipe, "
@@ -53,9 +55,10 @@ def render(jobs: list[Job], root: Path, plots: list[str]) -> str:
         "## Strategy x fault",
         "",
         "RTO, its phases and RPO are medians over the job's recoveries (each recovery is listed below). "
-        "Fault-free overhead is how much lower the job's tokens/s is than that of the reference job named "
-        "in brackets: the fault-free job with the same strategy, else the fault-free job without fault "
-        "tolerance (positive = slower). The checksum column says whether the final parameters are "
+        "Fault-free overhead, given for fault-free jobs only, is how much lower the job's tokens/s is than "
+        "that of the reference job named in brackets: another fault-free job with the same strategy, else the "
+        "fault-free job without fault tolerance (positive = slower). The checksum column says whether the final "
+        "parameters are "
         "bit-identical to a fault-free run of the same recipe, world size, step count and seed.",
         "",
         *_table(_MAIN_HEADER, [_main_row(j, jobs, notes) for j in jobs]),
@@ -116,6 +119,10 @@ def _median(job: Job, key: str, notes: Notes, fmt: Optional[Callable[[float], st
 
 
 def _overhead(job: Job, jobs: list[Job], notes: Notes) -> str:
+    """Fault-free jobs only: their tokens/s against ft=[] of the same recipe and world size (or, for ft=[]
+    itself, n/a)."""
+    if not job.fault_free:
+        return notes.na(FAULT_JOB_OVERHEAD)
     s = job.summary
     same_size = [j for j in _fault_free(jobs, job)
                  if (j.summary["recipe"], j.summary["world_size"]) == (s["recipe"], s["world_size"])]

@@ -2,8 +2,11 @@
 
 Sections "Recovery" (recovery/rto_s and its phases), "Throughput" (train/tokens_per_s,
 train/step_time_s) and "Loss" (train/loss), with runs grouped by their W&B group, which the runner
-sets to the sweep directory (runner/loggers.py). Needs the ``wandb-workspaces`` package and a
-logged-in, online W&B; otherwise it explains what is missing and exits 2.
+sets to the sweep directory (runner/loggers.py). Training panels are drawn against
+``trainer/global_step`` (the step axis Lightning's W&B logger defines) and recovery panels against
+``recovery/id`` (the one the runner defines for them). Needs the optional ``wandb-workspaces``
+package (``pip install "resilient-runner[workspace]"``) and a logged-in, online W&B; otherwise it
+explains what is missing and exits 2.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from runner.report.collect import PHASES
 
 EXIT_UNAVAILABLE = 2
 RECOVERY_KEYS = ["recovery/rto_s", *(f"recovery/{p}" for p in PHASES)]
+TRAIN_STEP = "trainer/global_step"  # Lightning's WandbLogger logs every metric against it
+RECOVERY_STEP = "recovery/id"  # runner.loggers defines recovery/* against it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
             import wandb_workspaces.workspaces as ws
         except ImportError:
             problem = ("the wandb-workspaces package is not installed; install it with "
-                       "`pip install wandb-workspaces` and run this again")
+                       "`pip install \"resilient-runner[workspace]\"` (or `pip install wandb-workspaces`) and run this "
+                       "again")
     if problem is not None:
         print(f"[runner.report] Cannot build the W&B workspace: {problem}. Nothing was saved; the offline "
               "runs under each run directory's wandb/ can be uploaded with `wandb sync` first.", file=sys.stderr)
@@ -49,14 +55,14 @@ def build(ws, wr, entity: str, project: str, name: str):
         ws.Section(name="Recovery", is_open=True, panels=[
             wr.BarPlot(title="RTO per run (s)", metrics=["recovery/rto_s"], orientation="h"),
             wr.BarPlot(title="RTO phases per run (s)", metrics=RECOVERY_KEYS[1:], orientation="h"),
-            wr.LinePlot(title="RTO and phases per recovery (s)", y=RECOVERY_KEYS),
+            wr.LinePlot(title="RTO and phases per recovery (s)", x=RECOVERY_STEP, y=RECOVERY_KEYS),
         ]),
         ws.Section(name="Throughput", is_open=True, panels=[
-            wr.LinePlot(title="tokens/s", y=["train/tokens_per_s"], title_y="tokens/s"),
-            wr.LinePlot(title="step time (s)", y=["train/step_time_s"], title_y="s"),
+            wr.LinePlot(title="tokens/s", x=TRAIN_STEP, y=["train/tokens_per_s"], title_y="tokens/s"),
+            wr.LinePlot(title="step time (s)", x=TRAIN_STEP, y=["train/step_time_s"], title_y="s"),
         ]),
         ws.Section(name="Loss", is_open=True, panels=[
-            wr.LinePlot(title="training loss", y=["train/loss"], title_y="loss"),
+            wr.LinePlot(title="training loss", x=TRAIN_STEP, y=["train/loss"], title_y="loss"),
         ]),
     ]
     return ws.Workspace(entity=entity, project=project, name=name, sections=sections,
