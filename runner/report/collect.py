@@ -28,13 +28,18 @@ class Job:
     seed: Any = None
 
     @property
+    def fields(self) -> dict[str, Any]:
+        """The summary's fields; empty when the run wrote no summary."""
+        return self.summary or {}
+
+    @property
     def strategy(self) -> str:
-        ft = (self.summary or {}).get("ft") or []
+        ft = self.fields.get("ft") or []
         return "+".join(ft) or "none"
 
     @property
     def fault(self) -> str:
-        return (self.summary or {}).get("fault", "n/a")
+        return self.fields.get("fault", "n/a")
 
     @property
     def fault_free(self) -> bool:
@@ -43,7 +48,7 @@ class Job:
     @property
     def failed(self) -> bool:
         """The run wrote a summary that says it did not complete."""
-        return bool(self.summary) and self.summary.get("status") != "completed"
+        return bool(self.summary) and self.fields.get("status") != "completed"
 
     @property
     def label(self) -> str:
@@ -51,7 +56,7 @@ class Job:
 
     @property
     def recoveries(self) -> list[dict[str, Any]]:
-        return (self.summary or {}).get("recoveries") or []
+        return self.fields.get("recoveries") or []
 
     def median(self, key: str) -> Optional[float]:
         """Median of a recovery field over this job's recoveries, skipping nulls; None if none has it."""
@@ -60,7 +65,7 @@ class Job:
 
     def run_key(self) -> tuple:
         """What must match for two runs to be expected to end with the same parameters."""
-        s = self.summary or {}
+        s = self.fields
         return s.get("recipe"), s.get("world_size"), s.get("global_step"), self.seed
 
     def first_step_start(self) -> Optional[float]:

@@ -15,9 +15,8 @@ from runner.report.collect import PHASES, Job
 NO_SUMMARY = "the run wrote no summary.json (configuration error, plan-only run, or killed)"
 NO_RECOVERY = "no recovery in this job"
 RECOVERY_UNFINISHED = "the run failed before this recovery committed a step"
-NO_THROUGHPUT_REF = "no completed fault-free job in the sweep with the same recipe and world size"
-IS_THROUGHPUT_REF = ("this job is the fault-free run of its strategy and the sweep has no fault-free job without "
-                     "fault tolerance (ft=[]) of the same recipe and world size to compare it with")
+NO_THROUGHPUT_REF = ("the sweep has no other completed fault-free job of the same recipe and world size (another "
+                     "with this strategy, or one without fault tolerance, ft=[]) to compare it with")
 FAULT_JOB_OVERHEAD = ("a fault job's tokens/s includes its recoveries, so it measures no fault-free overhead: compare "
                       "the fault-free job of the same strategy")
 NO_CHECKSUM = "no param_checksum: the run failed or its replicas ended with different parameters"
@@ -45,7 +44,7 @@ def render(jobs: list[Job], root: Path, plots: list[str]) -> str:
     """The whole report.md for ``jobs`` found under ``root``; ``plots`` are PNG names beside it."""
     notes = Notes()
     done = [j for j in jobs if j.summary]
-    failed = [j for j in done if j.summary.get("status") != "completed"]
+    failed = [j for j in done if j.failed]
     lines = [
         f"# Sweep report: `{root}`",
         "",
@@ -123,29 +122,29 @@ def _overhead(job: Job, jobs: list[Job], notes: Notes) -> str:
     itself, n/a)."""
     if not job.fault_free:
         return notes.na(FAULT_JOB_OVERHEAD)
-    s = job.summary
+    s = job.fields
     same_size = [j for j in _fault_free(jobs, job)
-                 if (j.summary["recipe"], j.summary["world_size"]) == (s["recipe"], s["world_size"])]
+                 if (j.fields["recipe"], j.fields["world_size"]) == (s["recipe"], s["world_size"])]
     ref = _first(same_size, job.strategy) or _first(same_size, "none")
-    if ref is None or not ref.summary["tokens_per_s"]:
-        return notes.na(IS_THROUGHPUT_REF if job.fault_free else NO_THROUGHPUT_REF)
-    drop = 100.0 * (1.0 - s["tokens_per_s"] / ref.summary["tokens_per_s"])
+    if ref is None or not ref.fields["tokens_per_s"]:
+        return notes.na(NO_THROUGHPUT_REF)
+    drop = 100.0 * (1.0 - s["tokens_per_s"] / ref.fields["tokens_per_s"])
     return f"{drop:+.1f}% (vs {ref.name})"
 
 
 def _checksum(job: Job, jobs: list[Job], notes: Notes) -> str:
-    if not job.summary.get("param_checksum"):
+    if not job.fields.get("param_checksum"):
         return notes.na(NO_CHECKSUM)
-    refs = [j for j in _fault_free(jobs, job) if j.run_key() == job.run_key() and j.summary.get("param_checksum")]
+    refs = [j for j in _fault_free(jobs, job) if j.run_key() == job.run_key() and j.fields.get("param_checksum")]
     ref = _first(refs, job.strategy) or (refs[0] if refs else None)
     if ref is None:
         return notes.na(IS_CHECKSUM_REF if job.fault_free else NO_CHECKSUM_REF)
-    return "yes" if ref.summary["param_checksum"] == job.summary["param_checksum"] else "no"
+    return "yes" if ref.fields["param_checksum"] == job.fields["param_checksum"] else "no"
 
 
 def _fault_free(jobs: list[Job], other_than: Job) -> list[Job]:
     return [j for j in jobs if j is not other_than and j.summary and j.fault_free
-            and j.summary.get("status") == "completed"]
+            and not j.failed]
 
 
 def _first(jobs: list[Job], strategy: str) -> Optional[Job]:
