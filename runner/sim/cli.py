@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from runner.sim import calibration, report, schema
+from runner.sim import calibration, plots, report, schema
 from runner.sim.errors import ConfigError
 from runner.sim.sweep import simulate
 
@@ -28,7 +28,7 @@ def main(dcfg: DictConfig) -> None:
     try:
         overrides = {}
         if cfg.calibration:
-            cfg.costs, overrides = calibration.load(to_absolute_path(cfg.calibration), cfg.costs)
+            overrides = calibration.apply(cfg, to_absolute_path(cfg.calibration))
         sweep = simulate(cfg, overrides)
         summary = report.summarize(sweep, cfg)
     except ConfigError as exc:
@@ -36,6 +36,7 @@ def main(dcfg: DictConfig) -> None:
         sys.exit(2)
     out = Path(HydraConfig.get().runtime.output_dir) / "sim.json"
     payload = {
+        "measured": calibration.label(to_absolute_path(cfg.calibration)) if cfg.calibration else None,
         "config": OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True),
         "costs_used": asdict(cfg.costs),
         "phase_overrides": overrides,
@@ -44,3 +45,6 @@ def main(dcfg: DictConfig) -> None:
     out.write_text(json.dumps(payload, indent=1))
     print(report.format_text(summary, cfg))
     print(f"\nwrote {out}")
+    if cfg.plots:
+        for png in plots.write(summary, out.parent):
+            print(f"wrote {png}")
