@@ -1,7 +1,9 @@
 """Properties of the cluster simulator (runner.sim), not snapshots of its output."""
+import importlib
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -185,6 +187,20 @@ def test_calibrated_costs_are_labelled_measured_with_host_and_date(tmp_path):
     assert cfg.sources["costs.process_start_s"] == "measured: box1, 2026-12-01, bench/recovery.py"
     summary = report.summarize(simulate(small("cluster.gpus=1024", "mixes=[[]]"), {}), cfg)
     assert "costs.process_start_s" not in summary["guesses"] and "costs.decide_s" in summary["guesses"]
+
+
+def test_bench_emits_a_calibration_file_the_simulator_reads(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    bench = importlib.import_module("recovery")
+    ours = {"detected": [0.01, 0.02, 0.04], "replacement start-up": [1.0, 2.0, 3.0]}
+    swaps = {"node loss, heartbeat.misses=10": {"detected": [1.1, 1.2, 1.4], "full world commits": [2.0]}}
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(bench.calibration(ours, swaps)))
+    cfg = load_cfg()
+    overrides = calibration.apply(cfg, str(path))
+    assert cfg.costs.process_start_s == 2.0
+    assert overrides == {"flashrecovery": {"detect": 0.02}, "deadpool": {"detect": 1.2, "decide": 0.0}}
+    assert cfg.sources["costs.process_start_s"].startswith(f"measured: {socket.gethostname()}, 20")
 
 
 def run_cli(*args, cwd=REPO):
