@@ -227,3 +227,8 @@ def test_cli_default_run_prints_table_and_writes_json_fast(tmp_path):
     data = json.loads((tmp_path / "sim.json").read_text())
     assert {p["gpus"] for p in data["points"]} == {1024, 4096, 16384}
     assert all(0 < p["ettr_mean"] <= 1 for p in data["points"])
+    assert data["profile"]["name"] == "llama3" and all(a["ok"] for a in data["anchors"])
+    assert data["decisions"]["flashrecovery"]["node_loss_spare_free"]["action"] == "fail"
+    assert "costs.decide_s" in data["guesses"] and "Guessed constants" in proc.stdout
+    for png in ("ettr_vs_gpus.png", "rto_phases.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -56,7 +56,7 @@ class Pricing:
         return replace(Phases(**modelled), **self.overrides.get(strategy, {}))
 
     def requeue(self, fault: FaultClass) -> Recovery:
-        """Kill the job, requeue every node, initialise every communicator, load from disk."""
+        """The whole-job restart: the `ft=[]` baseline, and what a run the runner fails gets."""
         key = ("fail", RESTART, fault)
         if key not in self._priced:
             self._priced[key] = self._requeue(fault)
@@ -70,7 +70,10 @@ class Pricing:
         return self._priced[key]
 
     def _requeue(self, fault: FaultClass) -> Recovery:
-        ph = self.phases(RESTART, detect=self.m.requeue_detect(fault), replace=self.m.requeue(self.gpus),
+        """Kill the job, decide (a stack that diagnoses first spends decide_s on it), requeue every
+        node, initialise every communicator, load from disk."""
+        ph = self.phases(RESTART, detect=self.m.requeue_detect(fault), decide=self.c.decide_s,
+                         replace=self.m.requeue(self.gpus),
                          rebuild=self.m.comm_init(self.gpus), restore=self.m.storage_read(self.gpus))
         return Recovery(RESTART, "fail", ph, Rollback.DISK, restarts_all=True, requeued=True)
 
