@@ -217,6 +217,16 @@ def test_cli_unknown_strategy_fails_with_clear_message(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_cli_costs_set_on_the_command_line_are_labelled_guesses(tmp_path):
+    proc = run_cli("ft=[]", "cluster.gpus=1024", "runs=1", "job.days=5", "costs.storage_gbps=500", "plots=false",
+                   f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "sim.json").read_text())
+    assert data["constants"]["costs.storage_gbps"] == {
+        "value": 500.0, "source": "guess: set on the command line (costs.storage_gbps=500)"}
+    assert "costs.storage_gbps" in data["guesses"]
+
+
 def test_cli_default_run_prints_table_and_writes_json_fast(tmp_path):
     start = time.monotonic()
     proc = run_cli(f"hydra.run.dir={tmp_path}")

@@ -22,9 +22,18 @@ schema.register()
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 
 
+def mark_command_line_costs(cfg, overrides: list[str]) -> None:
+    """A cost set on the command line no longer has its profile's source."""
+    for item in overrides:
+        key, _, value = item.lstrip("+~").partition("=")
+        if key.startswith("costs."):
+            cfg.sources[key] = f"guess: set on the command line ({key}={value})"
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
     cfg = OmegaConf.to_object(dcfg)
+    mark_command_line_costs(cfg, list(HydraConfig.get().overrides.task))
     try:
         overrides = {}
         if cfg.calibration:

@@ -102,7 +102,7 @@ class RunnerPolicy:
     def table(self, spare_ranks: int) -> dict[str, Decision]:
         """The action for every policy fault class with full budgets, no takeover running."""
         fresh = dict(restarts_left=self.max_restarts, full_restarts_left=self.max_full_restarts, takeovers=False)
-        out = {
+        return {
             "transient": self.decide(FaultClass.transient, spare_ranks=spare_ranks, **fresh),
             "process_crash": self.decide(FaultClass.process_crash, spare_ranks=spare_ranks, **fresh),
             "hang": self.decide(FaultClass.hang, spare_ranks=spare_ranks, **fresh),
@@ -111,4 +111,3 @@ class RunnerPolicy:
             "replica_lost": self.decide(FaultClass.process_crash, spare_ranks=spare_ranks, survivors=False, **fresh),
             "silent_corruption": self.decide(FaultClass.silent_corruption, spare_ranks=spare_ranks, **fresh),
         }
-        return out

@@ -130,7 +130,7 @@ class Job:
         self.next_disk = math.inf if plan.snapshot_interval_s else plan.checkpoint_interval_s
         self.next_snap = plan.snapshot_interval_s or math.inf
 
-    # JobView ------------------------------------------------------------------
+    # NDB neighbours -----------------------------------------------------------
     def neighbour(self, node: int) -> Optional[int]:
         """A live DP peer (same model position, next replica) that is not already
         covering for someone; None when the node itself is covering."""
