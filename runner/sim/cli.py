@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -32,10 +33,10 @@ def mark_command_line_costs(cfg, overrides: list[str]) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
-    cfg = OmegaConf.to_object(dcfg)
+    cfg: Any = OmegaConf.to_object(dcfg)  # a SimConf (the schema)
     mark_command_line_costs(cfg, list(HydraConfig.get().overrides.task))
     try:
-        overrides = {}
+        overrides: calibration.PhaseOverrides = {}
         if cfg.calibration:
             overrides = calibration.apply(cfg, to_absolute_path(cfg.calibration))
         sweep = simulate(cfg, overrides)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from omegaconf import OmegaConf
 
 from runner.config import policy
-from runner.decision import Decision, decide, restart_owner
+from runner.decision import Decision, decide
 from runner.sim.errors import ConfigError
 from runner.sim.failures import FaultClass
 
@@ -60,7 +60,8 @@ class RunnerPolicy:
         self.g, self.nodes = gpus_per_node, nodes
         self.has_replica = dp_degree >= 2
         self.can_restart = decision_conf.launcher in OWN_PROCESSES
-        owner = restart_owner(self.ft)
+        # whose max_restarts bounds in-place restarts: the first strategy able to restart a rank
+        owner = next((s for s in policy.ACTIONS["restart_rank"][1] if s in self.ft), None)
         self.max_restarts = self.cfg.ft[owner].max_restarts if owner else 0
         self.max_full_restarts = self.cfg.ft.flash_ckpt.max_restarts if "flash_ckpt" in self.ft else 0
         self.sdc_row = policy.table(self.cfg, self.ft)["silent_corruption"]
@@ -101,13 +102,16 @@ class RunnerPolicy:
 
     def table(self, spare_ranks: int) -> dict[str, Decision]:
         """The action for every policy fault class with full budgets, no takeover running."""
-        fresh = dict(restarts_left=self.max_restarts, full_restarts_left=self.max_full_restarts, takeovers=False)
+        def fresh(fault: FaultClass, spares: int = spare_ranks, survivors: bool = True) -> Decision:
+            return self.decide(fault, restarts_left=self.max_restarts, spare_ranks=spares,
+                               full_restarts_left=self.max_full_restarts, takeovers=False, survivors=survivors)
+
         return {
-            "transient": self.decide(FaultClass.transient, spare_ranks=spare_ranks, **fresh),
-            "process_crash": self.decide(FaultClass.process_crash, spare_ranks=spare_ranks, **fresh),
-            "hang": self.decide(FaultClass.hang, spare_ranks=spare_ranks, **fresh),
-            "node_loss_spare_free": self.decide(FaultClass.node_loss, spare_ranks=max(spare_ranks, self.g), **fresh),
-            "node_loss_no_spare": self.decide(FaultClass.node_loss, spare_ranks=0, **fresh),
-            "replica_lost": self.decide(FaultClass.process_crash, spare_ranks=spare_ranks, survivors=False, **fresh),
-            "silent_corruption": self.decide(FaultClass.silent_corruption, spare_ranks=spare_ranks, **fresh),
+            "transient": fresh(FaultClass.transient),
+            "process_crash": fresh(FaultClass.process_crash),
+            "hang": fresh(FaultClass.hang),
+            "node_loss_spare_free": fresh(FaultClass.node_loss, spares=max(spare_ranks, self.g)),
+            "node_loss_no_spare": fresh(FaultClass.node_loss, spares=0),
+            "replica_lost": fresh(FaultClass.process_crash, survivors=False),
+            "silent_corruption": fresh(FaultClass.silent_corruption),
         }

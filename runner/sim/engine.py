@@ -105,7 +105,7 @@ class RunResult:
 
 @dataclass(frozen=True)
 class _Takeover:
-    neighbour: int
+    neighbour: Optional[int]
     token: int
 
 
@@ -208,7 +208,7 @@ class Job:
         the disk copy is a checkpoint interval old."""
         self.r.checkpoint_s += self._stall(self.plan.snapshot_stall_s)
         self.snap_at = self.r.progress_s
-        self.next_snap = self.snap_at + self.plan.snapshot_interval_s
+        self.next_snap = self.snap_at + (self.plan.snapshot_interval_s or math.inf)
         if self.snap_at - self.disk_at >= self.plan.checkpoint_interval_s:
             self.disk_at = self.snap_at
 
@@ -279,7 +279,7 @@ class Job:
                 "checkpoint": (self.next_disk - self.r.progress_s) / speed,
                 "failure": fail_in,
             }
-            kind = min(waits, key=waits.get)
+            kind = min(waits, key=lambda k: waits[k])
             dt = max(waits[kind], 0.0)
             self._train(dt)
             fail_in -= dt

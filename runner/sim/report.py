@@ -112,7 +112,7 @@ def summarize(sweep: Sweep, cfg) -> dict:
             "disk_interval_min": m.young_interval_s(m.storage_write(g), mtbf) / 60.0,
             "snapshot_interval_min": m.young_interval_s(cfg.costs.snapshot_block_s, mtbf) / 60.0,
         })
-    pooled = defaultdict(lambda: defaultdict(list))  # strategy -> gpus -> RTOs
+    pooled: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))  # strategy -> gpus -> RTOs
     for (g, _), point in sweep.points.items():
         for run in point.runs:
             for ev in run.events:
