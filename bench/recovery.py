@@ -12,14 +12,19 @@ neighbours' replicas, and a crashed rank swapped for a spare (``SWAPS``).
 Prints medians, spreads and the ratios. Targets (2-core host, gpt_tiny): detected <= 0.05 s,
 survivors ready <= 0.3 s, full world back <= 3 s, >= 5x faster than the baseline.
 
-    python bench/recovery.py [--kills 5]
+    python bench/recovery.py [--kills 5] [--emit-calibration FILE]
+
+--emit-calibration FILE writes what was measured here as the simulator's calibration file
+(runner/sim/calibration.py; python -m runner.sim calibration=FILE), labelled with the host and date.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -87,11 +92,28 @@ def restart_all(kills: int, ranks: int) -> list[float]:
     return out
 
 
+def calibration(ours: dict[str, list[float]], swaps: dict[str, dict[str, list[float]]]) -> dict:
+    """The phases measured here that do not grow with the job size, for the simulator: a crashed rank's
+    detection (its exit) and the start of its replacement (FlashRecovery), and a lost node's detection by
+    its silent heartbeats (DeadPool, the default heartbeat; the decision is included in it)."""
+    med = statistics.median
+    node_loss = swaps["node loss, heartbeat.misses=10"]["detected"]
+    return {
+        "measured": {"host": socket.gethostname(),
+                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "by": "bench/recovery.py (gpt_tiny, medians)"},
+        "costs": {"process_start_s": med(ours["replacement start-up"])},
+        "phases": {"flashrecovery": {"detect_s": med(ours["detected"])},
+                   "deadpool": {"detect_s": med(node_loss), "decide_s": 0.0}},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--swaps", type=int, default=3, help="DeadPool hot-swap jobs (one node loss each)")
+    ap.add_argument("--emit-calibration", metavar="FILE", help="write the simulator's calibration JSON here")
     args = ap.parse_args()
     ours = flashrecovery(args.kills, args.ranks)
     swaps = {name: hot_swap(args.swaps, overrides) for name, overrides in SWAPS.items()}
@@ -109,6 +131,9 @@ def main() -> None:
         print(f"  {name:32s} kill -> full world commits {median_spread(values['full world commits'])} s")
     print("  target: full world back <= 0.5 s (a node loss is only seen when its heartbeats stop: "
           "interval_s x misses; a crashed process at once)")
+    if args.emit_calibration:
+        Path(args.emit_calibration).write_text(json.dumps(calibration(ours, swaps), indent=1) + "\n")
+        print(f"wrote {args.emit_calibration} (python -m runner.sim calibration={args.emit_calibration})")
 
 
 if __name__ == "__main__":

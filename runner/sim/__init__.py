@@ -1,6 +1,8 @@
 """Cluster-scale discrete-event simulator of recovery strategies.
 
 Answers "what ETTR and RTO would each fault-tolerance mix give at N GPUs?" from
-published failure rates and a component model of each recovery; the CLI lives
-in `runner.sim.cli` (`python -m runner.sim`), the model in the sibling modules.
+published failure rates, component costs from published measurements (a
+profile per published cluster) and the runner's own decision function; the CLI
+lives in `runner.sim.cli` (`python -m runner.sim`), the model in the sibling
+modules.
 """

@@ -1,8 +1,10 @@
 """Optional calibration from our own bench results (a JSON file).
 
-Format (both sections optional):
+Format (every section optional); `python bench/recovery.py --emit-calibration FILE`
+writes one from this host's measurements:
 
-    {"costs":  {"process_start_s": 7.5, "heartbeat_s": 1.0},
+    {"measured": {"host": "gpu-07", "date": "2026-12-01T09:00:00+00:00", "by": "bench/recovery.py"},
+     "costs":  {"process_start_s": 7.5, "heartbeat_s": 1.0},
      "phases": {"flashrecovery": {"detect_s": 3.2, "rebuild_s": 2.4}}}
 
 `costs` replaces component costs (names as in `costs.*`), so the N-dependence
@@ -40,13 +42,34 @@ def _numbers(section: object, allowed, where: str) -> dict[str, float]:
     return {k: float(v) for k, v in section.items()}
 
 
-def load(path: str, costs) -> tuple[object, PhaseOverrides]:
-    """Return (costs with overrides applied, per-strategy phase overrides)."""
+def _read(path: str) -> dict:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"calibration file {path}: {exc}") from exc
-    data = _check_keys(data, ("costs", "phases"), f"calibration file {path}")
+    return _check_keys(data, ("measured", "costs", "phases"), f"calibration file {path}")
+
+
+def label(path: str) -> str:
+    """Where and when the file's numbers were measured, as its `measured` section says."""
+    measured = _check_keys(_read(path).get("measured", {}), ("host", "date", "by"), "calibration.measured")
+    parts = [str(measured[k]) for k in ("host", "date", "by") if k in measured]
+    return ", ".join(parts) or f"calibration file {Path(path).name} (no host or date in it)"
+
+
+def apply(cfg, path: str) -> PhaseOverrides:
+    """Put the file's costs into `cfg.costs`, mark them measured in `cfg.sources`, and
+    return its phase overrides."""
+    cfg.costs, overrides = load(path, cfg.costs)
+    where = label(path)
+    for key in _read(path).get("costs", {}):
+        cfg.sources[f"costs.{key}"] = f"measured: {where}"
+    return overrides
+
+
+def load(path: str, costs) -> tuple[object, PhaseOverrides]:
+    """Return (costs with overrides applied, per-strategy phase overrides)."""
+    data = _read(path)
     measured = _numbers(data.get("costs", {}), [f.name for f in fields(costs)], "calibration.costs")
     typed = {k: type(getattr(costs, k))(v) for k, v in measured.items()}
     strategies = _check_keys(

@@ -7,13 +7,14 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from runner.sim import calibration, report, schema
+from runner.sim import calibration, plots, report, schema
 from runner.sim.errors import ConfigError
 from runner.sim.sweep import simulate
 
@@ -22,13 +23,22 @@ schema.register()
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 
 
+def mark_command_line_costs(cfg, overrides: list[str]) -> None:
+    """A cost set on the command line no longer has its profile's source."""
+    for item in overrides:
+        key, _, value = item.lstrip("+~").partition("=")
+        if key.startswith("costs."):
+            cfg.sources[key] = f"guess: set on the command line ({key}={value})"
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(dcfg: DictConfig) -> None:
-    cfg = OmegaConf.to_object(dcfg)
+    cfg: Any = OmegaConf.to_object(dcfg)  # a SimConf (the schema)
+    mark_command_line_costs(cfg, list(HydraConfig.get().overrides.task))
     try:
-        overrides = {}
+        overrides: calibration.PhaseOverrides = {}
         if cfg.calibration:
-            cfg.costs, overrides = calibration.load(to_absolute_path(cfg.calibration), cfg.costs)
+            overrides = calibration.apply(cfg, to_absolute_path(cfg.calibration))
         sweep = simulate(cfg, overrides)
         summary = report.summarize(sweep, cfg)
     except ConfigError as exc:
@@ -36,6 +46,7 @@ def main(dcfg: DictConfig) -> None:
         sys.exit(2)
     out = Path(HydraConfig.get().runtime.output_dir) / "sim.json"
     payload = {
+        "measured": calibration.label(to_absolute_path(cfg.calibration)) if cfg.calibration else None,
         "config": OmegaConf.to_container(dcfg, resolve=True, enum_to_str=True),
         "costs_used": asdict(cfg.costs),
         "phase_overrides": overrides,
@@ -44,3 +55,6 @@ def main(dcfg: DictConfig) -> None:
     out.write_text(json.dumps(payload, indent=1))
     print(report.format_text(summary, cfg))
     print(f"\nwrote {out}")
+    if cfg.plots:
+        for png in plots.write(summary, out.parent):
+            print(f"wrote {png}")

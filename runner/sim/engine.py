@@ -5,10 +5,13 @@ spare coming back, end of job). Every wall-clock second lands in exactly one
 bucket (useful progress, rework, downtime, checkpoint stall or degraded-speed
 loss), so ETTR = progress / wall time is an accounting identity, not a formula.
 
+Each fault is decided by the runner's own decision function (decisions.py)
+with the budgets and spares left at that moment, and priced by strategies.py.
 Assumptions (documented in docs/simulator.md): failures strike only while the
 job runs (the failure clock stops during a recovery); a failed node is replaced
 from the cluster pool unless DeadPool uses a spare or NDB covers it; a full
-restart brings in fresh nodes, which ends any NDB takeover.
+restart brings in fresh nodes, which ends any NDB takeover; a run the runner
+fails is requeued from the last disk checkpoint with every budget full again.
 """
 import heapq
 import itertools
@@ -19,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from runner.sim.costs import CostModel, Phases
+from runner.sim.decisions import RunnerPolicy
 from runner.sim.failures import FailureModel
-from runner.sim.strategies import Rollback, Strategy, choose
+from runner.sim.strategies import Pricing, Recovery, Rollback
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class JobPlan:
     gpus: int
     gpus_per_node: int
     model_parallel_nodes: int
-    spares: int
+    spares: int  # warm spare ranks (DeadPool)
     end_s: float
     step_s: float
     checkpoint_interval_s: float
@@ -45,23 +49,23 @@ class JobPlan:
         return self.gpus // self.gpus_per_node
 
 
-def make_plan(cfg, model: CostModel, failures: FailureModel, gpus: int, mix) -> JobPlan:
+def make_plan(cfg, model: CostModel, failures: FailureModel, gpus: int, mix: Sequence[str]) -> JobPlan:
     """Resolve the checkpoint policy for this size and mix. With in-memory
     snapshots in the mix the disk copy is persisted from a snapshot in the
     background, so only the snapshot's device-to-host copy stalls training."""
-    save_s = model.storage_io(gpus)
+    save_s = model.storage_write(gpus)
     interval_min = cfg.job.checkpoint_interval_min
     interval_s = (
         model.young_interval_s(save_s, failures.job_mtbf_s(gpus))
         if interval_min is None
         else interval_min * 60.0
     )
-    snapshots = any(s.keeps_snapshots for s in mix)
+    snapshots = "flash_ckpt" in mix
     return JobPlan(
         gpus=gpus,
         gpus_per_node=cfg.cluster.gpus_per_node,
         model_parallel_nodes=cfg.cluster.model_parallel_nodes,
-        spares=cfg.cluster.spares_nodes,
+        spares=cfg.cluster.spares_nodes * cfg.cluster.gpus_per_node,
         end_s=cfg.job.days * 86400.0,
         step_s=cfg.job.step_s,
         checkpoint_interval_s=interval_s,
@@ -79,6 +83,7 @@ class Event:
     cause: str
     fault: str
     strategy: str
+    action: str
     phases: Phases
     lost_work_s: float
 
@@ -100,29 +105,32 @@ class RunResult:
 
 @dataclass(frozen=True)
 class _Takeover:
-    neighbour: int
+    neighbour: Optional[int]
     token: int
 
 
 class Job:
-    """Mutable state of one run; also the `JobView` the strategies query."""
+    """Mutable state of one run: what the runner knows when it decides (budgets,
+    spares, takeovers) and the clock with its accounting."""
 
-    def __init__(self, plan: JobPlan, mix: Sequence[Strategy], failures: FailureModel,
+    def __init__(self, plan: JobPlan, policy: RunnerPolicy, pricing: Pricing, failures: FailureModel,
                  rng: random.Random):
-        self.plan, self.mix, self.failures, self.rng = plan, mix, failures, rng
+        self.plan, self.policy, self.pricing, self.failures, self.rng = plan, policy, pricing, failures, rng
         self.gpus = plan.gpus
         self.spares = plan.spares
         self.dp_degree = plan.nodes // plan.model_parallel_nodes
+        self.restarts = self.full_restarts = 0  # of this run of the job (a requeue starts a new one)
         self.takeovers: dict[int, _Takeover] = {}
         self.pending: list = []  # heap of (time, seq, action, args)
         self.seq = itertools.count()
         self.r = RunResult()
         self.t = 0.0
         self.disk_at = self.snap_at = 0.0  # progress at the last commit
-        self.next_disk = plan.checkpoint_interval_s  # progress at the next save
+        # progress at the next save; with snapshots the agent persists a snapshot instead (no save event)
+        self.next_disk = math.inf if plan.snapshot_interval_s else plan.checkpoint_interval_s
         self.next_snap = plan.snapshot_interval_s or math.inf
 
-    # JobView ------------------------------------------------------------------
+    # NDB neighbours -----------------------------------------------------------
     def neighbour(self, node: int) -> Optional[int]:
         """A live DP peer (same model position, next replica) that is not already
         covering for someone; None when the node itself is covering."""
@@ -163,8 +171,9 @@ class Job:
         self.r.rework_s += since
         p = self.r.progress_s
         self.disk_at, self.snap_at = min(self.disk_at, p), min(self.snap_at, p)
-        self.next_disk = min(self.next_disk, p + self.plan.checkpoint_interval_s)
-        if self.plan.snapshot_interval_s is not None:
+        if self.plan.snapshot_interval_s is None:
+            self.next_disk = min(self.next_disk, p + self.plan.checkpoint_interval_s)
+        else:
             self.next_snap = min(self.next_snap, p + self.plan.snapshot_interval_s)
         return since
 
@@ -174,36 +183,69 @@ class Job:
     # events --------------------------------------------------------------------
     def _checkpoint(self) -> None:
         self.r.checkpoint_s += self._stall(self.plan.checkpoint_stall_s)
-        # With snapshots the disk copy is the latest snapshot persisted.
-        snapshots = self.plan.snapshot_interval_s is not None
-        self.disk_at = self.snap_at if snapshots else self.r.progress_s
+        self.disk_at = self.r.progress_s
         self.next_disk = self.r.progress_s + self.plan.checkpoint_interval_s
 
+    def _more_checkpoints(self, fail_in: float) -> float:
+        """Just after a save: the whole save cycles that end before any other event,
+        accounted at once (the same seconds as one event each). Returns fail_in."""
+        plan = self.plan
+        speed = self._speed()
+        cycle = plan.checkpoint_interval_s / speed + plan.checkpoint_stall_s
+        pending = self.pending[0][0] - self.t if self.pending else math.inf
+        n = int(min(plan.end_s - self.t, pending, fail_in) // cycle) - 1  # the last one goes through the loop
+        if n <= 0:
+            return fail_in
+        self._train(n * plan.checkpoint_interval_s / speed)
+        self.t += n * plan.checkpoint_stall_s
+        self.r.checkpoint_s += n * plan.checkpoint_stall_s
+        self.disk_at = self.r.progress_s
+        self.next_disk = self.r.progress_s + plan.checkpoint_interval_s
+        return fail_in - n * cycle
+
     def _snapshot(self) -> None:
+        """A memory snapshot; the node agent persists it to disk in the background once
+        the disk copy is a checkpoint interval old."""
         self.r.checkpoint_s += self._stall(self.plan.snapshot_stall_s)
         self.snap_at = self.r.progress_s
-        self.next_snap = self.snap_at + self.plan.snapshot_interval_s
+        self.next_snap = self.snap_at + (self.plan.snapshot_interval_s or math.inf)
+        if self.snap_at - self.disk_at >= self.plan.checkpoint_interval_s:
+            self.disk_at = self.snap_at
+
+    def _respond(self, fault, node: int) -> Recovery:
+        """The runner's decision with what is left now, priced; a takeover with no free
+        neighbour cannot be carried out, so the job ends and is requeued."""
+        policy = self.policy
+        decision = policy.decide(
+            fault, restarts_left=policy.max_restarts - self.restarts, spare_ranks=self.spares,
+            full_restarts_left=policy.max_full_restarts - self.full_restarts, takeovers=bool(self.takeovers))
+        if decision.action == "fail" or (decision.action == "takeover" and self.neighbour(node) is None):
+            return self.pricing.requeue(fault)
+        return self.pricing.price(decision.action, policy.provider(decision.action), fault)
 
     def _failure(self) -> None:
         failure = self.failures.draw(self.rng)
         node = self._running_node(failure.node_draw)
-        strategy = choose(self.mix, failure.fault, node, self)
+        rec = self._respond(failure.fault, node)
         neighbour = self.neighbour(node)
-        rec = strategy.recover(failure.fault, node, self)
         t_fail = self.t
         lost = self._rollback(rec.rollback)
         self.r.downtime_s += self._stall(rec.phases.total)
+        self.restarts += rec.restarted_ranks
+        self.full_restarts += rec.full_restart
+        if rec.requeued:
+            self.restarts = self.full_restarts = 0
         if rec.restarts_all:
             self.takeovers.clear()
-        if rec.takes_spare:
-            self.spares -= 1
-            self._later(t_fail + self.plan.repair_s, self._spare_back)
+        if rec.spare_ranks:
+            self.spares -= rec.spare_ranks
+            self._later(t_fail + rec.spare_back_s, self._spare_back, rec.spare_ranks)
         if rec.takeover_s is not None:
             token = next(self.seq)
             self.takeovers[node] = _Takeover(neighbour, token)
             self._later(t_fail + rec.takeover_s, self._rejoin, node, token, rec.rejoin_s)
         self.r.events.append(
-            Event(t_fail, failure.cause, failure.fault.value, strategy.name, rec.phases, lost)
+            Event(t_fail, failure.cause, failure.fault.value, rec.strategy, rec.action, rec.phases, lost)
         )
 
     def _running_node(self, draw: float) -> int:
@@ -214,8 +256,8 @@ class Job:
                 node += 1
         return node
 
-    def _spare_back(self) -> None:
-        self.spares += 1
+    def _spare_back(self, ranks: int) -> None:
+        self.spares += ranks
 
     def _rejoin(self, node: int, token: int, pause_s: float) -> None:
         taken = self.takeovers.get(node)
@@ -237,7 +279,7 @@ class Job:
                 "checkpoint": (self.next_disk - self.r.progress_s) / speed,
                 "failure": fail_in,
             }
-            kind = min(waits, key=waits.get)
+            kind = min(waits, key=lambda k: waits[k])
             dt = max(waits[kind], 0.0)
             self._train(dt)
             fail_in -= dt
@@ -250,6 +292,7 @@ class Job:
             elif kind == "checkpoint":
                 self._checkpoint()
                 fail_in -= self.t - before  # the job is up while it saves
+                fail_in = self._more_checkpoints(fail_in)
             elif kind == "snapshot":
                 self._snapshot()
                 fail_in -= self.t - before
@@ -260,11 +303,11 @@ class Job:
         return self.r
 
 
-def run_point(plan: JobPlan, mix: Sequence[Strategy], failures: FailureModel, seed: int,
+def run_point(plan: JobPlan, policy: RunnerPolicy, pricing: Pricing, failures: FailureModel, seed: int,
               runs: int) -> list[RunResult]:
     """`runs` independent histories. The RNG stream depends on (seed, N, run)
     only, so every mix at one size meets the same failures in running time."""
     return [
-        Job(plan, mix, failures, random.Random(f"{seed}:{plan.gpus}:{i}")).run()
+        Job(plan, policy, pricing, failures, random.Random(f"{seed}:{plan.gpus}:{i}")).run()
         for i in range(runs)
     ]

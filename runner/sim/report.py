@@ -1,52 +1,40 @@
 """Turn a sweep into numbers (the sim.json payload) and a readable table.
 
 The text is rendered from the same summary dict that is written to JSON, so
-the two cannot disagree. The published FlashRecovery figures below are only
-printed next to the model's output; nothing in the model reads them.
+the two cannot disagree. Published figures (anchors.py) are only compared with
+the model's output; nothing in the model reads them.
 """
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import fields
 from typing import Optional
 
+from runner.sim import anchors
 from runner.sim.costs import PHASES
 from runner.sim.failures import FaultClass
-from runner.sim.strategies import RESTART, STRATEGY_NAMES, build
-from runner.sim.sweep import Sweep, mix_label
+from runner.sim.schema import source_kind
+from runner.sim.strategies import RESTART, Pricing
+from runner.sim.sweep import Sweep, mix_label, policy_for
 
-# FlashRecovery (arXiv 2509.03047) restart table, as quoted in seeds/004:
-# full restart 8 min @512, 72 min @4096, timeout (>2 h) @10240; theirs 23/28/31 s.
-PUBLISHED_RESTART_S = {512: 8 * 60.0, 4096: 72 * 60.0}
-PUBLISHED_RESTART_AT_LEAST_S = {10240: 2 * 3600.0}
-PUBLISHED_FLASHRECOVERY_S = {512: 23.0, 4096: 28.0, 10240: 31.0}
-RTO_FAULT = FaultClass.node_loss  # the fault every strategy can take
-
-
-@dataclass
-class FreshJob:
-    """A job with all spares in place and no takeover running: the state the
-    model-only RTO-vs-N table assumes."""
-
-    gpus: int
-    spares: int
-    dp_degree: int
-
-    def neighbour(self, node: int) -> Optional[int]:
-        return node + 1 if self.dp_degree >= 2 else None
+F = FaultClass
+# The recovery paths whose phases are tabled against N: (label, action, strategy, fault).
+PATHS = (
+    ("restart (requeue, node loss)", "fail", RESTART, F.node_loss),
+    ("flashrecovery restart_rank (crash)", "restart_rank", "flashrecovery", F.process_crash),
+    ("deadpool swap_spare (node loss)", "swap_spare", "deadpool", F.node_loss),
+    ("ndb takeover (node loss)", "takeover", "ndb", F.node_loss),
+    ("flash_ckpt restart_all (node loss)", "restart_all", "flash_ckpt", F.node_loss),
+)
 
 
-def model_rto(sweep: Sweep, cfg, gpus: int) -> dict[str, dict]:
-    """RTO of a node loss for every strategy at `gpus`, from the phase model."""
-    nodes = gpus // cfg.cluster.gpus_per_node
-    job = FreshJob(gpus, cfg.cluster.spares_nodes, nodes // cfg.cluster.model_parallel_nodes)
+def path_phases(sweep: Sweep, gpus: int) -> dict[str, dict]:
+    """Phases of every recovery path at `gpus`, from the phase model (calibration included)."""
+    pricing = Pricing(sweep.model, sweep.overrides, gpus)
     out = {}
-    for strategy in build(STRATEGY_NAMES, sweep.model, sweep.overrides):
-        if strategy.handles(RTO_FAULT, 0, job):
-            phases = strategy.recover(RTO_FAULT, 0, job).phases
-            out[strategy.name] = {p: getattr(phases, p) for p in PHASES} | {
-                "total": phases.total,
-                "restart": phases.restart,
-            }
+    for label, action, strategy, fault in PATHS:
+        rec = pricing.requeue(fault) if action == "fail" else pricing.price(action, strategy, fault)
+        out[label] = {p: getattr(rec.phases, p) for p in PHASES} | {"total": rec.phases.total,
+                                                                     "restart": rec.phases.restart}
     return out
 
 
@@ -77,6 +65,7 @@ def _point_summary(point) -> dict:
         "strategies": {
             name: {
                 "count": len(evs),
+                "actions": sorted({e.action for e in evs}),
                 "mean_rto_s": statistics.fmean(e.phases.total for e in evs),
                 "mean_lost_work_s": statistics.fmean(e.lost_work_s for e in evs),
                 "faults": sorted({e.fault for e in evs}),
@@ -84,6 +73,30 @@ def _point_summary(point) -> dict:
             for name, evs in sorted(per_strategy.items())
         },
     }
+
+
+def decisions(sweep: Sweep, cfg) -> dict[str, dict[str, dict]]:
+    """Per mix and policy fault class, what the runner decides (full budgets, every spare ready)."""
+    gpus = max(sweep.sizes)
+    spare_ranks = cfg.cluster.spares_nodes * cfg.cluster.gpus_per_node
+    return {
+        mix_label(mix): {cls: {"action": d.action, "reason": d.reason}
+                         for cls, d in policy_for(cfg, gpus, mix).table(spare_ranks).items()}
+        for mix in sweep.mixes
+    }
+
+
+def constants(cfg, overrides) -> dict[str, dict]:
+    """Every cost constant with its value and where it comes from."""
+    out = {}
+    for f in fields(cfg.costs):
+        key = f"costs.{f.name}"
+        value = getattr(cfg.costs, f.name)
+        out[key] = {"value": getattr(value, "value", value), "source": cfg.sources[key]}
+    for strategy, phases in overrides.items():
+        for phase, value in phases.items():
+            out[f"phases.{strategy}.{phase}_s"] = {"value": value, "source": "measured: calibration file"}
+    return out
 
 
 def summarize(sweep: Sweep, cfg) -> dict:
@@ -95,41 +108,34 @@ def summarize(sweep: Sweep, cfg) -> dict:
         young.append({
             "gpus": g,
             "job_mtbf_h": mtbf / 3600.0,
-            "disk_save_s": m.storage_io(g),
-            "disk_interval_min": m.young_interval_s(m.storage_io(g), mtbf) / 60.0,
+            "disk_save_s": m.storage_write(g),
+            "disk_interval_min": m.young_interval_s(m.storage_write(g), mtbf) / 60.0,
             "snapshot_interval_min": m.young_interval_s(cfg.costs.snapshot_block_s, mtbf) / 60.0,
         })
-    rto_sizes = sorted(set(sweep.sizes) | set(PUBLISHED_FLASHRECOVERY_S))
-    rto = {g: model_rto(sweep, cfg, g) for g in rto_sizes}
-    pooled = defaultdict(lambda: defaultdict(list))  # strategy -> gpus -> RTOs
+    pooled: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))  # strategy -> gpus -> RTOs
     for (g, _), point in sweep.points.items():
         for run in point.runs:
             for ev in run.events:
                 pooled[ev.strategy][g].append(ev.phases.total)
+    consts = constants(cfg, sweep.overrides)
     return {
+        "profile": {"name": cfg.profile_name, "about": cfg.profile_about},
         "failures": {
             "per_gpu_hour": f.rate_per_gpu_s * 3600.0,
             "class_shares": {k.value: v for k, v in f.class_shares().items()},
         },
         "state_gb_per_gpu": m.state_gb_per_gpu,
         "points": [_point_summary(p) for p in sweep.points.values()],
+        "decisions": decisions(sweep, cfg),
         "simulated_mean_rto_s": {
             s: {str(g): {"mean": statistics.fmean(v), "count": len(v)} for g, v in by_g.items()}
             for s, by_g in pooled.items()
         },
         "young_daly": young,
-        "rto_vs_n": {"fault": RTO_FAULT.value, "by_gpus": {str(g): rto[g] for g in rto_sizes}},
-        "paper_check": [
-            {
-                "gpus": g,
-                "restart_all_restart_s": rto[g][RESTART]["restart"],
-                "published_restart_s": PUBLISHED_RESTART_S.get(g),
-                "published_restart_at_least_s": PUBLISHED_RESTART_AT_LEAST_S.get(g),
-                "flashrecovery_rto_s": rto[g].get("flashrecovery", {}).get("total"),
-                "published_flashrecovery_s": PUBLISHED_FLASHRECOVERY_S[g],
-            }
-            for g in sorted(PUBLISHED_FLASHRECOVERY_S)
-        ],
+        "rto_phases": {str(g): path_phases(sweep, g) for g in sweep.sizes},
+        "anchors": [a.as_dict() for a in anchors.anchors(cfg)],
+        "constants": consts,
+        "guesses": sorted(k for k, v in consts.items() if source_kind(v["source"]) == "guess"),
     }
 
 
@@ -143,6 +149,10 @@ def _dur(seconds: Optional[float]) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _value(a: dict) -> str:
+    return f"{a['simulated']:.3f}" if a["unit"] == "ratio" else f"{a['simulated']:,.0f} s"
+
+
 def format_text(summary: dict, cfg) -> str:
     sizes = [y["gpus"] for y in summary["young_daly"]]
     points = {(p["gpus"], p["label"]): p for p in summary["points"]}
@@ -150,7 +160,8 @@ def format_text(summary: dict, cfg) -> str:
     width = max(len(lbl) for lbl in labels + ["mix"]) + 2
     f = summary["failures"]
     lines: list[str] = [
-        f"runner.sim: {cfg.job.days:g} days, {cfg.runs} runs per point, seed {cfg.seed}; "
+        f"runner.sim, profile {summary['profile']['name']}: {summary['profile']['about']}",
+        f"{cfg.job.days:g} days, {cfg.runs} runs per point, seed {cfg.seed}; "
         f"{f['per_gpu_hour']:.3g} failures per GPU-hour; fault classes "
         + ", ".join(f"{k} {v:.0%}" for k, v in f["class_shares"].items()),
         "",
@@ -167,11 +178,16 @@ def format_text(summary: dict, cfg) -> str:
         )
         lines.append(label.ljust(width) + cells)
 
-    lines += ["", "Mean RTO of the strategy that handled each simulated failure, "
-              "all mixes pooled (count)"]
+    classes = list(next(iter(summary["decisions"].values())))
+    short = [c.replace("node_loss_", "node_").replace("process_", "").replace("silent_", "") for c in classes]
+    lines += ["", "What the runner decides per fault class (runner.decision, full budgets; fail = requeue the job)",
+              "mix".ljust(width) + "".join(f"{c:>17}" for c in short)]
+    for label, row in summary["decisions"].items():
+        lines.append(label.ljust(width) + "".join(f"{row[c]['action']:>17}" for c in classes))
+
+    lines += ["", "Mean RTO of what handled each simulated failure, all mixes pooled (count)"]
     sim = summary["simulated_mean_rto_s"]
-    names = [n for n in (*STRATEGY_NAMES, RESTART) if n in sim]
-    for name in names:
+    for name in sorted(sim):
         cells = "".join(
             f"{_dur(sim[name][str(g)]['mean'])} ({sim[name][str(g)]['count']})".rjust(20)
             if str(g) in sim[name] else "-".rjust(20)
@@ -189,27 +205,19 @@ def format_text(summary: dict, cfg) -> str:
             f"{y['snapshot_interval_min']:.1f} min"
         )
 
-    rto = summary["rto_vs_n"]["by_gpus"]
-    rto_sizes = list(rto)
-    lines += ["", f"RTO against N for a {summary['rto_vs_n']['fault']} (phase model, "
-              "spares available)",
-              "  strategy      " + "".join(f"{int(g):>10,}" for g in rto_sizes)]
-    for name in (*STRATEGY_NAMES, RESTART):
-        lines.append(f"  {name:<14}" + "".join(
-            f"{_dur(rto[g][name]['total']) if name in rto[g] else '-':>10}" for g in rto_sizes
-        ))
+    largest = str(max(sizes))
+    lines += ["", f"RTO phases at {int(largest):,} GPUs (phase model)",
+              "  path" + " " * 34 + "".join(f"{p:>10}" for p in (*PHASES, "total"))]
+    for label, ph in summary["rto_phases"][largest].items():
+        lines.append(f"  {label:<38}" + "".join(f"{_dur(ph[p]):>10}" for p in (*PHASES, "total")))
 
-    lines += ["", "Against FlashRecovery's published table (restart = replace+rebuild+restore)"]
-    for row in summary["paper_check"]:
-        published = (
-            _dur(row["published_restart_s"]) if row["published_restart_s"]
-            else f"> {_dur(row['published_restart_at_least_s'])}"
-        )
-        lines.append(
-            f"  {row['gpus']:>6,} GPUs: restart-all {_dur(row['restart_all_restart_s']):>9} "
-            f"(paper {published}); flashrecovery {_dur(row['flashrecovery_rto_s'])} "
-            f"(paper {_dur(row['published_flashrecovery_s'])})"
-        )
+    if summary["anchors"]:
+        lines += ["", f"Published anchors of profile {summary['profile']['name']}"]
+        for a in summary["anchors"]:
+            band = "ok" if a["ok"] else "OUT OF BAND"
+            lines.append(f"  {a['anchor']:<52} published {a['published']:<32} simulated {_value(a):>9}  {band}"
+                         f"  ({a['source']})")
+    lines += ["", "Guessed constants (no published or measured source): " + (", ".join(summary["guesses"]) or "none")]
     return "\n".join(lines)
 
 

@@ -12,8 +12,11 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from runner.sim.costs import CommInit, Detector
 from runner.sim.errors import ConfigError
 from runner.sim.failures import FaultClass
+
+SOURCE_KINDS = ("published", "fitted", "measured", "derived", "guess")
 
 
 @dataclass
@@ -57,6 +60,7 @@ class FailuresConf:
 @dataclass
 class CostsConf:
     # detect
+    detector: Detector = MISSING  # what notices a fault on the whole-job restart path
     heartbeat_s: float = MISSING
     heartbeat_misses: int = MISSING
     exit_detect_s: float = MISSING
@@ -64,16 +68,14 @@ class CostsConf:
     sdc_detect_s: float = MISSING
     decide_s: float = MISSING
     # replace
-    reschedule_s: float = MISSING
+    reschedule_s: float = MISSING  # whole-job requeue at 1,024 GPUs ...
+    requeue_per_doubling_s: float = MISSING  # ... plus this per doubling of N
     process_start_s: float = MISSING
-    image_gb: float = MISSING
-    registry_gbps: float = MISSING
+    node_start_s: float = MISSING
     # rebuild
-    store_ops_per_s: float = MISSING
-    store_shards: int = MISSING
-    nccl_base_s: float = MISSING
-    nccl_per_rank_s: float = MISSING
-    nccl_per_doubling_s: float = MISSING
+    comm_init: CommInit = MISSING
+    rebuild_base_s: float = MISSING
+    rebuild_per_doubling_s: float = MISSING
     # restore / save
     storage_gbps: float = MISSING
     node_storage_gbps: float = MISSING
@@ -85,17 +87,51 @@ class CostsConf:
 
 
 @dataclass
+class FlashRecoveryDecisionConf:
+    max_restarts: int = MISSING
+    retry_transient: bool = MISSING
+
+
+@dataclass
+class DeadPoolDecisionConf:
+    crash_action: str = MISSING  # restart_in_place | swap
+    max_restarts: int = MISSING
+
+
+@dataclass
+class FlashCkptDecisionConf:
+    max_restarts: int = MISSING
+
+
+@dataclass
+class DecisionConf:
+    """What the runner's decision function reads (its conf/ft/* budgets and conf/policy rows)."""
+
+    launcher: str = MISSING  # local | auto: the runner restarts processes; torchrun | slurm: the launcher does
+    sdc_guard: bool = MISSING  # trainer.sdc_factor > 0
+    flashrecovery: FlashRecoveryDecisionConf = field(default_factory=FlashRecoveryDecisionConf)
+    deadpool: DeadPoolDecisionConf = field(default_factory=DeadPoolDecisionConf)
+    flash_ckpt: FlashCkptDecisionConf = field(default_factory=FlashCkptDecisionConf)
+    policy: dict[str, Optional[list[str]]] = field(default_factory=dict)
+
+
+@dataclass
 class SimConf:
+    profile_name: str = MISSING  # which cluster the cost constants describe (conf/profile/)
+    profile_about: str = MISSING
     cluster: ClusterConf = field(default_factory=ClusterConf)
     model: ModelConf = field(default_factory=ModelConf)
     job: JobConf = field(default_factory=JobConf)
     failures: FailuresConf = field(default_factory=FailuresConf)
     costs: CostsConf = field(default_factory=CostsConf)
+    sources: dict[str, str] = MISSING  # "costs.x": "published|fitted|measured|derived|guess: where from"
+    decision: DecisionConf = field(default_factory=DecisionConf)
     ft: Optional[list[str]] = MISSING  # one mix to compare against the baseline
     mixes: list[list[str]] = MISSING  # used when ft is null
     seed: int = MISSING
     runs: int = MISSING
     calibration: Optional[str] = MISSING
+    plots: bool = MISSING  # PNGs beside sim.json
 
 
 def register() -> None:
@@ -122,10 +158,9 @@ def check_ranges(cfg) -> None:
     if cfg.job.checkpoint_interval_min is not None:  # None means Young/Daly
         positive["job.checkpoint_interval_min"] = cfg.job.checkpoint_interval_min
     for f in fields(cfg.costs):  # rates divide, so they must be > 0; durations >= 0
-        rate = f.name.endswith(("_gbps", "_per_s")) or f.name in (
-            "store_shards", "heartbeat_misses"
-        )
-        if rate:
+        if f.name in ("detector", "comm_init"):
+            continue
+        if f.name.endswith("_gbps") or f.name == "heartbeat_misses":
             positive[f"costs.{f.name}"] = getattr(cfg.costs, f.name)
         elif getattr(cfg.costs, f.name) < 0:
             raise ConfigError(f"costs.{f.name} must be >= 0")
@@ -135,4 +170,21 @@ def check_ranges(cfg) -> None:
     if cfg.cluster.spares_nodes < 0 or not 0 <= cfg.costs.ndb_throughput_loss < 1:
         raise ConfigError(
             "cluster.spares_nodes must be >= 0 and costs.ndb_throughput_loss in [0, 1)"
+        )
+    check_sources(cfg)
+
+
+def source_kind(text: str) -> str:
+    return text.split(":", 1)[0].strip()
+
+
+def check_sources(cfg) -> None:
+    """Every cost constant says where it comes from, with one of SOURCE_KINDS."""
+    missing = [f"costs.{f.name}" for f in fields(cfg.costs) if f"costs.{f.name}" not in cfg.sources]
+    bad = [k for k, v in cfg.sources.items() if source_kind(v) not in SOURCE_KINDS]
+    if missing or bad:
+        raise ConfigError(
+            f"sources: {'no entry for ' + ', '.join(missing) if missing else ''}"
+            f"{'; ' if missing and bad else ''}{'unknown kind in ' + ', '.join(bad) if bad else ''}. "
+            f"Each entry reads '<kind>: <where from>' with kind one of {', '.join(SOURCE_KINDS)}."
         )

@@ -1,21 +1,23 @@
-"""Recovery strategies as phase models, and the rule that picks one per fault.
+"""What each of the runner's actions costs, built from the components in costs.py.
 
-Each strategy says which faults it can take (given the job's state: spares
-left, a free data-parallel neighbour) and what a recovery costs, built from the
-components in costs.py. `choose` walks the `ft` list in order and falls back to
-restarting everything from the last disk checkpoint.
+The runner decides (decisions.py); this module prices the decision: its five
+phases, how far training rolls back, and what it uses up (spares, restart
+budgets). A run the runner fails is requeued by the scheduler as a whole job
+(`restart`, also the whole of the `ft=[]` baseline).
 """
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Optional, Protocol
+from typing import Optional
 
 from runner.sim.costs import CostModel, Phases
 from runner.sim.errors import ConfigError
 from runner.sim.failures import FaultClass
 
 F = FaultClass
-RESTART = "restart"  # the baseline; also what `ft=[]` runs
+STRATEGY_NAMES = ("flashrecovery", "deadpool", "ndb", "flash_ckpt")
+RESTART = "restart"  # the whole-job requeue: the `ft=[]` baseline and what a failed run gets
+GUARD = "guard"  # the gradient guard, which recomputes a corrupted step (no strategy)
 
 
 class Rollback(enum.Enum):
@@ -26,162 +28,82 @@ class Rollback(enum.Enum):
 
 @dataclass(frozen=True)
 class Recovery:
-    strategy: str
+    strategy: str  # who carried it out: a name in STRATEGY_NAMES, guard, or restart
+    action: str  # the runner's action; `fail` when the job was requeued
     phases: Phases
     rollback: Rollback
-    takes_spare: bool = False
+    spare_ranks: int = 0  # DeadPool: warm spare ranks taken ...
+    spare_back_s: float = 0.0  # ... and when they are ready again
     takeover_s: Optional[float] = None  # NDB: neighbour covers the node this long
     rejoin_s: float = 0.0  # NDB: pause when the node comes back
-    restarts_all: bool = False
+    restarted_ranks: int = 0  # counted against the in-place restart budget
+    restarts_all: bool = False  # every process restarts: NDB takeovers end
+    full_restart: bool = False  # counted against ft.flash_ckpt.max_restarts
+    requeued: bool = False  # a new run of the job: every budget is full again
 
 
-class JobView(Protocol):
-    gpus: int
-    spares: int
-    dp_degree: int
+class Pricing:
+    """Phases of each action at one job size; measured phases from the calibration
+    file (per strategy name) replace modelled ones."""
 
-    def neighbour(self, node: int) -> Optional[int]: ...
+    def __init__(self, model: CostModel, overrides: Mapping[str, Mapping[str, float]], gpus: int):
+        self.m, self.c, self.gpus = model, model.c, gpus
+        self.overrides = overrides
+        self.g = model.gpus_per_node
+        self._priced: dict[tuple, Recovery] = {}  # a recovery depends only on its arguments
 
+    def phases(self, strategy: str, **modelled: float) -> Phases:
+        return replace(Phases(**modelled), **self.overrides.get(strategy, {}))
 
-class Strategy:
-    name = ""
-    keeps_snapshots = False  # takes periodic in-memory snapshots while training
+    def requeue(self, fault: FaultClass) -> Recovery:
+        """The whole-job restart: the `ft=[]` baseline, and what a run the runner fails gets."""
+        key = ("fail", RESTART, fault)
+        if key not in self._priced:
+            self._priced[key] = self._requeue(fault)
+        return self._priced[key]
 
-    def __init__(self, model: CostModel, overrides: Mapping[str, float]):
-        self.m = model
-        self.overrides = dict(overrides)
+    def price(self, action: str, strategy: str, fault: FaultClass) -> Recovery:
+        """The runner's `action`, carried out by `strategy`, for `fault`."""
+        key = (action, strategy, fault)
+        if key not in self._priced:
+            self._priced[key] = self._price(action, strategy, fault)
+        return self._priced[key]
 
-    def handles(self, fault: FaultClass, node: int, job: JobView) -> bool:
-        raise NotImplementedError
+    def _requeue(self, fault: FaultClass) -> Recovery:
+        """Kill the job, decide (a stack that diagnoses first spends decide_s on it), requeue every
+        node, initialise every communicator, load from disk."""
+        ph = self.phases(RESTART, detect=self.m.requeue_detect(fault), decide=self.c.decide_s,
+                         replace=self.m.requeue(self.gpus),
+                         rebuild=self.m.comm_init(self.gpus), restore=self.m.storage_read(self.gpus))
+        return Recovery(RESTART, "fail", ph, Rollback.DISK, restarts_all=True, requeued=True)
 
-    def recover(self, fault: FaultClass, node: int, job: JobView) -> Recovery:
-        raise NotImplementedError
-
-    def phases(self, **modelled: float) -> Phases:
-        """Modelled phases, with measured values from the calibration file winning."""
-        return replace(Phases(**modelled), **self.overrides)
-
-
-class RestartAll(Strategy):
-    """Kill the job, requeue every node, rendezvous from scratch, load from disk."""
-
-    name = RESTART
-
-    def handles(self, fault, node, job):
-        return True
-
-    def recover(self, fault, node, job):
-        g = job.gpus
-        ph = self.phases(
-            detect=self.m.passive_detect(fault),
-            replace=self.m.reschedule_job(g),
-            rebuild=self.m.full_rendezvous(g),
-            restore=self.m.storage_io(g),
-        )
-        return Recovery(self.name, ph, Rollback.DISK, restarts_all=True)
-
-
-class FlashRecovery(Strategy):
-    """Heartbeat detection, restart only the failed node, state from a DP replica."""
-
-    name = "flashrecovery"
-
-    def handles(self, fault, node, job):
-        if fault is F.transient:
-            return True
-        return fault is not F.silent_corruption and job.dp_degree >= 2
-
-    def recover(self, fault, node, job):
-        retry = fault is F.transient  # healthy node: re-establish links, keep state
-        if retry:
-            replace_s = 0.0
-        elif fault is F.node_loss:
-            replace_s = self.m.start_nodes(1)
-        else:
-            replace_s = self.m.c.process_start_s
-        ph = self.phases(
-            detect=self.m.active_detect(fault),
-            decide=self.m.c.decide_s,
-            replace=replace_s,
-            rebuild=self.m.incremental_rendezvous(job.gpus),
-            restore=0.0 if retry else self.m.peer_copy(),
-        )
-        return Recovery(self.name, ph, Rollback.STEP)
-
-
-class DeadPool(Strategy):
-    """Hot-swap a lost node with a warm spare; restart others in place from the
-    local host snapshot that is committed every step."""
-
-    name = "deadpool"
-
-    def handles(self, fault, node, job):
-        if fault is F.node_loss:
-            return job.spares > 0 and job.dp_degree >= 2
-        return fault is not F.silent_corruption
-
-    def recover(self, fault, node, job):
-        if fault is F.node_loss:  # spare is already running: no start, peer copy
-            replace_s, restore_s = 0.0, self.m.peer_copy()
-        elif fault is F.transient:
-            replace_s, restore_s = 0.0, 0.0
-        else:
-            replace_s, restore_s = self.m.c.process_start_s, self.m.host_copy()
-        ph = self.phases(
-            detect=self.m.active_detect(fault),
-            decide=self.m.c.decide_s,
-            replace=replace_s,
-            rebuild=self.m.incremental_rendezvous(job.gpus),
-            restore=restore_s,
-        )
-        return Recovery(self.name, ph, Rollback.STEP, takes_spare=fault is F.node_loss)
-
-
-class NeighbourDoBoth(Strategy):
-    """MeCeFO: a DP neighbour takes over the failed node's work (degraded speed)
-    until the node is back; the only pause is shrinking the group logically."""
-
-    name = "ndb"
-
-    def handles(self, fault, node, job):
-        covers = fault in (F.node_loss, F.process_crash, F.hang)
-        return covers and job.neighbour(node) is not None
-
-    def recover(self, fault, node, job):
-        rebuild = self.m.incremental_rendezvous(job.gpus)
-        ph = self.phases(
-            detect=self.m.active_detect(fault), decide=self.m.c.decide_s, rebuild=rebuild
-        )
-        away = self.m.repair_s if fault is F.node_loss else self.m.c.process_start_s
-        return Recovery(
-            self.name, ph, Rollback.STEP,
-            takeover_s=away, rejoin_s=rebuild + self.m.peer_copy(),
-        )
-
-
-class FlashCheckpoint(Strategy):
-    """DLRover: restart every process, reload from the host-memory snapshot; a
-    lost node's shard comes from its partner node's memory backup."""
-
-    name = "flash_ckpt"
-    keeps_snapshots = True
-
-    def handles(self, fault, node, job):
-        return fault is not F.silent_corruption
-
-    def recover(self, fault, node, job):
-        lost = fault is F.node_loss  # only that pod is rescheduled, in parallel
-        ph = self.phases(
-            detect=self.m.passive_detect(fault),
-            replace=self.m.start_nodes(1) if lost else self.m.c.process_start_s,
-            rebuild=self.m.full_rendezvous(job.gpus),
-            restore=max(self.m.host_copy(), self.m.peer_copy() if lost else 0.0),
-        )
-        return Recovery(self.name, ph, Rollback.SNAPSHOT, restarts_all=True)
-
-
-_BY_NAME = {cls.name: cls for cls in (FlashRecovery, DeadPool, NeighbourDoBoth, FlashCheckpoint)}
-STRATEGY_NAMES = tuple(_BY_NAME)
+    def _price(self, action: str, strategy: str, fault: FaultClass) -> Recovery:
+        lost = fault is F.node_loss
+        victims = self.g if lost else 1
+        active = dict(detect=self.m.heartbeat_detect(fault), decide=self.c.decide_s)
+        rebuild = self.m.group_rebuild(self.gpus)
+        if action == "retry":  # healthy processes: rebuild the group, keep the state
+            return Recovery(strategy, action, self.phases(strategy, **active, rebuild=rebuild), Rollback.STEP)
+        if action == "restart_rank":
+            ph = self.phases(strategy, **active, replace=self.c.process_start_s, rebuild=rebuild,
+                             restore=self.m.peer_copy())
+            return Recovery(strategy, action, ph, Rollback.STEP, restarted_ranks=victims)
+        if action == "swap_spare":  # the spare is already running: no start, state from a replica
+            ph = self.phases(strategy, **active, rebuild=rebuild, restore=self.m.peer_copy())
+            back = self.m.repair_s if lost else self.c.process_start_s
+            return Recovery(strategy, action, ph, Rollback.STEP, spare_ranks=victims, spare_back_s=back)
+        if action == "takeover":  # a neighbour computes the lost ranks' work too, slower
+            away = self.m.repair_s if lost else self.c.process_start_s
+            return Recovery(strategy, action, self.phases(strategy, **active, rebuild=rebuild), Rollback.STEP,
+                            takeover_s=away, rejoin_s=rebuild + self.m.peer_copy())
+        if action == "restart_all":  # every process restarts from its (or its partner's) memory snapshot
+            ph = self.phases(strategy, **active, replace=self.c.node_start_s if lost else self.c.process_start_s,
+                             rebuild=self.m.comm_init(self.gpus),
+                             restore=max(self.m.host_copy(), self.m.peer_copy() if lost else 0.0))
+            return Recovery(strategy, action, ph, Rollback.SNAPSHOT, restarts_all=True, full_restart=True)
+        if action == "recompute":  # the guard rejects the reduced gradient and redoes the step
+            return Recovery(GUARD, action, Phases(), Rollback.STEP)
+        raise ValueError(f"no cost model for action {action!r}")
 
 
 def check_mix(names: Sequence[str]) -> None:
@@ -193,23 +115,8 @@ def check_mix(names: Sequence[str]) -> None:
             f"unknown strategy name(s) {unknown}" if unknown else f"repeated name(s) {repeated}"
         )
         raise ConfigError(
-            f"ft: {problem} in {list(names)}. An ft mix is an ordered list of recovery "
-            f"strategies; for each fault the first one that can handle it is used. "
+            f"ft: {problem} in {list(names)}. An ft mix is a list of recovery strategies, as the "
+            f"runner's ft; for each fault the runner's policy table picks the action. "
             f"Valid names: {', '.join(STRATEGY_NAMES)}. Use 'ft=[]' for the "
             f"restart-all-from-disk baseline, e.g. 'ft=[flashrecovery,deadpool,ndb,flash_ckpt]'."
         )
-
-
-def build(
-    names: Sequence[str], model: CostModel, overrides: Mapping[str, Mapping[str, float]]
-) -> list[Strategy]:
-    """The mix in `ft` order, with the restart-all fallback appended."""
-    check_mix(names)
-    mix = [_BY_NAME[n](model, overrides.get(n, {})) for n in names]
-    return mix + [RestartAll(model, overrides.get(RESTART, {}))]
-
-
-def choose(mix: Sequence[Strategy], fault: FaultClass, node: int, job: JobView) -> Strategy:
-    """First strategy in the list that can take this fault now (the last one,
-    restart-all, takes everything)."""
-    return next(s for s in mix if s.handles(fault, node, job))

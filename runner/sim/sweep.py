@@ -6,12 +6,13 @@ Kept apart from Hydra so tests and notebooks can call `simulate` on a plain
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from runner.sim import schema
+from runner.sim import decisions, schema
 from runner.sim.costs import CostModel
+from runner.sim.decisions import RunnerPolicy
 from runner.sim.engine import JobPlan, RunResult, make_plan, run_point
 from runner.sim.errors import ConfigError
 from runner.sim.failures import FailureModel
-from runner.sim.strategies import build, check_mix
+from runner.sim.strategies import Pricing, check_mix
 
 Mix = tuple[str, ...]
 
@@ -59,9 +60,17 @@ def mixes_of(cfg) -> list[Mix]:
     unique: list[Mix] = []
     for names in chosen:
         check_mix(names)
+        decisions.check(cfg.decision, names)
         if tuple(names) not in unique:
             unique.append(tuple(names))
     return unique
+
+
+def policy_for(cfg, gpus: int, mix: Sequence[str]) -> RunnerPolicy:
+    """The runner's decisions for this mix on a job of `gpus` GPUs."""
+    nodes = gpus // cfg.cluster.gpus_per_node
+    return RunnerPolicy(cfg.decision, mix, cfg.cluster.gpus_per_node, nodes,
+                        nodes // cfg.cluster.model_parallel_nodes)
 
 
 def simulate(cfg, overrides: Mapping[str, Mapping[str, float]]) -> Sweep:
@@ -70,10 +79,10 @@ def simulate(cfg, overrides: Mapping[str, Mapping[str, float]]) -> Sweep:
     failures = FailureModel(cfg.failures)
     sweep = Sweep(sizes_of(cfg), mixes_of(cfg), model, failures, overrides)
     for gpus in sweep.sizes:
+        pricing = Pricing(model, overrides, gpus)
         for mix in sweep.mixes:
-            strategies = build(mix, model, overrides)
-            plan = make_plan(cfg, model, failures, gpus, strategies)
-            runs = run_point(plan, strategies, failures, cfg.seed, cfg.runs)
+            plan = make_plan(cfg, model, failures, gpus, mix)
+            runs = run_point(plan, policy_for(cfg, gpus, mix), pricing, failures, cfg.seed, cfg.runs)
             sweep.points[(gpus, mix)] = Point(gpus, mix, plan, runs)
     return sweep
 
