@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from hydra.utils import get_object
@@ -22,15 +22,25 @@ from runner.config.coverage import mix_problems
 from runner.config.errors import ConfigError
 from runner.config.ft_schema import FT_SCHEMAS, DeadPoolConfig
 from runner.config.registry import recipe_names
-from runner.config.schema import ChaosKind, DataConfig, FaultConfig, LoggerConfig, PolicyConfig, RootConfig, choices
+from runner.config.schema import (
+    ChaosKind,
+    DataConfig,
+    FaultConfig,
+    FaultKind,
+    LoggerConfig,
+    PolicyConfig,
+    RootConfig,
+    choices,
+)
 
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
                "wipe_shm", "corrupt_snapshot")
-# fault keys -> the kinds that read them; any other kind ignores them (step, after_s, during: every kind but these)
-_UNTIMED = ("none", "chaos")
+_TIMED = tuple(k for k in choices(FaultKind) or () if k not in ("none", "chaos"))  # injected at a step or time
+# fault keys -> the kinds that read them; any other kind ignores them
 _FAULT_KEY_USERS = {
     "rank": RANK_FAULTS,
     "node": ("kill_node",),
+    "step": _TIMED, "after_s": _TIMED, "during": _TIMED,
     "delay_s": ("slow_rank", "slow_link"),
     "duration_s": ("partition", "chaos"),
     "kinds": ("chaos",), "mtbf_s": ("chaos",), "max_faults": ("chaos",), "until_s": ("chaos",),
@@ -313,9 +323,6 @@ def ignored_key_problems(cfg: DictConfig) -> list[str]:
         where = "fault" if i == 0 else f"fault.extra[{i - 1}]"
         for key in _changed(f, FaultConfig):
             users = _FAULT_KEY_USERS.get(key)
-            if users is None and key in ("step", "after_s", "during") and f.kind in _UNTIMED:
-                users = tuple(k for k in choices(get_type_hints(FaultConfig, include_extras=True)["kind"]) or ()
-                              if k not in _UNTIMED)
             if users is not None and f.kind not in users:
                 out.append(f"{where}.{key}={_show(f[key])} is ignored by kind={f.kind}: it applies to "
                            f"{', '.join(users)}; drop it or change the kind.")
@@ -345,10 +352,10 @@ def ignored_key_problems(cfg: DictConfig) -> list[str]:
 
 def _changed(node: DictConfig, schema: type) -> list[str]:
     """The keys of ``node`` whose value differs from ``schema``'s default."""
-    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-                for f in fields(schema)}
+    defaults = {f.name: f.default_factory() if callable(f.default_factory) else f.default for f in fields(schema)}
     plain = OmegaConf.to_container(node, resolve=True)
-    return [k for k, v in plain.items() if k in defaults and v != defaults[k]]  # type: ignore[union-attr]
+    assert isinstance(plain, dict)
+    return [str(k) for k, v in plain.items() if k in defaults and v != defaults[k]]
 
 
 def _show(value: Any) -> str:
