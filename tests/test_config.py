@@ -234,7 +234,7 @@ def test_every_schema_field_has_a_docstring_and_a_row_in_the_docs(section):
         (["ft=ndb", "ft.ndb.neighbour=ring_far"], "ft.ndb.neighbour='ring_far'"),
         (["fault=kill_rank", "fault.during=later"], "fault.during='later'"),
         (["fault=kill_rank", "fault.node=1"], "fault.node=1 is ignored by kind=kill_rank"),
-        (["fault=none", "fault.step=3"], "fault.step=3 is ignored by kind=none"),
+        (["fault=chaos", "fault.step=3"], "fault.step=3 is ignored by kind=chaos"),
         (["fault=slow_rank", "fault.duration_s=5"], "fault.duration_s=5.0 is ignored by kind=slow_rank"),
         (["fault=kill_rank", "fault.mtbf_s=3"], "fault.mtbf_s=3.0 is ignored"),
         (["data.path=/nonexistent.bin"], "data.path=/nonexistent.bin is ignored with data.kind=synthetic"),

@@ -320,6 +320,8 @@ def ignored_key_problems(cfg: DictConfig) -> list[str]:
     except OmegaConfBaseException:
         faults = []  # _misc_problems reports the bad fault.extra entry
     for i, f in enumerate(faults):
+        if f.kind == "none":  # a sweep's fault-free job shares the fault keys of the others (fault=none,kill_rank)
+            continue
         where = "fault" if i == 0 else f"fault.extra[{i - 1}]"
         for key in _changed(f, FaultConfig):
             users = _FAULT_KEY_USERS.get(key)
