@@ -1,4 +1,4 @@
-"""A GPT in one module: config, pre-LN blocks, parameter count, FLOPs and MFU.
+"""A GPT in one module: pre-LN blocks, parameter count, FLOPs and MFU (its shape, ``GPTConfig``, is the schema's).
 
 Attention and FFN are separate sub-modules (``Block.attn`` and ``Block.ffn``) because the
 recovery techniques treat them differently (NDB skips the attention backward and recomputes the
@@ -8,32 +8,12 @@ FFN for a taken-over micro-batch).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-@dataclass
-class GPTConfig:
-    """Shape of the network; the recipes in ``recipes/`` fill it."""
-
-    vocab_size: int = 256
-    seq_len: int = 64
-    n_layer: int = 2
-    n_head: int = 2
-    d_model: int = 64
-    ffn_mult: int = 4
-    dropout: float = 0.0
-    bias: bool = True
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.n_head:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}: "
-                "pick a head count that divides the model width."
-            )
+from runner.config.schema import GPTConfig  # the schema owns the shape; model.* in the config
 
 
 class CausalSelfAttention(nn.Module):

@@ -10,7 +10,7 @@ micro-step and full recomputation (only layer inputs kept); smaller ones as the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from omegaconf import DictConfig, open_dict
@@ -41,22 +41,23 @@ class Plan:
 
     def render(self, cfg: DictConfig) -> str:
         p = cfg.parallel
+        gib = f"{self.state_bytes_per_rank / GiB:.1f} GiB states + {self.activation_bytes_per_rank / GiB:.1f} GiB"
         return "\n".join([
             f"plan for recipe {cfg.recipe_name}:",
-            f"  model       {self.params / 1e9:.3f} B parameters, {self.flops_per_token / 1e9:.2f} GFLOP per token (training)",
-            f"  layout      {p.nodes} node(s) x {p.procs_per_node} rank(s) = {self.world} ranks: dp={self.dp} tp={self.tp} "
-            f"pp={self.pp} zero={self.zero}, spares={p.spares}",
-            f"  batch       {cfg.trainer.global_batch_size} samples/step = {self.micro_batch} per rank x {self.dp} ranks, "
-            f"seq {cfg.model.seq_len}",
-            f"  memory/rank {self.state_bytes_per_rank / GiB:.1f} GiB states + {self.activation_bytes_per_rank / GiB:.1f} GiB "
-            f"activations = {self.bytes_per_rank / GiB:.1f} GiB",
+            f"  model       {self.params / 1e9:.3f} B parameters, {self.flops_per_token / 1e9:.2f} GFLOP per token "
+            "(training)",
+            f"  layout      {p.nodes} node(s) x {p.procs_per_node} rank(s) = {self.world} ranks: dp={self.dp} "
+            f"tp={self.tp} pp={self.pp} zero={self.zero}, spares={p.spares}",
+            f"  batch       {cfg.trainer.global_batch_size} samples/step = {self.micro_batch} per rank x {self.dp} "
+            f"ranks, seq {cfg.model.seq_len}",
+            f"  memory/rank {gib} activations = {self.bytes_per_rank / GiB:.1f} GiB",
             f"  devices     needs {self.world} GPU(s); this host has {self.gpus_available}",
         ])
 
 
 def gpt_config(cfg: DictConfig) -> GPTConfig:
-    m = cfg.model
-    return GPTConfig(m.vocab_size, m.seq_len, m.n_layer, m.n_head, m.d_model, m.ffn_mult, m.dropout, m.bias)
+    """The built-in GPT's shape: the ``GPTConfig`` fields of ``cfg.model`` (a ``ModelConfig``)."""
+    return GPTConfig(**{f.name: cfg.model[f.name] for f in fields(GPTConfig)})
 
 
 def make_plan(cfg: DictConfig) -> Plan:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from pathlib import Path
+
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from runner.config import ConfigError, register_all
-from runner.config.registry import CONF_DIR, recipe_names
+from runner.config.ft_schema import FT_SCHEMAS
+from runner.config.registry import CONF_DIR, FAULTS_DIR, RECIPES_DIR, fault_names, recipe_names
+from runner.config.schema import FaultConfig, RootConfig
 from runner.config.validate import validate
 from tests.conftest import run_cli
 
@@ -79,9 +88,11 @@ def test_impossible_or_unsupported_configs_fail_with_what_to_change(overrides, e
     assert "\n" not in str(err.value)  # one paragraph
 
 
-@pytest.mark.parametrize("overrides", [["parallel.zero=1"],  # no fault tolerance
-                                       ["parallel.zero=1", "parallel.nodes=2", "parallel.spares=1", "ft=[flashrecovery,deadpool]"],
-                                       ["parallel.zero=1", "ft=[flash_ckpt]"]])
+@pytest.mark.parametrize("overrides", [
+    ["parallel.zero=1"],  # no fault tolerance
+    ["parallel.zero=1", "parallel.nodes=2", "parallel.spares=1", "ft=[flashrecovery,deadpool]"],
+    ["parallel.zero=1", "ft=[flash_ckpt]"],
+])
 def test_zero1_trains_alone_or_with_deadpool(overrides):
     validate(_compose("+recipe=gpt_tiny", *overrides))
 
@@ -120,3 +131,154 @@ def test_schema_rejects_wrong_types():
 def test_resolved_config_is_plain_data():
     cfg = _compose("+recipe=gpt_tiny", "ft=flashrecovery")
     assert isinstance(OmegaConf.to_container(cfg, resolve=True), dict)
+
+
+# Every option of every config group, every recipe and every fault: each composes and validates.
+GROUP_OPTIONS = [(d.name, f.stem) for d in sorted(CONF_DIR.iterdir()) if d.is_dir() for f in sorted(d.glob("*.yaml"))]
+NEEDS = {("ft", "deadpool"): ["parallel.spares=1"], ("fault", "kill_node"): ["parallel.nodes=2"]}  # to train
+
+
+@pytest.mark.parametrize("group, option", GROUP_OPTIONS + [("fault", f) for f in fault_names()])
+def test_every_config_group_option_composes_and_validates_for_training(group, option):
+    cfg = _compose("+recipe=gpt_tiny", f"{group}={option}", *NEEDS.get((group, option), []))
+    validate(cfg)
+
+
+def test_every_group_option_is_covered():
+    groups = {g for g, _ in GROUP_OPTIONS}
+    assert groups == {"ft", "heartbeat", "launcher", "logger", "parallel", "policy", "trainer"}
+    assert {f"{o}" for g, o in GROUP_OPTIONS if g == "ft"} == set(FT_SCHEMAS)
+
+
+def _schema_of_yaml(path: Path) -> tuple[type, dict]:
+    """The schema a YAML file's keys belong to, and those keys (a recipe's are global)."""
+    text = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    text.pop("defaults", None)
+    if path.parent == RECIPES_DIR:
+        return RootConfig, text
+    if path.parent == FAULTS_DIR:
+        return FaultConfig, text
+    if path.parent.name == "ft":
+        return FT_SCHEMAS[path.stem], text.get(path.stem) or {}
+    return typing.get_type_hints(RootConfig)[path.parent.name], text
+
+
+def _repeated_defaults(schema: type, values: dict, where: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(schema):
+        if f.name not in values:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(default):
+            out += _repeated_defaults(type(default), values[f.name] or {}, f"{where}{f.name}.")
+        elif values[f.name] == default:
+            out.append(f"{where}{f.name}")
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(CONF_DIR.glob("*/*.yaml")) + sorted(RECIPES_DIR.glob("**/*.yaml")),
+                         ids=lambda p: str(p.relative_to(CONF_DIR.parent)))
+def test_yaml_holds_only_what_differs_from_the_schema(path):
+    schema, values = _schema_of_yaml(path)
+    assert not _repeated_defaults(schema, values), f"{path.name} repeats the schema's defaults"
+
+
+def _schemas() -> dict[str, type]:
+    """Every config section and its dataclass: the root's groups and each fault-tolerance option."""
+    out = {"top level": RootConfig}
+    groups = typing.get_type_hints(RootConfig).items()
+    out.update({name: hint for name, hint in groups if dataclasses.is_dataclass(hint)})
+    out.update({f"ft.{name}": schema for name, schema in FT_SCHEMAS.items()})
+    return out
+
+
+def _attribute_docstrings(cls: type) -> set[str]:
+    names = set()
+    for klass in cls.__mro__:
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for stmt, after in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                names.add(stmt.target.id)
+    return names
+
+
+@pytest.mark.parametrize("section", list(_schemas()))
+def test_every_schema_field_has_a_docstring_and_a_row_in_the_docs(section):
+    schema = _schemas()[section]
+    names = [f.name for f in dataclasses.fields(schema)]
+    assert schema.__doc__ and not set(names) - _attribute_docstrings(schema)
+    docs = (CONF_DIR.parent / "docs" / "configuration.md").read_text()
+    if section == "top level":  # a group has a section of its own; the plain keys have rows in "Top level"
+        assert not [n for n in _schemas() if n != section and "." not in n and f"\n## `{n}`" not in docs]
+        names = [n for n in names if n not in _schemas() and n != "ft"]
+        assert "\n## `ft`" in docs
+    heading = "## Top level" if section == "top level" else f"## `{section.split('.')[0]}`"
+    text = docs.split(heading, 1)[1].split("\n## ", 1)[0]
+    assert not [n for n in names if f"| `{n}` |" not in text], f"docs/configuration.md {heading} lacks rows"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["+trainer.max_step=3"], "the closest valid key is trainer.max_steps"),
+        (["+ckpt_path=last.ckpt"], "ckpt_path is not a config key"),
+        (["ft=flashrecovery", "+ft.flashrecovery.max_restart=3"], "closest valid key is ft.flashrecovery.max_restarts"),
+        (["fault=kill_rank", "+fault.extra=[{kind: kill_rank, rnk: 0, step: 3}]"], "fault.extra[0].rnk"),
+        (["logger.kind=tensorboard"], "logger.kind='tensorboard' is not one of wandb, csv, none"),
+        (["launcher.kind=k8s"], "launcher.kind='k8s'"),
+        (["runner.device=tpu"], "runner.device='tpu'"),
+        (["data.kind=parquet"], "data.kind='parquet'"),
+        (["ft=ndb", "ft.ndb.neighbour=ring_far"], "ft.ndb.neighbour='ring_far'"),
+        (["fault=kill_rank", "fault.during=later"], "fault.during='later'"),
+        (["fault=kill_rank", "fault.node=1"], "fault.node=1 is ignored by kind=kill_rank"),
+        (["fault=chaos", "fault.step=3"], "fault.step=3 is ignored by kind=chaos"),
+        (["fault=slow_rank", "fault.duration_s=5"], "fault.duration_s=5.0 is ignored by kind=slow_rank"),
+        (["fault=kill_rank", "fault.mtbf_s=3"], "fault.mtbf_s=3.0 is ignored"),
+        (["data.path=/nonexistent.bin"], "data.path=/nonexistent.bin is ignored with data.kind=synthetic"),
+        (["data.kind=memmap"], "data.path=None is not a file"),
+        (["data.kind=memmap", "data.path=/nonexistent.bin"], "is not a file"),
+        (["model._target_=lightning.pytorch.demos.boring_classes.BoringModel", "data.kind=memmap"],
+         "data.kind=memmap is ignored: with model._target_ set"),
+        (["+model.kwargs.hidden=3"], "model.kwargs are passed to model._target_, which is not set"),
+        (["+data.kwargs.hidden=3"], "data.kwargs are passed to data._target_, which is not set"),
+        (["logger=csv", "logger.mode=online"], "logger.mode=online is ignored with logger.kind=csv"),
+        (["ft=[flashrecovery,deadpool]", "parallel.spares=1", "ft.deadpool.max_restarts=3"],
+         "ft.deadpool.max_restarts=3 is ignored with flashrecovery in ft"),
+        (["model._target_=no_such_pkg.Module"], "model._target_=no_such_pkg.Module cannot be imported"),
+        (["data._target_=lightning.pytorch.demos.boring_classes.NoSuchData"], "data._target_="),
+    ],
+)
+def test_no_silent_keys_unknown_out_of_set_ignored_or_unimportable(overrides, expected):
+    cfg = _compose("+recipe=gpt_tiny", *overrides)
+    for for_training in (False, True):
+        with pytest.raises(ConfigError) as err:
+            validate(cfg, for_training=for_training)
+        assert expected in str(err.value)
+        assert "\n" not in str(err.value)
+
+
+def test_unknown_key_added_with_plus_exits_2_naming_the_closest_key(run_dir):
+    run = run_cli("+recipe=gpt_tiny", "+trainer.no_such_key=1", run_dir=run_dir, timeout=60)
+    assert run.returncode == 2
+    line = next(x for x in run.output.splitlines() if "Invalid configuration" in x)
+    assert "trainer.no_such_key is not a config key: the closest valid key is trainer." in line
+    assert "max_steps" in line  # the keys trainer takes
+    assert not (run_dir / "events.jsonl").exists()
+
+
+def test_a_key_the_chosen_data_ignores_exits_2(run_dir):
+    run = run_cli("+recipe=gpt_tiny", "data.path=/nonexistent.bin", run_dir=run_dir, timeout=60)
+    assert run.returncode == 2
+    assert "data.path=/nonexistent.bin is ignored with data.kind=synthetic" in run.output
+    assert not (run_dir / "events.jsonl").exists()
+
+
+@pytest.mark.parametrize("group", ["model", "data"])
+def test_a_target_that_cannot_be_imported_exits_2_before_any_worker(run_dir, group):
+    run = run_cli("+recipe=gpt_tiny", f"{group}._target_=no_such_pkg.Thing", run_dir=run_dir, timeout=60)
+    assert run.returncode == 2
+    assert f"{group}._target_=no_such_pkg.Thing cannot be imported (No module named 'no_such_pkg')" in run.output
+    assert not (run_dir / "events.jsonl").exists()

@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 
+from runner.config import register_all
+from runner.config.registry import CONF_DIR
 from runner.model import GPT, GPTConfig
 from runner.recovery.ndb import (
     NDBConfig,
@@ -215,8 +219,16 @@ def test_contributor_counts_drop_skipped_microbatches_for_attention_only():
 
 
 def test_yaml_mirrors_config_dataclass():
-    knobs = yaml.safe_load(CONF.read_text())["ndb"]
-    assert list(knobs) == [f.name for f in dataclasses.fields(NDBConfig)]
-    assert NDBConfig(**knobs) == NDBConfig()
+    """conf/ft/ndb.yaml takes NDBConfig as its schema and sets only keys it declares, so ft=ndb composes to it."""
+    option = yaml.safe_load(CONF.read_text())
+    assert option["defaults"][0] == "/schema/ft/ndb@_here_"
+    knobs = option.get("ndb") or {}
+    assert set(knobs) <= {f.name for f in dataclasses.fields(NDBConfig)}
+    register_all()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = compose(config_name="config", overrides=["+recipe=gpt_tiny", "ft=ndb"]).ft.ndb
+    assert list(composed) == [f.name for f in dataclasses.fields(NDBConfig)]
+    assert NDBConfig(**composed) == NDBConfig(**knobs)
     with pytest.raises(ValueError, match="rank_ratio"):
         NDBConfig(rank_ratio=0.0)

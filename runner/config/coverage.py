@@ -114,7 +114,8 @@ def _replay(cfg: DictConfig, ft: list[str], dp: int, job: _Job, group: list[Dict
             dead |= set(range(dp))
         elif f.kind == "transient":
             transient = True
-    steps = ([(set(), set())] if transient else []) + ([(dead, lost)] if dead or lost else [])
+    steps: list[tuple[set[int], set[int]]] = [(set(), set())] if transient else []
+    steps += [(dead, lost)] if dead or lost else []
     decisions = []
     for dead_now, lost_now in steps:
         lost_ranks = [r for n in sorted(lost_now) for r in range(n * ppn, (n + 1) * ppn)]

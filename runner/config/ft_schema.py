@@ -1,46 +1,56 @@
 """Schemas of the fault-tolerance options (``conf/ft/*.yaml``), one dataclass per strategy.
 
-``ft`` is an open dict in the root schema (it is a list-valued group), so each option is checked
-here: unknown keys and wrong types are rejected like everywhere else.
+``ft`` is an open dict in the root schema (it is a list-valued group), so each option's YAML lists
+its schema first (``schema/ft/NAME``, stored by ``register_schema``): Hydra then fills the defaults
+and rejects unknown keys and wrong types like everywhere else. Every strategy here is implemented.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from runner.recovery.ndb.config import NDBConfig
+
+CrashAction = Annotated[str, Literal["restart_in_place", "swap"]]
 
 
 @dataclass
 class FlashRecoveryConfig:
-    max_restarts: int = 10
-    retry_transient: bool = True
+    """FlashRecovery: restart only the failed rank, with its state from a healthy DP replica (RPO 0)."""
 
-    def __post_init__(self) -> None:
-        if self.max_restarts < 0:
-            raise ValueError(f"ft.flashrecovery.max_restarts={self.max_restarts} must be >= 0.")
+    max_restarts: int = 10
+    """Restarts of failed ranks over the whole run; one more and the run fails."""
+    retry_transient: bool = True
+    """A collective error with every process alive is retried in a rebuilt group; nobody restarts."""
 
 
 @dataclass
 class DeadPoolConfig:
-    crash_action: str = "restart_in_place"
-    max_restarts: int = 10
+    """DeadPool: swap a lost node's ranks for warm hot spares; with parallel.zero=1, replicate every shard."""
 
-    def __post_init__(self) -> None:
-        if self.max_restarts < 0:
-            raise ValueError(f"ft.deadpool.max_restarts={self.max_restarts} must be >= 0.")
-        if self.crash_action not in ("restart_in_place", "swap"):
-            raise ValueError(f"ft.deadpool.crash_action={self.crash_action!r}: use restart_in_place or swap.")
+    crash_action: CrashAction = "restart_in_place"
+    """What a process crash on a healthy node gets: restart_in_place, or swap it for a spare."""
+    max_restarts: int = 10
+    """In-place restarts over the run when flashrecovery is not in ft (flashrecovery's bound applies otherwise)."""
 
 
 @dataclass
 class FlashCkptConfig:
+    """Flash checkpoint: snapshots to /dev/shm hidden under compute, persisted asynchronously by the node's agent."""
+
     every_n_steps: int = 5
+    """Memory snapshot cadence (>= 1)."""
     persist_every_n_steps: int = 50
+    """Disk persist cadence, a multiple of every_n_steps; 0 = never."""
     overlap: bool = True
+    """Copy in a background thread during the next forward/backward."""
     keep: int = 2
+    """Persisted checkpoints kept on disk."""
     neighbour_backup: bool = True
+    """Copy each node's snapshot into a partner node's memory."""
     max_restarts: int = 5
+    """Restarts of every rank from snapshots (restart_all) over the whole run; one more and the run fails."""
 
 
 FT_SCHEMAS = {
@@ -49,7 +59,3 @@ FT_SCHEMAS = {
     "flash_ckpt": FlashCkptConfig,
     "ndb": NDBConfig,
 }
-
-# Strategies whose recovery path is built into the runner today; the others compose and validate,
-# and are refused at run time with a clear message until they land.
-IMPLEMENTED = ("flashrecovery", "deadpool", "ndb", "flash_ckpt")

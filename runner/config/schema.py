@@ -1,98 +1,175 @@
-"""Structured schema for every config group, registered in Hydra's ConfigStore.
+"""The config schema: one dataclass per group, the single source of every key, its type, default and meaning.
 
-Hydra rejects unknown keys and wrong types against these dataclasses before any process starts;
-cross-field rules (layouts, ranges) live in ``runner.config.validate``.
+Hydra rejects unknown keys and wrong types against these dataclasses while it composes the config;
+the YAML under ``conf/`` and ``recipes/`` holds only what differs from the defaults here. A closed
+set of values is written ``Annotated[str, Literal[...]]``: OmegaConf 2.3 refuses ``Literal`` but
+reads the ``Annotated`` base type, and ``runner.config.validate`` checks the value against the
+``Literal`` (``choices``). Cross-field rules (layouts, ranges) live in ``runner.config.validate``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 
 from hydra.core.config_store import ConfigStore
+
+Backend = Annotated[str, Literal["auto", "gloo", "nccl"]]
+ZeroStage = Annotated[int, Literal[0, 1]]
+FaultKind = Annotated[str, Literal["none", "kill_rank", "kill_node", "hang_rank", "transient", "slow_rank", "bitflip",
+                                   "slow_link", "partition", "kill_all", "wipe_shm", "corrupt_snapshot", "chaos"]]
+ChaosKind = Annotated[str, Literal["transient", "kill_rank", "hang_rank", "kill_node", "bitflip", "partition",
+                                   "kill_all"]]
+FaultMoment = Annotated[str, Literal["step", "recovery", "replication", "after_reduce"]]
+LoggerKind = Annotated[str, Literal["wandb", "csv", "none"]]
+WandbMode = Annotated[str, Literal["offline", "online", "disabled"]]
+LauncherKind = Annotated[str, Literal["auto", "local", "torchrun", "slurm"]]
+DataKind = Annotated[str, Literal["synthetic", "memmap"]]
+Device = Annotated[str, Literal["auto", "cpu", "cuda"]]
+
+
+def choices(hint: Any) -> Optional[tuple[Any, ...]]:
+    """The values a closed-set type accepts (the ``Literal`` inside its ``Annotated``), or None for an open type."""
+    if get_origin(hint) is Annotated:
+        for meta in hint.__metadata__:
+            if get_origin(meta) is Literal:
+                return get_args(meta)
+    return None
 
 
 @dataclass
 class ParallelConfig:
-    """Process layout: nodes x procs_per_node ranks, plus spares on their own nodes."""
+    """Process layout: nodes x procs_per_node ranks, plus hot spares on nodes of their own."""
 
     nodes: int = 1
+    """(Simulated) nodes; each is one failure domain with its own agent."""
     procs_per_node: int = 2
-    tp: int = 1  # tensor-parallel degree (planning only; training supports tp=1)
-    pp: int = 1  # pipeline-parallel degree (planning only; training supports pp=1)
-    dp_group_size: int = 0  # size of a data-parallel replica group; 0 = the whole DP world
-    spares: int = 0  # hot spare processes (DeadPool)
-    zero: int = 0  # ZeRO stage: 0 = replicated optimizer, 1 = sharded optimizer state
-    backend: str = "auto"  # auto | gloo | nccl
+    """Worker processes per node (GPUs per node on a cluster)."""
+    tp: int = 1
+    """Tensor-parallel degree: planning only, training requires 1."""
+    pp: int = 1
+    """Pipeline-parallel degree: planning only, training requires 1."""
+    dp_group_size: int = 0
+    """Ranks per data-parallel replica group; 0 = all DP ranks form one group (training requires 0 for now)."""
+    spares: int = 0
+    """Hot spares on nodes of their own, which only DeadPool uses (needs ft=deadpool)."""
+    zero: ZeroStage = 0
+    """0 = replicated optimizer state, 1 = ZeRO-1 (optimizer state sharded over the DP ranks)."""
+    backend: Backend = "auto"
+    """Collective backend; auto = NCCL on GPUs, gloo on CPU."""
 
 
 @dataclass
 class HeartbeatConfig:
-    """Detection knobs: worker heartbeats, hang (stall) detection and the decision window."""
+    """Detection: worker heartbeats, hang (stall) detection and the decision window."""
 
     interval_s: float = 0.1
+    """Seconds between heartbeats (workers and agents)."""
     misses: int = 10
+    """Missed intervals before a worker is declared hung and killed, or a node silent."""
     stall_timeout_s: float = 10.0
+    """Heartbeats arrive but the step does not advance for this long: a hang."""
     decide_window_s: float = 0.05
+    """After the first symptom, gather others this long before classifying the fault."""
 
 
 @dataclass
 class FaultConfig:
     """Which fault to inject, where and when (``recipes/fault/*.yaml``)."""
 
-    kind: str = "none"
-    rank: int = 0  # victim logical rank (rank faults)
-    node: int = 0  # victim node (node faults)
-    step: int = -1  # inject at the start of this step; -1 = use after_s
-    during: str = "step"  # step: at the start of `step`; recovery: when the victim enters its next recovery;
-    #   replication: while the victim's ZeRO-1 shard copy after `step`'s update is in flight (DeadPool);
-    #   after_reduce (transient): the victim's link fails just after `step`'s reduction completed everywhere
-    after_s: float = -1.0  # or after this many seconds of training
-    delay_s: float = 0.0  # slow_rank: delay per step; slow_link: delay per collective
-    duration_s: float = -1.0  # partition: how long the rank's connections stay cut; -1 = for good
-    extra: list[dict[str, Any]] = field(default_factory=list)  # further faults: same keys
-    # chaos: faults of random kinds and victims, drawn and injected by the controller
-    kinds: list[str] = field(default_factory=lambda: ["transient", "kill_rank", "hang_rank", "kill_node", "bitflip"])
-    mtbf_s: float = 20.0  # mean time between faults (exponential inter-arrival times)
-    max_faults: int = 10  # no more faults than this
-    until_s: float = 600.0  # no fault after this many seconds of training
+    kind: FaultKind = "none"
+    """The fault; chaos only as the main fault (docs/faults.md)."""
+    rank: int = 0
+    """Victim logical rank (rank faults, also kill_all, wipe_shm, corrupt_snapshot)."""
+    node: int = 0
+    """Victim node (kill_node)."""
+    step: int = -1
+    """Inject at the start of this step; -1 = use after_s (slow_rank: from this step on)."""
+    during: FaultMoment = "step"
+    """step: at the start of `step`; recovery: when the victim enters its next recovery (kill_rank, hang_rank);
+    replication: while the victim's ZeRO-1 shard copy after `step`'s update is in flight (kill_rank, DeadPool);
+    after_reduce: the victim's link fails just after `step`'s reduction completed everywhere (transient)."""
+    after_s: float = -1.0
+    """Or inject after this many seconds of the victim's training; -1 = use step."""
+    delay_s: float = 0.0
+    """slow_rank: sleep before every step; slow_link: delay before every collective."""
+    duration_s: float = -1.0
+    """partition (also one drawn by chaos): how long the rank's connections stay cut; -1 = for good."""
+    extra: list[dict[str, Any]] = field(default_factory=list)
+    """Further faults, each with the keys above."""
+    kinds: list[ChaosKind] = field(default_factory=lambda: ["transient", "kill_rank", "hang_rank", "kill_node",
+                                                            "bitflip"])
+    """chaos: the kinds drawn from."""
+    mtbf_s: float = 20.0
+    """chaos: mean of the exponential gap after each fault settles, seconds."""
+    max_faults: int = 10
+    """chaos: at most this many faults."""
+    until_s: float = 600.0
+    """chaos: no fault later than this many seconds after training began."""
 
 
 @dataclass
 class PolicyConfig:
-    """The ordered recovery actions per fault class (``runner/config/policy.py``); null = the seeds' row."""
+    """For each fault class, the recovery actions to try, in order (``runner/config/policy.py``).
+
+    A row left null follows the seeds, restricted to the strategies in ``ft``: transient [retry,
+    restart_all]; process_crash and hang [restart_rank, takeover, restart_all] (swap_spare first with
+    ft.deadpool.crash_action=swap); node_loss_spare_free [swap_spare, takeover, restart_all];
+    node_loss_no_spare [takeover, restart_all]; replica_lost [restart_all]; silent_corruption
+    [recompute]. A row set by the user is taken as written.
+    """
 
     transient: Optional[list[str]] = None
+    """Every process alive, a collective failed."""
     process_crash: Optional[list[str]] = None
+    """A rank's process died, its node is up."""
     hang: Optional[list[str]] = None
+    """A rank stopped beating or stalled (the controller kills it)."""
     node_loss_spare_free: Optional[list[str]] = None
+    """A node went silent, enough ready spares for its ranks."""
     node_loss_no_spare: Optional[list[str]] = None
+    """A node went silent, not enough ready spares."""
     replica_lost: Optional[list[str]] = None
+    """No live rank holds the model/optimizer state any more."""
     silent_corruption: Optional[list[str]] = None
-    reject_unhandled: bool = True  # refuse a config whose mix cannot handle a fault it is configured to face
+    """The reduced gradient is implausible (bit flip); the only action is recompute, switched by trainer.sdc_factor."""
+    reject_unhandled: bool = True
+    """Refuse (exit 2) a mix that cannot handle a fault in fault, fault.extra or fault.kinds; false = inject it
+    anyway and watch the run fail."""
 
 
 @dataclass
 class LoggerConfig:
-    """Where metrics go besides the local files; one rank logs."""
+    """Where metrics go besides the run directory's own files; one rank logs."""
 
-    kind: str = "wandb"  # wandb | csv | none
+    kind: LoggerKind = "wandb"
+    """The experiment logger (select with logger=wandb, logger=csv, logger=none)."""
     project: str = "resilient-runner"
-    mode: str = "offline"  # wandb: offline | online | disabled
-    group: Optional[str] = None  # W&B group; default: the sweep directory
+    """W&B project (wandb only)."""
+    mode: WandbMode = "offline"
+    """W&B mode (wandb only); offline needs no network, `wandb sync` uploads later."""
+    group: Optional[str] = None
+    """W&B group (wandb only); null = the sweep directory in a multirun, else the run directory."""
 
 
 @dataclass
 class LauncherConfig:
-    """How processes start and how long every wait may last."""
+    """How processes start, and how long every wait may last."""
 
-    kind: str = "auto"  # auto | local | torchrun | slurm
-    start_timeout_s: float = 120.0  # a worker's first heartbeat must come within this
-    collective_timeout_s: float = 30.0  # gloo/NCCL operation timeout
-    rendezvous_timeout_s: float = 15.0  # forming a process group of a new generation
-    recovery_timeout_s: float = 60.0  # waiting at the controller for the next generation
-    run_timeout_s: float = 3600.0  # the whole run
-    threads_per_rank: int = 0  # torch intra-op threads per worker; 0 = cores // ranks
+    kind: LauncherKind = "auto"
+    """auto = simulate the cluster locally unless torchrun or SLURM is detected (then run as one rank of it)."""
+    start_timeout_s: float = 120.0
+    """A worker's first heartbeat must come within this; also the initial rendezvous."""
+    collective_timeout_s: float = 30.0
+    """gloo/NCCL timeout of one collective."""
+    rendezvous_timeout_s: float = 15.0
+    """Forming the process group of a new generation."""
+    recovery_timeout_s: float = 60.0
+    """A worker waiting for the next generation; a victim waiting for the controller to carry out its fault."""
+    run_timeout_s: float = 3600.0
+    """The whole run; then it fails."""
+    threads_per_rank: int = 0
+    """Torch intra-op threads per worker; 0 = cores // ranks (at least 1)."""
 
 
 @dataclass
@@ -100,35 +177,73 @@ class TrainerConfig:
     """Optimisation settings shared by every rank."""
 
     max_steps: int = 50
-    global_batch_size: int = 8  # samples per optimizer step, split across DP ranks
+    """Optimizer steps."""
+    global_batch_size: int = 8
+    """Samples per step over all DP ranks; micro-batch = global_batch_size / dp."""
     lr: float = 3e-3
+    """Peak learning rate (AdamW; built-in GPT only)."""
     min_lr: float = 3e-4
+    """Cosine decay floor (built-in GPT only)."""
     warmup_steps: int = 5
+    """Linear warm-up steps (built-in GPT only)."""
     weight_decay: float = 0.1
+    """AdamW weight decay on parameters with >= 2 dims (built-in GPT only)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas (built-in GPT only)."""
     grad_clip: float = 1.0
+    """Global gradient-norm clip (Lightning's gradient_clip_val); 0 = off."""
     precision: str = "32-true"
-    bucket_mb: float = 25.0  # gradient all-reduce bucket size
-    sdc_factor: float = 100.0  # reject a reduced gradient whose norm exceeds this x the recent median; 0 = off
-    sdc_window: int = 20  # accepted steps the median is taken over
+    """Lightning precision string."""
+    bucket_mb: float = 25.0
+    """Gradient all-reduce bucket size (MiB); each bucket's all-reduce overlaps the rest of the backward."""
+    sdc_factor: float = 100.0
+    """Silent-corruption guard: recompute a step whose reduced gradient norm is non-finite or above sdc_factor x
+    the median of recent accepted steps; 0 = off."""
+    sdc_window: int = 20
+    """Accepted steps that median is taken over."""
     log_every_n_steps: int = 1
+    """Experiment-logger cadence (metrics.jsonl gets every committed step regardless)."""
     progress_bar: bool = True
+    """Lightning progress bar on the console (logical rank 0)."""
 
 
 @dataclass
-class ModelConfig:
-    """GPT shape, or a user's LightningModule through ``_target_``."""
+class GPTConfig:
+    """Shape of the built-in GPT (``runner.model.GPT``); the recipes in ``recipes/`` set it."""
+
+    vocab_size: int = 256
+    """Vocabulary size (byte-level by default)."""
+    seq_len: int = 64
+    """Context length; also the tokens per sample in the accounting."""
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 2
+    """Attention heads; must divide d_model."""
+    d_model: int = 64
+    """Model width."""
+    ffn_mult: int = 4
+    """FFN hidden width = ffn_mult x d_model."""
+    dropout: float = 0.0
+    """Dropout probability, seeded per (step, logical rank) when > 0."""
+    bias: bool = True
+    """Biases in Linear and LayerNorm."""
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}: "
+                "pick a head count that divides the model width."
+            )
+
+
+@dataclass
+class ModelConfig(GPTConfig):
+    """The built-in GPT's shape, or a user's LightningModule through ``_target_`` (the shape then feeds the plan)."""
 
     _target_: Optional[str] = None
-    vocab_size: int = 256
-    seq_len: int = 64
-    n_layer: int = 2
-    n_head: int = 2
-    d_model: int = 64
-    ffn_mult: int = 4
-    dropout: float = 0.0
-    bias: bool = True
-    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to a user's _target_
+    """Import path of your LightningModule; null = the built-in GPT."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for _target_ (add them with +model.kwargs.NAME=...)."""
 
 
 @dataclass
@@ -136,41 +251,71 @@ class DataConfig:
     """Step-indexed data source, or a user's LightningDataModule through ``_target_``."""
 
     _target_: Optional[str] = None
-    kind: str = "synthetic"  # synthetic | memmap
-    path: Optional[str] = None  # memmap: a nanoGPT-style uint16 .bin token file
-    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to a user's _target_
+    """Import path of your LightningDataModule; null = the module's own train_dataloader() or the built-in data."""
+    kind: DataKind = "synthetic"
+    """Built-in GPT data: synthetic (a seeded sparse Markov chain, learnable) or memmap (data.path)."""
+    path: Optional[str] = None
+    """memmap only: a nanoGPT-style uint16 token .bin file (ids < model.vocab_size)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for _target_ (add them with +data.kwargs.NAME=...)."""
 
 
 @dataclass
 class RunnerConfig:
     """Run-level switches."""
 
-    smoke: bool = False  # shrink the model (and the layout, see smoke_max_ranks) to train on CPU
+    smoke: bool = False
+    """Shrink the recipe (model, and the layout above smoke_max_ranks) to train on CPU."""
     smoke_max_ranks: int = 4
-    device: str = "auto"  # auto | cpu | cuda
-    peak_flops_per_rank: float = 1.0e12  # for MFU; the recipes set the GPU's bf16 peak
-    cpu_max_params: int = 400_000_000  # bigger models only print their plan on a GPU-less host
+    """Smoke-mode layout cap."""
+    device: Device = "auto"
+    """auto uses a GPU per rank (logical_rank % device_count) when there are GPUs."""
+    peak_flops_per_rank: float = 1.0e12
+    """Hardware peak FLOP/s of one rank, for MFU; the recipes set the GPU's bf16 peak."""
+    cpu_max_params: int = 400_000_000
+    """Bigger models only print their plan on a host without enough GPUs."""
     console_events: bool = True
+    """Echo controller events on the console."""
 
 
 @dataclass
 class RootConfig:
+    """The whole config; ``ft`` is open because it is a list-valued group (each option checked against FT_SCHEMAS)."""
+
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Process layout."""
     ft: dict[str, Any] = field(default_factory=dict)
+    """The fault-tolerance strategies, in order: one key per option of group ft (runner/config/ft_schema.py)."""
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    """Detection."""
     fault: FaultConfig = field(default_factory=FaultConfig)
+    """The fault to inject."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """Fault class -> ordered recovery actions."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Experiment logger."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    """Process start and timeouts."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Optimisation."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The data."""
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    """Run-level switches."""
     recipe_name: str = "none"
+    """Set by the recipe; none means no recipe was chosen."""
     seed: int = 1234
+    """Initial weights, data and per-step RNG; the same seed gives the same param_checksum."""
 
 
 def register_schema() -> None:
-    """Store the schema as ``base_config``; ``conf/config.yaml`` lists it first in its defaults."""
+    """Store the schema as ``base_config`` (``conf/config.yaml`` lists it first in its defaults), and each
+    fault-tolerance schema as ``schema/ft/NAME`` (each ``conf/ft/NAME.yaml`` lists its own first)."""
+    from runner.config.ft_schema import FT_SCHEMAS  # imports runner.recovery.ndb, which imports runner.model
+
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RootConfig)
+    for name, schema in FT_SCHEMAS.items():
+        cs.store(group="schema/ft", name=name, node={name: schema})

@@ -1,27 +1,50 @@
-"""Cross-field validation: everything a dataclass type cannot express, checked before launch.
+"""Validation in one place: every key against the schema, then everything a type cannot express, before launch.
 
-Each problem becomes one sentence that says what to change; all of them are reported together in
-one ``ConfigError``.
+First the schema check: an unknown key (also one added with ``+``, which Hydra lets through) or a
+value outside its closed set (``runner.config.schema.choices``). Then the rules that span several
+fields: layouts, ranges, keys the chosen options would ignore, ``_target_`` imports, and the
+fault-tolerance mix against the faults it faces. Each problem becomes one sentence that says what to
+change; all of them are reported together in one ``ConfigError``.
 """
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+import difflib
+import os
+from dataclasses import fields, is_dataclass
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.config.coverage import mix_problems
 from runner.config.errors import ConfigError
-from runner.config.ft_schema import FT_SCHEMAS, IMPLEMENTED
+from runner.config.ft_schema import FT_SCHEMAS, DeadPoolConfig
 from runner.config.registry import recipe_names
-from runner.config.schema import FaultConfig
+from runner.config.schema import (
+    ChaosKind,
+    DataConfig,
+    FaultConfig,
+    FaultKind,
+    LoggerConfig,
+    PolicyConfig,
+    RootConfig,
+    choices,
+)
 
-FAULT_KINDS = ("none", "kill_rank", "kill_node", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link",
-               "partition", "kill_all", "wipe_shm", "corrupt_snapshot", "chaos")
-CHAOS_KINDS = ("transient", "kill_rank", "hang_rank", "kill_node", "bitflip", "partition", "kill_all")
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
                "wipe_shm", "corrupt_snapshot")
-LOGGERS = ("wandb", "csv", "none")
-LAUNCHERS = ("auto", "local", "torchrun", "slurm")
+_TIMED = tuple(k for k in choices(FaultKind) or () if k not in ("none", "chaos"))  # injected at a step or time
+# fault keys -> the kinds that read them; any other kind ignores them
+_FAULT_KEY_USERS = {
+    "rank": RANK_FAULTS,
+    "node": ("kill_node",),
+    "step": _TIMED, "after_s": _TIMED, "during": _TIMED,
+    "delay_s": ("slow_rank", "slow_link"),
+    "duration_s": ("partition", "chaos"),
+    "kinds": ("chaos",), "mtbf_s": ("chaos",), "max_faults": ("chaos",), "until_s": ("chaos",),
+}
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -46,14 +69,18 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
     """Raise ConfigError listing every problem; ``for_training=False`` checks only what a plan needs."""
     problems: list[str] = []
     if "recipe" in cfg:
-        problems.append(
-            f"'recipe={cfg.recipe}' is not a known recipe; choose one with +recipe=NAME from: {', '.join(recipe_names())}."
-        )
+        problems.append(f"'recipe={cfg.recipe}' is not a known recipe; choose one with +recipe=NAME from: "
+                        f"{', '.join(recipe_names())}.")
     if cfg.recipe_name == "none":
         problems.append(f"No recipe chosen: add +recipe=NAME, one of: {', '.join(recipe_names())}.")
+    schema = schema_problems(cfg)
+    if schema:  # the rules below read the keys the schema declares, with values in range
+        raise ConfigError("Invalid configuration: " + " ".join(problems + schema))
     problems += _layout_problems(cfg, for_training)
-    problems += _ft_problems(cfg, for_training)
+    problems += _ft_problems(cfg)
     problems += _misc_problems(cfg)
+    problems += ignored_key_problems(cfg)
+    problems += _target_problems(cfg)
     if for_training and not problems:  # the replay of the faults needs every value above in range
         problems += mix_problems(cfg, ft_names(cfg), all_faults(cfg), dp_size(cfg))
     if problems:
@@ -84,13 +111,7 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         )
     if p.spares < 0:
         out.append(f"parallel.spares={p.spares} is negative; use 0 or more hot spares.")
-    if p.zero not in (0, 1):
-        out.append(f"parallel.zero={p.zero} is not supported; use 0 (replicated) or 1 (ZeRO-1).")
-    if p.backend not in ("auto", "gloo", "nccl"):
-        out.append(f"parallel.backend={p.backend!r} is unknown; use auto, gloo or nccl.")
-    if cfg.runner.device not in ("auto", "cpu", "cuda"):
-        out.append(f"runner.device={cfg.runner.device!r} is unknown; use auto, cpu or cuda.")
-    elif p.backend == "nccl" and cfg.runner.device == "cpu":
+    if p.backend == "nccl" and cfg.runner.device == "cpu":
         out.append("parallel.backend=nccl needs GPUs: use runner.device=cuda (or auto on a GPU host), or backend=gloo.")
     m = cfg.model
     if m._target_ is None:
@@ -110,16 +131,15 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         out.append(f"trainer.global_batch_size={gbs} must be divisible by the data-parallel size {dp}.")
     if for_training:
         if p.dp_group_size:
-            out.append(f"parallel.dp_group_size={p.dp_group_size}: DP replica groups are not available yet; set it to 0 "
-                       "(a recipe's plan may still show it).")
+            out.append(f"parallel.dp_group_size={p.dp_group_size}: DP replica groups are not available yet; set it "
+                       "to 0 (a recipe's plan may still show it).")
         out += zero_problems(cfg)
         if p.spares and "deadpool" not in ft_names(cfg):
             out.append(f"parallel.spares={p.spares} starts hot spares that only DeadPool uses: add ft=deadpool or set "
                        "parallel.spares=0.")
     if for_training and (p.tp > 1 or p.pp > 1):
-        out.append(
-            f"Training with tp={p.tp}/pp={p.pp} is not supported yet (only planning is); set parallel.tp=1 parallel.pp=1."
-        )
+        out.append(f"Training with tp={p.tp}/pp={p.pp} is not supported yet (only planning is); set parallel.tp=1 "
+                   "parallel.pp=1.")
     return out
 
 
@@ -147,25 +167,21 @@ def zero_problems(cfg: DictConfig) -> list[str]:
     return out
 
 
-def _ft_problems(cfg: DictConfig, for_training: bool) -> list[str]:
+def _ft_problems(cfg: DictConfig) -> list[str]:
     out: list[str] = []
     for name in ft_names(cfg):
-        if name not in FT_SCHEMAS:
-            out.append(f"ft.{name} is not a fault-tolerance strategy; use any of {', '.join(sorted(FT_SCHEMAS))}.")
-            continue
+        restarts = cfg.ft[name].get("max_restarts", 0)
+        if restarts < 0:
+            out.append(f"ft.{name}.max_restarts={restarts} must be >= 0.")
         try:
             OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FT_SCHEMAS[name]), cfg.ft[name]))
         except (OmegaConfBaseException, ValueError) as err:
-            out.append(f"ft.{name}: {str(err).splitlines()[0].rstrip('.')}; see conf/ft/{name}.yaml for the valid keys.")
+            out.append(f"ft.{name}: {str(err).splitlines()[0].rstrip('.')}; see docs/configuration.md for its keys.")
         if name == "flash_ckpt":
             out += _flash_ckpt_problems(cfg.ft.flash_ckpt)
         if name == "ndb" and cfg.model._target_:
             out.append("ft=ndb approximates the built-in GPT's attention and FFN branches; it cannot drive "
                        f"model._target_={cfg.model._target_}: use ft=flashrecovery for your own module.")
-        if for_training and name not in IMPLEMENTED:
-            out.append(
-                f"ft={name} is not available in this version yet (available: {', '.join(IMPLEMENTED)}, or ft=[] for none)."
-            )
     return out
 
 
@@ -173,9 +189,9 @@ def _chaos_problems(f: DictConfig, where: str) -> list[str]:
     out = []
     if where != "fault":
         out.append(f"{where}.kind=chaos: chaos is the main fault (fault=chaos); fault.extra takes fixed faults.")
-    unknown = [k for k in f.kinds if k not in CHAOS_KINDS]
-    if unknown or not f.kinds:
-        out.append(f"fault.kinds={list(f.kinds)}: chaos draws from a non-empty list of {', '.join(CHAOS_KINDS)}.")
+    kinds = choices(ChaosKind) or ()
+    if not f.kinds or any(k not in kinds for k in f.kinds):
+        out.append(f"fault.kinds={list(f.kinds)}: chaos draws from a non-empty list of {', '.join(kinds)}.")
     if f.mtbf_s <= 0 or f.max_faults < 1 or f.until_s <= 0:
         out.append(f"fault.mtbf_s ({f.mtbf_s}) and fault.until_s ({f.until_s}) must be > 0 and fault.max_faults "
                    f"({f.max_faults}) >= 1.")
@@ -203,25 +219,22 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
     if hb.decide_window_s < 0:
         out.append(f"heartbeat.decide_window_s ({hb.decide_window_s}) must be >= 0.")
     if hb.stall_timeout_s <= hb.interval_s:
-        out.append(f"heartbeat.stall_timeout_s ({hb.stall_timeout_s}) must exceed heartbeat.interval_s ({hb.interval_s}).")
-    f = cfg.fault
+        out.append(f"heartbeat.stall_timeout_s ({hb.stall_timeout_s}) must exceed heartbeat.interval_s "
+                   f"({hb.interval_s}).")
     try:
         faults = all_faults(cfg)
     except OmegaConfBaseException as err:
         return out + [f"fault.extra: {str(err).splitlines()[0]}; each entry takes the keys of recipes/fault/*.yaml."]
     for i, one in enumerate(faults):
         where = "fault" if i == 0 else f"fault.extra[{i - 1}]"
-        if one.kind not in FAULT_KINDS:
-            out.append(f"{where}.kind={one.kind!r} is unknown; use one of {', '.join(FAULT_KINDS)}.")
         if one.kind in RANK_FAULTS and not 0 <= one.rank < dp_size(cfg):
-            out.append(f"{where}.rank={one.rank} is not a rank of this {dp_size(cfg)}-rank job; use 0..{dp_size(cfg) - 1}.")
+            out.append(f"{where}.rank={one.rank} is not a rank of this {dp_size(cfg)}-rank job; use "
+                       f"0..{dp_size(cfg) - 1}.")
         if one.kind == "kill_node" and not 0 <= one.node < cfg.parallel.nodes:
             out.append(f"{where}.node={one.node} is not a node of this job; use 0..{cfg.parallel.nodes - 1}.")
         if one.delay_s < 0 or (one.duration_s < 0 and one.duration_s != -1):
             out.append(f"{where}: delay_s ({one.delay_s}) must be >= 0 and duration_s ({one.duration_s}) -1 (for good) "
                        "or >= 0.")
-        if one.during not in ("step", "recovery", "replication", "after_reduce"):
-            out.append(f"{where}.during={one.during!r} is unknown; use step, recovery, replication or after_reduce.")
         if one.during == "after_reduce" and one.kind != "transient":
             out.append(f"{where}: during=after_reduce is for transient faults (the victim alone misses a reduction "
                        "that completed everywhere else).")
@@ -233,17 +246,136 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
                        "kind=kill_rank, a fault.step, parallel.zero=1 and ft=deadpool.")
         if one.kind == "chaos":
             out += _chaos_problems(one, where)
-        elif one.kind not in ("none", "slow_rank") and one.during in ("step", "after_reduce") and one.step < 0 and one.after_s < 0:
+        elif (one.kind not in ("none", "slow_rank") and one.during in ("step", "after_reduce") and one.step < 0
+              and one.after_s < 0):
             out.append(f"{where}: set fault.step (a step) or fault.after_s (seconds) to say when to inject.")
         if one.step >= cfg.trainer.max_steps:
-            out.append(f"{where}.step={one.step} is not before trainer.max_steps={cfg.trainer.max_steps}; the fault would never fire.")
-    if cfg.logger.kind not in LOGGERS:
-        out.append(f"logger.kind={cfg.logger.kind!r} is unknown; use logger=wandb, logger=csv or logger=none.")
-    if cfg.launcher.kind not in LAUNCHERS:
-        out.append(f"launcher.kind={cfg.launcher.kind!r} is unknown; use one of {', '.join(LAUNCHERS)}.")
+            out.append(f"{where}.step={one.step} is not before trainer.max_steps={cfg.trainer.max_steps}; the fault "
+                       "would never fire.")
     if cfg.trainer.sdc_factor < 0 or cfg.trainer.sdc_window < 1:
         out.append(f"trainer.sdc_factor ({cfg.trainer.sdc_factor}) must be >= 0 (0 = guard off) and "
                    f"trainer.sdc_window ({cfg.trainer.sdc_window}) >= 1.")
     if cfg.trainer.max_steps < 1:
         out.append(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1.")
+    return out
+
+
+def schema_problems(cfg: DictConfig) -> list[str]:
+    """Keys the schema does not declare (Hydra lets ``+key=value`` through) and values outside a closed set."""
+    out = _walk(cfg, RootConfig, "")
+    for i, entry in enumerate(cfg.fault.extra):
+        if isinstance(entry, DictConfig):
+            out += _walk(entry, FaultConfig, f"fault.extra[{i}].")
+    return out
+
+
+def _walk(node: DictConfig, schema: type, where: str) -> list[str]:
+    hints = get_type_hints(schema, include_extras=True)
+    names = [f.name for f in fields(schema)]
+    out = []
+    for key in node:
+        key = str(key)
+        if key not in hints:
+            # validate() explains a stray recipe itself, and policy.row_problems a row that is not a fault class
+            if not (schema is RootConfig and key == "recipe") and schema is not PolicyConfig:
+                out.append(_unknown_key(f"{where}{key}", names, where))
+            continue
+        value = node.get(key)
+        if schema is RootConfig and key == "ft":
+            for name in value or {}:
+                if name in FT_SCHEMAS:
+                    out += _walk(value[name], FT_SCHEMAS[name], f"ft.{name}.")
+                else:
+                    out.append(_unknown_key(f"ft.{name}", list(FT_SCHEMAS), "ft."))
+        else:
+            out += _value_problems(value, hints[key], f"{where}{key}")
+    return out
+
+
+def _value_problems(value: Any, hint: Any, where: str) -> list[str]:
+    if get_origin(hint) is Union:  # Optional[X]
+        if value is None:
+            return []
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    allowed = choices(hint)
+    if allowed is not None and value not in allowed:
+        return [f"{where}={value!r} is not one of {', '.join(str(a) for a in allowed)}."]
+    if is_dataclass(hint) and isinstance(value, DictConfig):
+        return _walk(value, hint, f"{where}.")  # type: ignore[arg-type]
+    return []  # a list of a closed set (fault.kinds) is checked where it is used, with what it is for
+
+
+def _unknown_key(path: str, names: list[str], where: str) -> str:
+    closest = difflib.get_close_matches(path.rsplit(".", 1)[-1], names, n=1, cutoff=0.0)
+    section = where.rstrip(".") or "the top level"
+    hint = f": the closest valid key is {where}{closest[0]}" if closest else ""
+    return f"{path} is not a config key{hint} ({section} takes {', '.join(names)})."
+
+
+def ignored_key_problems(cfg: DictConfig) -> list[str]:
+    """Keys set away from their default that the chosen options would silently ignore."""
+    out = []
+    try:
+        faults = all_faults(cfg)
+    except OmegaConfBaseException:
+        faults = []  # _misc_problems reports the bad fault.extra entry
+    for i, f in enumerate(faults):
+        if f.kind == "none":  # a sweep's fault-free job shares the fault keys of the others (fault=none,kill_rank)
+            continue
+        where = "fault" if i == 0 else f"fault.extra[{i - 1}]"
+        for key in _changed(f, FaultConfig):
+            users = _FAULT_KEY_USERS.get(key)
+            if users is not None and f.kind not in users:
+                out.append(f"{where}.{key}={_show(f[key])} is ignored by kind={f.kind}: it applies to "
+                           f"{', '.join(users)}; drop it or change the kind.")
+    d, own_data = cfg.data, cfg.model._target_ is not None or cfg.data._target_ is not None
+    if own_data:
+        out += [f"data.{key}={_show(d[key])} is ignored: with "
+                f"{'data._target_' if d._target_ else 'model._target_'} set the built-in data is not used; drop it."
+                for key in _changed(d, DataConfig) if key in ("kind", "path")]
+    elif d.kind == "memmap" and not (d.path and os.path.isfile(d.path)):
+        out.append(f"data.kind=memmap reads data.path, but data.path={d.path} is not a file: point it at a "
+                   "nanoGPT-style uint16 token .bin file.")
+    elif d.kind != "memmap" and d.path is not None:
+        out.append(f"data.path={d.path} is ignored with data.kind={d.kind}: add data.kind=memmap to train on that "
+                   "file, or drop data.path.")
+    for group in ("model", "data"):
+        if cfg[group].kwargs and not cfg[group]._target_:
+            out.append(f"{group}.kwargs are passed to {group}._target_, which is not set: set it or drop the kwargs.")
+    if cfg.logger.kind != "wandb":
+        out += [f"logger.{key}={_show(cfg.logger[key])} is ignored with logger.kind={cfg.logger.kind}: it is a W&B "
+                "setting; drop it or use logger=wandb." for key in _changed(cfg.logger, LoggerConfig) if key != "kind"]
+    names = ft_names(cfg)
+    if "deadpool" in names and "flashrecovery" in names and "max_restarts" in _changed(cfg.ft.deadpool, DeadPoolConfig):
+        out.append(f"ft.deadpool.max_restarts={cfg.ft.deadpool.max_restarts} is ignored with flashrecovery in ft, "
+                   "whose ft.flashrecovery.max_restarts bounds in-place restarts: set that one instead.")
+    return out
+
+
+def _changed(node: DictConfig, schema: type) -> list[str]:
+    """The keys of ``node`` whose value differs from ``schema``'s default."""
+    defaults = {f.name: f.default_factory() if callable(f.default_factory) else f.default for f in fields(schema)}
+    plain = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(plain, dict)
+    return [str(k) for k, v in plain.items() if k in defaults and v != defaults[k]]
+
+
+def _show(value: Any) -> str:
+    return str(OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value)
+
+
+def _target_problems(cfg: DictConfig) -> list[str]:
+    """A user's ``_target_`` must import here, before any worker starts (each worker would fail the same way)."""
+    out = []
+    for group, kind in (("model", "LightningModule"), ("data", "LightningDataModule")):
+        target: Optional[str] = cfg[group]._target_
+        if target is None:
+            continue
+        try:
+            get_object(target)
+        except Exception as err:  # noqa: BLE001 - any import-time failure of the user's code is the answer
+            cause = err.__cause__ or err  # Hydra wraps the import's own error
+            reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+            out.append(f"{group}._target_={target} cannot be imported ({reason.rstrip('.')}): give the import path of "
+                       f"your {kind} (package.module.Class) and make sure its package is on PYTHONPATH.")
     return out

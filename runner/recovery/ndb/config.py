@@ -1,4 +1,4 @@
-"""NDB knobs, one field per key of ``conf/ft/ndb.yaml`` (flat and typed so a schema can mirror it).
+"""NDB knobs: the schema of ``ft.ndb`` (``conf/ft/ndb.yaml`` sets only what differs from these defaults).
 
 The approximations exist for ablations: each switch works on its own, and ``exact_reference``
 overrides all three to give the naive "neighbour does both exactly" baseline.
@@ -7,25 +7,39 @@ overrides all three to give the naive "neighbour does both exactly" baseline.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
-NEIGHBOUR_POLICIES = ("ring_next", "ring_prev")
+NeighbourPolicy = Annotated[str, Literal["ring_next", "ring_prev"]]
+NEIGHBOUR_POLICIES = get_args(get_args(NeighbourPolicy)[1])
 
 
 @dataclass
 class NDBConfig:
     """What the neighbour approximates on the taken-over micro-batch, and when."""
 
-    neighbour: str = "ring_next"
+    neighbour: NeighbourPolicy = "ring_next"
+    """The live DP rank that takes over: the first after (ring_next) or before (ring_prev) the failed one."""
     skip_attention: bool = True
+    """Attention branch forward-only (no_grad) on the taken-over micro-batch; the residual carries the gradient."""
     recompute_ffn: bool = True
+    """Keep only each FFN branch's input, recompute the branch in backward."""
     lowrank_ffn: bool = True
+    """Rank-r FFN weight gradients (G_y^T X V) V^T; input and bias gradients stay exact."""
     rank_ratio: float = 0.2
+    """In (0, 1]: r = ceil(rank_ratio x min(out, in)) per FFN linear."""
     svd_every: int = 50
+    """Steps between SVD refreshes of the cached bases V (>= 1)."""
     warmup_steps: int = 1000
+    """Exact FFN weight gradients before this global step (>= 0)."""
     dynamic_rank: bool = False
+    """r = max(base, step // 1000), capped at min(out, in)."""
     base_rank: int | None = None
+    """Fixed rank (>= 1) for every FFN linear; null = use rank_ratio."""
     exact_reference: bool = False
+    """Naive baseline: the extra micro-batch computed exactly (overrides the three switches)."""
     repair_after_s: float = -1.0
+    """-1 = the failed rank stays out; >= 0 = restart it after this many seconds, sync it from a DP peer and end
+    the takeover."""
 
     def __post_init__(self) -> None:
         if self.neighbour not in NEIGHBOUR_POLICIES:
