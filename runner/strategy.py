@@ -11,7 +11,6 @@ Lightning's ``global_step``, schedulers and loop counters count each committed s
 from __future__ import annotations
 
 import io
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Optional
@@ -96,7 +95,6 @@ class ResilientStrategy(ParallelStrategy):
         self.zero: Optional[ZeroOne] = None  # built in setup(), once the optimizer exists
         self.replicator: Optional[ShardReplicator] = None
         self._replication_failed_in: Optional[int] = None  # group generation of the last failed exchange
-        self.fault_hooks = None  # the fault injector, for faults that strike during a shard replication
         self._inner_step: Optional[Callable[[], Any]] = None  # the optimizer's own step, under the gate
         self._failed = False
 
@@ -254,13 +252,7 @@ class ResilientStrategy(ParallelStrategy):
         inner()
         self.zero.stale = True
         if self.replicator is not None:
-            fire = self.fault_hooks.replication_fault(gen - 1) if self.fault_hooks is not None else None
-            if fire is not None:  # fault injection: the copy stops half-way while the controller kills us
-                self.replicator.pause_before_data = threading.Event()
             self.replicator.start(self.comm, gen)
-            if fire is not None:
-                fire()
-                self.replicator.pause_before_data.set()  # not killed after all: let the copy finish
 
     def _await_replication(self) -> None:
         """The previous exchange must be complete before the shard changes again. A failed one is logged

@@ -30,6 +30,7 @@ from runner.comm import Comm, RunAborted
 from runner.config.validate import all_faults, dp_size
 from runner.data import MemmapTokens, SyntheticTokens
 from runner.events import EventLog, JsonLines
+from runner.faults.comm_faults import FaultInjectingComm
 from runner.lightning_module import GPTModule, StepDataModule
 from runner.loggers import build_logger
 from runner.plan import gpt_config
@@ -99,7 +100,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     status = WorkerStatus(spec.wid, spec.node, spec.local_rank, spec.logical_rank, dp)
     run_dir = Path(spec.run_dir)
     device, backend = select_device(cfg, spec.logical_rank)
-    comm = Comm(store, spec.wid, backend, device, cfg.launcher)
+    injected = [f for f in all_faults(cfg) if f.kind != "none"]
+    comm = (FaultInjectingComm if injected else Comm)(store, spec.wid, backend, device, cfg.launcher)
     events = EventLog(run_dir / "events.jsonl", rank=lambda: comm.logical_rank if comm.layout else spec.logical_rank,
                       step=lambda: status.step)
     heartbeat = Heartbeat(spec.host, spec.port, spec.namespace, status, cfg.heartbeat.interval_s,
@@ -136,10 +138,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                             tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
                             log_every_n_steps=cfg.trainer.log_every_n_steps)
     strategy._on_commit = metrics.on_commit
-    faults = FaultTrigger([f for f in all_faults(cfg) if f.kind != "none"], comm, status, events,
-                          release_timeout_s=cfg.launcher.recovery_timeout_s)
+    faults = FaultTrigger(injected, comm, status, events, release_timeout_s=cfg.launcher.recovery_timeout_s)
     recovery.on_start = faults.on_recovery_start
-    strategy.fault_hooks = faults
     is_rank0 = spec.logical_rank == 0
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
