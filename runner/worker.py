@@ -34,10 +34,13 @@ from runner.faults.comm_faults import FaultInjectingComm
 from runner.lightning_module import GPTModule, StepDataModule
 from runner.loggers import build_logger
 from runner.plan import gpt_config
+from runner.recovery.deadpool.replication import ShardReplication
+from runner.recovery.deadpool.replicator import ShardReplicator
 from runner.recovery.flash_ckpt import Event, Prefetch
 from runner.recovery.flash_ckpt.persister import persister_address
 from runner.recovery.flash_names import flash_job_id
 from runner.recovery.ndb.config import NDBConfig
+from runner.recovery.ndb.neighbour import NeighbourTakeover
 from runner.recovery.ndb.runtime import NDBRuntime
 from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
 from runner.recovery.sdc import GradientGuard
@@ -45,6 +48,7 @@ from runner.recovery.snapshot_restore import SnapshotRestore
 from runner.status import WorkerStatus
 from runner.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy
 from runner.topology import Topology
+from runner.zero import ZeroOne
 
 EXIT_ABORTED = 3  # the controller ended the run
 EXIT_FAILED = 4  # recovery impossible
@@ -120,26 +124,33 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     module, datamodule = build_module_and_data(cfg, micro_batch)
     # Workers never decide a run's fate: even without fault tolerance a failed collective is reported
     # and the controller answers (here: ends the run naming the fault).
-    recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s)
+    faults = FaultTrigger(injected, comm, status, events, release_timeout_s=cfg.launcher.recovery_timeout_s)
+    recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s, on_start=faults.on_recovery_start)
     joining = spec.role in ("joiner", "spare", "restore")  # none holds the state yet: setup collectives stay local
     ndb = NDBRuntime(module.model, NDBConfig(**cfg.ft.ndb), cfg.seed) if "ndb" in cfg.ft else None
     flash = flash_callback(cfg, spec, events) if "flash_ckpt" in cfg.ft else None
     restore = SnapshotRestore(comm, events, recovery, flash.job_id, flash.dir, prefetch) if flash else None
     replicate = bool(cfg.parallel.zero) and "deadpool" in cfg.ft
     comm.want_side_group = replicate
-    strategy = ResilientStrategy(
-        comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
-        recover=recovery, restore_snapshot=restore, joining=joining, ndb=ndb, first_gen=spec.first_gen,
-        guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
-        start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
-        zero_stage=cfg.parallel.zero, replicate_shards=replicate, topology=Topology.from_cfg(cfg),
-    )
-    metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, strategy,
+    replication: list[ShardReplication] = []  # the one built once the optimizer is sharded, for the final record
+
+    def shard_replication(zero: ZeroOne) -> ShardReplication:
+        topology = Topology.from_cfg(cfg)
+        replication.append(ShardReplication(ShardReplicator(zero, topology, comm.collective_timeout.total_seconds()),
+                                            comm, events))
+        return replication[-1]
+
+    metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, comm,
                             tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
                             log_every_n_steps=cfg.trainer.log_every_n_steps)
-    strategy._on_commit = metrics.on_commit
-    faults = FaultTrigger(injected, comm, status, events, release_timeout_s=cfg.launcher.recovery_timeout_s)
-    recovery.on_start = faults.on_recovery_start
+    strategy = ResilientStrategy(
+        comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
+        recover=recovery, restore_snapshot=restore, on_commit=metrics.on_commit, joining=joining,
+        takeover=NeighbourTakeover(ndb, status, device) if ndb is not None else None, first_gen=spec.first_gen,
+        guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
+        start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
+        zero_stage=cfg.parallel.zero, shard_replication=shard_replication if replicate else None,
+    )
     is_rank0 = spec.logical_rank == 0
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
@@ -163,7 +174,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     ckpt_path = {"joiner": PEER_CKPT, "spare": PEER_CKPT, "restore": SNAPSHOT_CKPT}.get(spec.role)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     status.phase = "done"
-    final = _final_record(trainer, module, strategy)
+    final = _final_record(trainer, module, strategy, ndb, replication[0].replicator if replication else None)
     protocol.set_json(store, f"done/{spec.wid}", final)
     store.add("done_count", 1)  # one counter for the controller to watch instead of a key per worker
     events.emit("worker_done", wid=spec.wid, **{k: v for k, v in final.items() if k != "checksum"})
@@ -221,14 +232,14 @@ def build_module_and_data(cfg: DictConfig, micro_batch: int):
     return module, StepDataModule(source)
 
 
-def _final_record(trainer, module, strategy) -> dict:
+def _final_record(trainer, module, strategy, ndb: NDBRuntime | None, replicator: ShardReplicator | None) -> dict:
     record = {"global_step": trainer.global_step, "checksum": param_checksum(module),
               "logical_rank": strategy.logical_rank, "t": time.time()}
-    if strategy.ndb is not None and strategy.ndb.step_times[True]:
-        record["takeover"] = strategy.ndb.stats()
-    if strategy.replicator is not None:
-        record["replication"] = {"bytes_per_step": strategy.replicator.bytes_per_step,
-                                 "buffer_bytes": strategy.replicator.memory_bytes()}
+    if ndb is not None and ndb.step_times[True]:
+        record["takeover"] = ndb.stats()
+    if replicator is not None:
+        record["replication"] = {"bytes_per_step": replicator.bytes_per_step,
+                                 "buffer_bytes": replicator.memory_bytes()}
     return record
 
 
