@@ -30,7 +30,7 @@ from runner.recovery.flash_ckpt import (
     load_newest,
     newest_common_step,
 )
-from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
+from runner.recovery.flashrecovery.rejoin import ReplicaRecovery, RunFailedError
 from runner.training.state import ReplicaState
 
 
