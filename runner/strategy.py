@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from runner.comm import CollectiveFailure, Comm
-from runner.data import IndexedDatasetSource, StepLoader, derive_seed, seed_step
+from runner.data import BatchSource, IndexedDatasetSource, StepLoader, derive_seed, seed_step
 from runner.environment import RunnerEnvironment
 from runner.events import EventLog
 from runner.recovery.hooks import MicroBatchTakeover, UpdateReplication
@@ -88,7 +88,7 @@ class ResilientStrategy(ParallelStrategy):
         self.start_timeout_s = start_timeout_s
         self.zero_stage = zero_stage
         self._shard_replication = shard_replication  # a technique copies each updated shard elsewhere
-        self._source = None  # the step-indexed batch source, for taken-over micro-batches
+        self._source: Optional[BatchSource] = None  # the step-indexed batch source, for taken-over micro-batches
         self._failed = False
         self.update = CommittedUpdate(lambda: self.lightning_module.trainer.global_step)
         self.state = TrainerState(lambda: self.lightning_module, lambda: self.optimizers, self.update, guard)

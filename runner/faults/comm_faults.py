@@ -58,7 +58,8 @@ class FaultInjectingComm(Comm):
         timeout). Call it before the copy starts; the group it wraps is dropped with the generation."""
         release = threading.Event()
         if self.side_pg is not None:
-            self.side_pg = _HeldShardGroup(self.side_pg, release, self.collective_timeout.total_seconds())
+            held = _HeldShardGroup(self.side_pg, release, self.collective_timeout.total_seconds())
+            self.side_pg = held  # type: ignore[assignment]  # a stand-in with the calls the replicator makes
         return release
 
     # -- where the faults strike -----------------------------------------------------------------

@@ -33,7 +33,7 @@ class MicroBatchTakeover(Protocol):
     def reset(self) -> None:
         """A new step, or a recompute of this one: nothing is taken over yet."""
 
-    def take_over(self, step: int, wanted: list[int], source: BatchSource, params: list[Tensor]) -> None:
+    def take_over(self, step: int, wanted: list[int], source: Optional[BatchSource], params: list[Tensor]) -> None:
         """Add the gradients of the micro-batches of logical ranks ``wanted`` (and only those) to ``params``."""
 
     def contributions(self) -> Iterable[tuple[float, list[int]]]:

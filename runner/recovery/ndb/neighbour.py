@@ -29,8 +29,9 @@ class NeighbourTakeover:
     def reset(self) -> None:
         self._done, self._own_grads = {}, None
 
-    def take_over(self, step: int, wanted: list[int], source: BatchSource, params: list[Tensor]) -> None:
+    def take_over(self, step: int, wanted: list[int], source: Optional[BatchSource], params: list[Tensor]) -> None:
         if set(self._done) - set(wanted):
+            assert self._own_grads is not None  # kept before the first extra micro-batch
             for p, g in zip(params, self._own_grads):
                 p.grad = None if g is None else g.clone()
             self._done = {}
@@ -39,6 +40,7 @@ class NeighbourTakeover:
                 if self._own_grads is None:
                     self._own_grads = [None if p.grad is None else p.grad.clone() for p in params]
                 self.status.phase = "takeover"
+                assert source is not None  # the strategy has the step-indexed source once training runs
                 self._done[lrank] = self.runtime.backward(source, step, lrank, self.device)
 
     def contributions(self) -> Iterable[tuple[float, list[int]]]:
