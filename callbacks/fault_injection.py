@@ -3,7 +3,8 @@
 Kills and stops are carried out by the controller (a process other than the victim), so a
 SIGKILL lands exactly at the announced step. Each fault fires once per job, claimed through an
 atomic counter in the store, so a replacement never inherits its predecessor's fate. Faults of
-the victim's own links or gradients (transient, slow_link, partition, bitflip) are armed here.
+the victim's own links or gradients (transient, slow_link, partition, bitflip) are armed here, the
+links' on the ``runner.faults.comm_faults.FaultInjectingComm`` a fault config gives the worker.
 With fault=chaos the controller orders such a fault: it writes the order and signals this
 process, whose handler only raises a flag; the order is read at the next step start.
 """
@@ -19,10 +20,11 @@ from lightning.pytorch.callbacks import Callback
 
 from runner import chaos, protocol
 from runner.config.validate import RANK_FAULTS
+from runner.faults.comm_faults import FaultInjectingComm
 
 
 class FaultTrigger(Callback):
-    def __init__(self, faults: list, comm, status, events, release_timeout_s: float) -> None:
+    def __init__(self, faults: list, comm: FaultInjectingComm, status, events, release_timeout_s: float) -> None:
         self.faults = list(enumerate(faults))
         self.comm, self.status, self.events = comm, status, events
         self.release_timeout_s = release_timeout_s
@@ -30,6 +32,7 @@ class FaultTrigger(Callback):
         self._ordered = False  # the chaos signal came: an order waits in the store
         self._flip_order: int | None = None  # index of an ordered bitflip, done in the next backward
         self._flip = None  # the bitflip hook, armed for one backward
+        self._copy_held = None  # a kill due while this step's shard copy is in flight: (fire, release the copy)
         if any(f.kind == "chaos" for f in faults):
             signal.signal(chaos.SIGNAL, self._on_order)
             signal.siginterrupt(chaos.SIGNAL, False)  # system calls under way resume instead of failing
@@ -75,7 +78,8 @@ class FaultTrigger(Callback):
         if self._flip_order is not None:
             param = next(p for p in pl_module.parameters() if p.requires_grad and p.dtype == torch.float32)
             self._flip = param.register_hook(_flip_top_exponent_bit)
-            self.events.emit("fault_injected", fault="bitflip", index=self._flip_order, victims=[self.comm.logical_rank])
+            self.events.emit("fault_injected", fault="bitflip", index=self._flip_order,
+                             victims=[self.comm.logical_rank])
             self._flip_order = None
 
     def on_after_backward(self, trainer, pl_module) -> None:
@@ -83,19 +87,30 @@ class FaultTrigger(Callback):
             self._flip.remove()
             self._flip = None
 
-    def replication_fault(self, step: int):
-        """``during: replication``: a kill due at ``step`` strikes while this rank's shard copy is in flight.
-        Returns the trigger to pull once the copy has started, or None."""
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """``during: replication``: a kill due at this step strikes while the shard copy that the update starts
+        (ZeRO-1 with DeadPool's replication) is in flight: the copy is held half-way until the kill."""
+        step = trainer.global_step
         for i, fault in self.faults:
             if (fault.during == "replication" and self._targets_me(fault) and self._due(fault, step)
                     and self.comm.store.add(f"fault/claim/{i}", 1) == 1):
-                return lambda i=i, fault=fault: self._fire(i, fault, step + 1)  # the copy overlaps step + 1
-        return None
+                release = self.comm.hold_next_shard_copy()
+                # the copy overlaps step + 1
+                self._copy_held = (lambda i=i, fault=fault: self._fire(i, fault, step + 1), release)
+                return
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._copy_held is not None:
+            fire, release = self._copy_held
+            self._copy_held = None
+            fire()
+            release.set()  # not killed after all: let the copy finish
 
     def on_recovery_start(self) -> None:
         """Called by the worker's recovery loop: faults with ``during: recovery`` fire here."""
         for i, fault in self.faults:
-            if fault.during == "recovery" and self._targets_me(fault) and self.comm.store.add(f"fault/claim/{i}", 1) == 1:
+            if (fault.during == "recovery" and self._targets_me(fault)
+                    and self.comm.store.add(f"fault/claim/{i}", 1) == 1):
                 self._fire(i, fault, self.status.step)
 
     def _targets_me(self, fault) -> bool:
@@ -123,13 +138,13 @@ class FaultTrigger(Callback):
     def _arm_link_fault(self, i: int, kind: str, delay_s: float, duration_s: float, during: str = "step") -> None:
         """Network faults: the victim's own links fail once, slow down, or are cut."""
         if kind == "transient" and during == "after_reduce":
-            self.comm.inject_after_success = True  # the others commit the step; the victim alone lags
+            self.comm.fail_next_reduction()  # the others commit the step; the victim alone lags
         elif kind == "transient":
-            self.comm.inject_transient = True
+            self.comm.fail_next_collective()
         elif kind == "slow_link":
-            self.comm.link_delay_s = delay_s
+            self.comm.slow_links(delay_s)
         else:
-            self.comm.partitioned_until = time.monotonic() + (duration_s if duration_s >= 0 else 1e9)
+            self.comm.partition(duration_s)
         self.events.emit("fault_injected", fault=kind, index=i, victims=[self.comm.logical_rank])
 
 

@@ -19,13 +19,14 @@ import time
 
 from lightning.pytorch.callbacks import Callback
 
+from runner.comm import Comm
 from runner.events import EventLog, JsonLines
 
 
 class CommitMetrics(Callback):
-    def __init__(self, metrics: JsonLines, events: EventLog, strategy, tokens_per_sample: int, micro_batch: int,
+    def __init__(self, metrics: JsonLines, events: EventLog, comm: Comm, tokens_per_sample: int, micro_batch: int,
                  log_every_n_steps: int) -> None:
-        self.metrics, self.events, self.strategy = metrics, events, strategy
+        self.metrics, self.events, self.comm = metrics, events, comm
         self.tokens_per_sample, self.micro_batch = tokens_per_sample, micro_batch
         self.log_every = max(1, log_every_n_steps)
         self._t_step = time.perf_counter()
@@ -40,8 +41,8 @@ class CommitMetrics(Callback):
         self._t_step = time.perf_counter()
 
     def on_commit(self, step: int, extras, reduce_s: float) -> None:
-        gen, layout = self.strategy.comm.gen, self.strategy.comm.layout
-        dp = self.strategy.dp_size
+        gen, layout = self.comm.gen, self.comm.layout
+        dp = layout.dp
         counts = [int(c) for c in extras[:dp].tolist()]
         contributors = max(1, sum(counts))
         loss = float(extras[-2]) / contributors
@@ -53,7 +54,7 @@ class CommitMetrics(Callback):
         if gen != self._last_gen and self._unwritten is not None and self._unwritten["step"] == step - 1:
             self._write_if_missing(self._unwritten)
         writer = next((wid for wid in layout.members if wid not in layout.joiners), layout.members[0])
-        if writer != self.strategy.comm.wid:
+        if writer != self.comm.wid:
             self._last_gen, self._unwritten = gen, record
             return
         self._unwritten = None

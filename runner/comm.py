@@ -43,10 +43,6 @@ class Comm:
         self.want_side_group = False  # DeadPool's shard replication: a second, gloo-only group per generation
         self.side_pg: dist.ProcessGroup | None = None
         self.layout: Layout | None = None
-        self.inject_transient = False  # set by the fault injector: the next collective fails once
-        self.inject_after_success = False  # ... or the next gradient reduction fails here only, once complete
-        self.link_delay_s = 0.0  # slow_link fault: added before every collective (like a tc delay)
-        self.partitioned_until = 0.0  # partition fault: collectives and rendezvous fail until then
         self._in_flight: list = []  # work objects of launched collectives not waited for yet
         self._failure: str | None = None  # why a launch failed, raised by the next wait_all
 
@@ -113,8 +109,6 @@ class Comm:
         The constructor holds the GIL while it waits for peers, which would silence this process's
         heartbeat thread; the store's wait releases it.
         """
-        if time.monotonic() < self.partitioned_until:
-            raise CollectiveFailure("network partition: this rank cannot reach its peers")
         prefix.set(f"arrived/{self.rank}", "1")
         keys = [f"arrived/{r}" for r in range(self.size)]
         deadline = time.monotonic() + wait.total_seconds()
@@ -127,7 +121,8 @@ class Comm:
             if self.store.check([f"gen/{self.layout.gen + 1}"]):
                 raise CollectiveFailure(f"gen {self.layout.gen} was replaced before every member arrived")
             if time.monotonic() >= deadline:
-                raise CollectiveFailure(f"gen {self.layout.gen}: not every member arrived within {wait.total_seconds():.0f}s")
+                raise CollectiveFailure(
+                    f"gen {self.layout.gen}: not every member arrived within {wait.total_seconds():.0f}s")
 
     def abort(self) -> None:
         """Drop this process's group: its sockets close, so peers' pending collectives fail immediately."""
@@ -155,27 +150,22 @@ class Comm:
             return
         if self.pg is None:
             self._failure = "no process group (aborted)"
-        elif self.inject_transient:
-            self.inject_transient = False
-            self._failure = "injected transient connection error"
-        elif time.monotonic() < self.partitioned_until:
-            self._failure = "network partition: this rank cannot reach its peers"
-        if self._failure is not None:
             return
-        if self.link_delay_s and not self._in_flight:
-            time.sleep(self.link_delay_s)  # the fault itself: a slow link, once per batch of collectives
         try:
             self._in_flight.append(op(self.pg))
         except Exception as err:
             self._failure = _first_line(err)
 
-    def wait_all(self, *, reduction: bool = False) -> None:
-        """Wait for every launched collective; on any failure drop the group and raise. ``reduction``: the
-        step's gradient all-reduce, which the ``after_reduce`` fault makes fail here only, once complete."""
-        failure = self._drain()
-        if failure is None and reduction and self.inject_after_success:
-            self.inject_after_success = False
-            failure = "injected connection error after the reduction completed on every peer"
+    def wait_all(self) -> None:
+        """Wait for every launched collective; on any failure drop the group and raise."""
+        self._raise_on(self._drain())
+
+    def wait_reduction(self) -> None:
+        """``wait_all`` for the step's gradient all-reduce: an entry point of its own, so that a wrapper
+        can tell the reduction apart from every other collective."""
+        self.wait_all()
+
+    def _raise_on(self, failure: str | None) -> None:
         if failure is not None:
             self.abort()
             raise CollectiveFailure(failure)

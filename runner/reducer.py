@@ -89,7 +89,7 @@ class GradReducer:
         self._armed = False
         while self._next < len(self.buckets):
             self._launch_next()
-        self.comm.wait_all(reduction=True)
+        self.comm.wait_reduction()
         carrier = next(b for b in self.buckets if b.accounting is not None)
         return [b.grads for b in self.buckets if b.params], carrier.accounting
 
@@ -144,7 +144,8 @@ def _make_buckets(params: list[Tensor], bucket_bytes: int, accounting_size: int,
         groups[-1].append(p)
         size += p.numel() * p.element_size()
     carrier = max((i for i, g in enumerate(groups) if g[0].dtype in _EXACT_COUNTS), default=None)
-    buckets = [_Bucket(g, g[0].dtype, g[0].device, accounting_size if i == carrier else 0) for i, g in enumerate(groups)]
+    buckets = [_Bucket(g, g[0].dtype, g[0].device, accounting_size if i == carrier else 0)
+               for i, g in enumerate(groups)]
     if carrier is None:
         buckets.append(_Bucket([], torch.float64, device, accounting_size))
     return buckets

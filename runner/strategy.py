@@ -6,12 +6,15 @@ committed inside ``optimizer_step``, where a failed collective surfaces, so that
 abandoned, the group rebuilt for the next generation, state handed to newcomers, and the very
 same step retried. ``optimizer_step`` returns only once the step is committed, so
 Lightning's ``global_step``, schedulers and loop counters count each committed step exactly once.
+
+This module is the glue to Lightning (what Lightning calls: group set-up, per-step seeding, the data
+contract, Lightning's own collectives). The committed-step protocol is ``runner.training.commit``, the
+update of a committed step ``runner.training.update``, state handed between replicas
+``runner.training.transfer``; a recovery sees only ``runner.training.state.ReplicaState``.
 """
 
 from __future__ import annotations
 
-import io
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Optional
@@ -21,20 +24,26 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
-from runner.comm import CollectiveFailure, Comm, RunFailedError
-from runner.data import IndexedDatasetSource, StepLoader, derive_seed, seed_step
+from runner.comm import CollectiveFailure, Comm
+from runner.data import BatchSource, IndexedDatasetSource, StepLoader, derive_seed, seed_step
 from runner.environment import RunnerEnvironment
 from runner.events import EventLog
-from runner.recovery.deadpool.replicator import ShardReplicator
-from runner.recovery.deadpool.shard_state import ShardState
-from runner.reducer import GradReducer
+from runner.recovery.hooks import MicroBatchTakeover, UpdateReplication
+from runner.recovery.sdc import GradientGuard
 from runner.status import WorkerStatus
-from runner.topology import Topology
+from runner.training.commit import OnCommit, Recover, StepCommit
+from runner.training.state import ReplicaState
+from runner.training.transfer import TrainerState, from_bytes, to_bytes
+from runner.training.update import CommittedUpdate
 from runner.zero import ZeroOne
 
+# Lightning restores a checkpoint at the right moment of fit() (before or after setup, loops included) when
+# given a path; these two name state that does not come from a file.
 PEER_CKPT = "peer://replica"  # ckpt_path a replacement passes to fit(): state comes from a live replica
-SNAPSHOT_CKPT = "flash://snapshot"  # ckpt_path of a restarted rank: the newest flash snapshot every rank holds
-SDC_HISTORY = "resilient_sdc_norms"  # the corruption guard's history, in state handed to a replacement or laggard
+SNAPSHOT_CKPT = "flash://snapshot"  # ckpt_path of a restarted rank: the newest snapshot every rank holds
+
+RestoreSnapshot = Callable[[ReplicaState], dict]
+ShardReplicationFactory = Callable[[ZeroOne], UpdateReplication]
 
 
 class ResilientStrategy(ParallelStrategy):
@@ -49,17 +58,16 @@ class ResilientStrategy(ParallelStrategy):
         bucket_mb: float,
         events: EventLog,
         status: WorkerStatus,
-        recover: Callable[[ResilientStrategy, str], None] | None = None,
-        restore_snapshot: Callable[[ResilientStrategy], dict] | None = None,
-        on_commit: Callable[[int, Tensor, float], None] | None = None,
+        recover: Recover | None = None,
+        restore_snapshot: RestoreSnapshot | None = None,
+        on_commit: OnCommit | None = None,
         joining: bool = False,
-        ndb=None,
-        guard=None,
+        takeover: MicroBatchTakeover | None = None,
+        guard: GradientGuard | None = None,
         first_gen: int = 0,
         start_timeout_s: float = 120.0,
         zero_stage: int = 0,
-        replicate_shards: bool = False,
-        topology: Optional[Topology] = None,
+        shard_replication: ShardReplicationFactory | None = None,
     ) -> None:
         super().__init__(
             accelerator=None,
@@ -71,34 +79,22 @@ class ResilientStrategy(ParallelStrategy):
         self.comm = comm
         self.seed = seed
         self.micro_batch = micro_batch
-        self.bucket_bytes = int(bucket_mb * 2**20)
         self.events = events
         self.status = status
-        self._recover_hook = recover
+        self._recover = recover
         self._restore_snapshot = restore_snapshot
-        self._on_commit = on_commit
         self.joining = joining  # a replacement: Lightning's setup collectives stay local until it is in sync
-        self.ndb = ndb  # NDBRuntime when ft has ndb: this process may compute failed ranks' micro-batches too
-        self.guard = guard  # GradientGuard: silent-corruption check of every committed reduction
-        self._source = None  # the step-indexed batch source, for taken-over micro-batches
-        self._extra_done: dict[int, tuple[float, list[int]]] = {}  # this step: taken-over rank -> (loss, sample)
-        self._own_grads: Optional[list] = None  # this step's own gradients, before any taken-over micro-batch
-        self._t_batch = 0.0
         self.first_gen = first_gen  # the first generation this worker may belong to
         self.start_timeout_s = start_timeout_s
-        self._skip_update = False
-        self._reducer: Optional[GradReducer] = None  # built at the first step, once the module is set up
-        self._batch_sample: Optional[Tensor] = None
-        self._batch_loss: Optional[float] = None
         self.zero_stage = zero_stage
-        self.replicate_shards = replicate_shards  # DeadPool: copy this rank's shard to a neighbour every step
-        self.topology = topology  # who holds whose shard replica (ZeRO-1 replication)
-        self.zero: Optional[ZeroOne] = None  # built in setup(), once the optimizer exists
-        self.replicator: Optional[ShardReplicator] = None
-        self._replication_failed_in: Optional[int] = None  # group generation of the last failed exchange
-        self.fault_hooks = None  # the fault injector, for faults that strike during a shard replication
-        self._inner_step: Optional[Callable[[], Any]] = None  # the optimizer's own step, under the gate
+        self._shard_replication = shard_replication  # a technique copies each updated shard elsewhere
+        self._source: Optional[BatchSource] = None  # the step-indexed batch source, for taken-over micro-batches
         self._failed = False
+        self.update = CommittedUpdate(lambda: self.lightning_module.trainer.global_step)
+        self.state = TrainerState(lambda: self.lightning_module, lambda: self.optimizers, self.update, guard)
+        self.commit = StepCommit(comm, events, status, self.state, self.update, lambda: self.lightning_module,
+                                 bucket_bytes=int(bucket_mb * 2**20), guard=guard, takeover=takeover,
+                                 recover=recover, on_commit=on_commit)
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -138,7 +134,7 @@ class ResilientStrategy(ParallelStrategy):
                 self.comm.join(layout, timeout_s=None if self.joining else self.start_timeout_s)
                 break
             except CollectiveFailure:
-                if not self.joining or self._recover_hook is None:
+                if not self.joining or self._recover is None:
                     raise
                 newer_than = layout.gen
         self.status.logical_rank = self.comm.logical_rank  # a spare learns its rank here
@@ -155,13 +151,13 @@ class ResilientStrategy(ParallelStrategy):
         if self.zero_stage:
             self._shard_optimizer()
         for opt in self.optimizers:
-            _gate_optimizer_step(opt, self)
+            self.update.gate(opt)
         if not self.joining:  # replicas start identical whatever the module's init did (as DDP does)
             for p in self.lightning_module.state_dict().values():
                 if isinstance(p, Tensor):
                     self.comm.broadcast(p.data, src=0)
-            if self.replicator is not None:  # a replica of the initial shard too: nothing is ever unprotected
-                self.replicator.start(self.comm, trainer.global_step)
+            if self.update.replication is not None:  # a replica of the initial shard too: nothing is unprotected
+                self.update.replication.start(trainer.global_step)
         # every process (a replacement too) builds the user's dataloader from the same RNG state
         torch.manual_seed(derive_seed(self.seed, 0xDA7A))
 
@@ -169,271 +165,50 @@ class ResilientStrategy(ParallelStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"parallel.zero=1 supports a module with one optimizer; configure_optimizers() returned "
                              f"{len(self.optimizers)}: use one optimizer or parallel.zero=0")
-        self.zero = ZeroOne(self.lightning_module, self.optimizers[0], self.dp_size)
-        self.zero.shard_for(self.logical_rank)
+        zero = ZeroOne(self.lightning_module, self.optimizers[0], self.dp_size)
+        zero.shard_for(self.logical_rank)
         # Lightning clips the gradients of the optimizer's parameters (main_params); the norm must stay the whole
         # gradient's (every rank holds it after the full all-reduce), summed in the same order as unsharded.
-        self.precision_plugin.main_params = lambda optimizer: self.zero.unsharded
-        if self.replicate_shards:
-            self.replicator = ShardReplicator(self.zero, self.topology, self.comm.collective_timeout.total_seconds())
+        self.precision_plugin.main_params = lambda optimizer: zero.unsharded
+        self.update.zero = zero
+        if self._shard_replication is not None:
+            self.update.replication = self._shard_replication(zero)
 
     # -- per-step seeding and the committed, failure-aware reduction ----------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         step = self.lightning_module.trainer.global_step
         seed_step(derive_seed(self.seed, step, self.logical_rank, 1), self.root_device)
-        batch = args[0] if args else kwargs.get("batch")
-        self._batch_sample = batch.get("sample") if isinstance(batch, dict) else None
-        self._extra_done = {}
-        self._own_grads = None
-        self._t_batch = time.perf_counter()
-        if self.status.latest_gen > self.comm.gen and self._recover_hook is not None and not self.joining:
-            self.status.phase = "recovering"
-            self.reducer.disarm()  # the new layout may take over micro-batches: reduce after backward
-            self._recover_hook(self, "planned")  # regroup at the step boundary, before any compute
-        if self.zero is not None and self.zero.stale:
-            self._sync_params()
+        self.commit.begin(args[0] if args else kwargs.get("batch"))
+        if self.status.latest_gen > self.comm.gen and self._recover is not None and not self.joining:
+            self.commit.regroup()
+        if self.update.zero is not None and self.update.zero.stale:
+            self.commit.sync_params()
         self.status.phase = "compute"
         out = super().training_step(*args, **kwargs)
-        loss = out["loss"] if isinstance(out, dict) else out
-        self._batch_loss = float(loss.detach()) if isinstance(loss, Tensor) else None
+        self.commit.record_loss(out)
         return out
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def reduced_closure() -> Any:
-            if not self.comm.layout.extra_of(self.comm.wid):  # NDB micro-batches join after backward
-                self.reducer.arm()  # this step's own backward launches the buckets as they fill
+            self.commit.arm()
             loss = closure()
-            self._commit_step(closure)
+            if self.commit.commit(closure, self._source):
+                self.joining = False
             return loss
 
         return super().optimizer_step(optimizer, reduced_closure, model, **kwargs)
 
-    def _commit_step(self, closure: Callable[[], Any]) -> None:
-        """All-reduce this step's gradients; on a failure recover and retry until committed; a
-        reduction the corruption guard rejects is recomputed from the same batch and seed."""
-        trainer = self.lightning_module.trainer
-        step = trainer.global_step
-        t0 = time.perf_counter()
-        while True:
-            self._take_over(step)
-            self.status.phase = "reduce"
-            try:
-                grads, extras = self.reducer.reduce()
-                if self.guard is None or self._guard_accepts(grads, step):
-                    break
-                closure()  # recompute this rank's gradients (every rank reached the same verdict)
-                self._extra_done, self._own_grads = {}, None
-                continue
-            except CollectiveFailure as err:
-                self._recover_from(err)
-                if self._skip_update:
-                    return  # a lagging survivor received the committed state of this step
-        self.joining = False
-        takeovers = self.comm.layout.takeovers
-        divisor = (lambda p: self.ndb.divisor(p, self.dp_size, takeovers)) if self.ndb and takeovers else None
-        self.reducer.write_back(self.dp_size, divisor)
-        if self.ndb is not None:
-            self.ndb.record_step(time.perf_counter() - self._t_batch, taking_over=bool(self._extra_done))
-        self.status.step = step + 1
-        self.status.phase = "compute"
-        if self._on_commit is not None:
-            self._on_commit(step, extras, time.perf_counter() - t0)
-
-    # -- ZeRO-1: each rank updates its own shard; everyone's parameters are synced at the next step --
-    def apply_update(self, inner: Callable[[], Any]) -> None:
-        """The optimizer update of a committed step (called by the gated ``optimizer.step``)."""
-        if self.consume_skip():
-            return
-        if self.zero is None:
-            inner()
-            return
-        gen = self.lightning_module.trainer.global_step + 1  # updates applied once this one is
-        if self.replicator is not None:
-            self._await_replication()
-            self.replicator.record(self.logical_rank, gen)
-        inner()
-        self.zero.stale = True
-        if self.replicator is not None:
-            fire = self.fault_hooks.replication_fault(gen - 1) if self.fault_hooks is not None else None
-            if fire is not None:  # fault injection: the copy stops half-way while the controller kills us
-                self.replicator.pause_before_data = threading.Event()
-            self.replicator.start(self.comm, gen)
-            if fire is not None:
-                fire()
-                self.replicator.pause_before_data.set()  # not killed after all: let the copy finish
-
-    def _await_replication(self) -> None:
-        """The previous exchange must be complete before the shard changes again. A failed one is logged
-        only: the main group's next collective meets the same fault, and recovery starts there, at a
-        point where every rank agrees on the step. A second failure in a row in the same group
-        generation is no peer's fault (every collective between them succeeded): the run fails, as
-        its shards would go on without a replica."""
-        try:
-            self.replicator.wait()
-        except CollectiveFailure as err:
-            self.events.emit("replication_failed", gen=self.comm.gen, error=str(err))
-            if self._replication_failed_in == self.comm.gen:
-                raise RunFailedError(
-                    f"the replication of logical rank {self.logical_rank}'s ZeRO-1 optimizer shard to its neighbour "
-                    f"failed twice in a row while every rank was alive ({err}); its replica would stay stale and a "
-                    "node loss could not be recovered from it. This is not a peer failure: check the side group's "
-                    "network (the same interface as the main group's) and the worker's events.jsonl, or run "
-                    "without ft=deadpool's ZeRO-1 replication (parallel.zero=0) until it is fixed.") from None
-            self._replication_failed_in = self.comm.gen
-        else:
-            self._replication_failed_in = None
-
-    def _sync_params(self) -> None:
-        while self.zero.stale:  # a recovery ends with a sync of its own, so it is not retried after one
-            try:
-                self.status.phase = "sync"
-                self.zero.sync(self.comm)
-            except CollectiveFailure as err:
-                self._recover_from(err)
-
-    def _recover_from(self, err: CollectiveFailure) -> None:
-        """A collective of this step failed: regroup (the run's recovery), or end the worker without one."""
-        self.status.phase = "recovering"
-        self.events.emit("collective_failed", gen=self.comm.gen, error=str(err))
-        if self._recover_hook is None:
-            raise err
-        self._recover_hook(self, str(err))
-
-    def final_gradients(self) -> dict:
-        """The gradients the last update used: kept in ``.grad`` until the next backward, which no rank can
-        have started while a laggard still misses that update (it waits in the parameter sync)."""
-        return {"grads": [p.grad for p in self.zero.params],
-                **({SDC_HISTORY: list(self.guard.norms)} if self.guard is not None else {})}
-
-    def finish_update(self, final: dict) -> None:
-        """A laggard applies the update it missed, with the final gradients every other rank used."""
-        self._adopt_guard_history(final)
-        for p, g in zip(self.zero.params, final["grads"]):
-            p.grad = g
-        gen = self.lightning_module.trainer.global_step + 1
-        if self.replicator is not None:
-            self.replicator.record(self.logical_rank, gen)
-        self._inner_step()
-        self.zero.stale = True
-        self._skip_update = True
-
-    def adopt_shard_state(self, ckpt: dict, shard: ShardState) -> None:
-        """A joiner's Lightning state from the source, with its own shard's optimizer state in it (the
-        source's is the source's shard; the parameters are everyone's, synced before the source dumped them)."""
-        mine = self.optimizers[0].state_dict()["param_groups"]
-        source = ckpt["optimizer_states"][0]["param_groups"]
-        ckpt["optimizer_states"] = [{"state": shard.state,
-                                     "param_groups": [{**s, "params": m["params"]} for s, m in zip(source, mine)]}]
-
-    def _guard_accepts(self, flats: list[Tensor], step: int) -> bool:
-        accepted, norm, median = self.guard.verdict(flats)
-        if not accepted and self.logical_rank == 0:
-            self.events.emit("sdc_detected", gen=self.comm.gen, grad_norm=norm, recent_median=median,
-                             action="recompute_step", reason="reduced gradient norm non-finite or above "
-                             "trainer.sdc_factor x the recent median: recompute the step [policy.silent_corruption]")
-        return accepted
-
-    def _take_over(self, step: int) -> None:
-        """NDB: add the micro-batches of the failed ranks this process covers in the current generation.
-
-        If a regroup mid-step took a rank away again (it rejoined), its contribution is removed by
-        going back to this process's own gradients, kept aside before the first extra micro-batch.
-        """
-        wanted = self.comm.layout.extra_of(self.comm.wid)
-        if set(self._extra_done) - set(wanted):
-            for p, g in zip(self._grad_params(), self._own_grads):
-                p.grad = None if g is None else g.clone()
-            self._extra_done = {}
-        for lrank in wanted:
-            if lrank not in self._extra_done:
-                if self._own_grads is None:
-                    self._own_grads = [None if p.grad is None else p.grad.clone() for p in self._grad_params()]
-                self.status.phase = "takeover"
-                self._extra_done[lrank] = self.ndb.backward(self._source, step, lrank, self.root_device)
-
-    def _grad_params(self) -> list[Tensor]:
-        return [p for p in self.lightning_module.parameters() if p.requires_grad]
-
-    @property
-    def reducer(self) -> GradReducer:
-        if self._reducer is None:
-            self._reducer = GradReducer(self.comm, self.lightning_module, self.bucket_bytes, self.dp_size + 2,
-                                        self._accounting)
-        return self._reducer
-
-    def _accounting(self) -> Tensor:
-        """One count per logical rank whose micro-batch went in, the loss sum, misplaced batches."""
-        step = self.lightning_module.trainer.global_step
-        extras = torch.zeros(self.dp_size + 2, dtype=torch.float64)
-        sample_step, sample_rank = (step, self.logical_rank)
-        if self._batch_sample is not None:
-            sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())
-        extras[sample_rank] += 1
-        extras[-2] = self._batch_loss if self._batch_loss is not None else float("nan")
-        extras[-1] = float(sample_step != step)
-        for loss, (extra_step, extra_rank) in self._extra_done.values():
-            extras[extra_rank] += 1
-            extras[-2] += loss
-            extras[-1] += float(extra_step != step)
-        return extras
-
-    # -- state transfer between replicas --------------------------------------------------------
-    def dump_state(self) -> dict:
-        """This replica's full Lightning checkpoint, with the corruption guard's history (its verdicts must
-        stay the same on every rank, a replacement's too)."""
-        ckpt = self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        if self.guard is not None:
-            ckpt[SDC_HISTORY] = list(self.guard.norms)
-        return ckpt
-
-    def _adopt_guard_history(self, state: Optional[dict]) -> None:
-        if self.guard is not None and state and SDC_HISTORY in state:
-            self.guard.adopt(state[SDC_HISTORY])
-
-    def exchange(self, obj: Any, src_pg_rank: int, *, receive: bool) -> Any:
-        """Broadcast ``obj`` (given on the source only) over the current group; receivers get a copy."""
-        dev = self.root_device
-        size = torch.zeros(1, dtype=torch.int64, device=dev)
-        payload = None
-        if self.comm.rank == src_pg_rank:
-            payload = _to_bytes(obj).to(dev)
-            size[0] = payload.numel()
-        self.comm.broadcast(size, src_pg_rank)
-        if payload is None:
-            payload = torch.empty(int(size[0]), dtype=torch.uint8, device=dev)
-        self.comm.broadcast(payload, src_pg_rank)
-        if not receive:
-            return None
-        return _from_bytes(payload, map_location=dev)
-
-    def adopt_committed_state(self, ckpt: dict) -> None:
-        """A lagging survivor takes the replica's post-step model and optimizer state, skips its own update."""
-        self.lightning_module.load_state_dict(ckpt["state_dict"])
-        for opt, state in zip(self.optimizers, ckpt["optimizer_states"]):
-            opt.load_state_dict(state)
-        self._adopt_guard_history(ckpt)
-        self._skip_update = True
-
-    def committed_steps(self) -> int:
-        """Steps whose update this replica holds: a laggard that already adopted or finished the newest one
-        counts it, so a recovery that is retried never applies it twice."""
-        return self.lightning_module.trainer.global_step + int(self._skip_update)
-
-    def consume_skip(self) -> bool:
-        skip, self._skip_update = self._skip_update, False
-        return skip
-
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if checkpoint_path == PEER_CKPT:
-            assert self._recover_hook is not None
-            ckpt = self._recover_hook(self, "join")
-            self._adopt_guard_history(ckpt)
+            assert self._recover is not None
+            ckpt = self._recover(self.state, "join")
+            self.state.adopt_guard_history(ckpt)
             return ckpt  # type: ignore[return-value]
         if checkpoint_path == SNAPSHOT_CKPT:
             assert self._restore_snapshot is not None
-            ckpt = self._restore_snapshot(self)
-            if self.zero is not None:  # a snapshot's other shards may be one update old: every rank restored, all sync
-                self.zero.stale = True
+            ckpt = self._restore_snapshot(self.state)
+            if self.update.zero is not None:  # a snapshot's other shards may be one update old: all ranks sync
+                self.update.zero.stale = True
             return ckpt
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
@@ -464,14 +239,14 @@ class ResilientStrategy(ParallelStrategy):
         if self.joining:
             return obj
         dev = self.root_device
-        data = _to_bytes(obj).to(dev)
+        data = to_bytes(obj).to(dev)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
         self.comm.allreduce([size], op=torch.distributed.ReduceOp.MAX)
         padded = torch.zeros(int(size[0]), dtype=torch.uint8, device=dev)
         if self.comm.rank == src:
             padded[: data.numel()] = data
         self.comm.broadcast(padded, src)
-        return _from_bytes(padded)
+        return from_bytes(padded)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if not isinstance(tensor, Tensor) or self.joining:
@@ -499,36 +274,10 @@ class ResilientStrategy(ParallelStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
-        if self.zero is not None and self.zero.stale and not self._failed:
-            self._sync_params()  # the last update's shards, before the group goes
-        if self.replicator is not None:
-            self.replicator.close()
+        zero = self.update.zero
+        if zero is not None and zero.stale and not self._failed:
+            self.commit.sync_params()  # the last update's shards, before the group goes
+        if self.update.replication is not None:
+            self.update.replication.close()
         super().teardown()
         self.comm.abort()
-
-
-def _to_bytes(obj: Any) -> Tensor:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-
-
-def _from_bytes(data: Tensor, map_location: Any = "cpu") -> Any:
-    """Bytes from a replica of this job: tensors and plain containers only (weights_only)."""
-    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True, map_location=map_location)
-
-
-def _gate_optimizer_step(optimizer: torch.optim.Optimizer, strategy: ResilientStrategy) -> None:
-    """Route ``optimizer.step`` through the strategy: it skips the update when the step's committed state was
-    adopted instead, and under ZeRO-1 surrounds it with the shard's replication."""
-    inner = optimizer.step
-    strategy._inner_step = inner
-
-    def step(closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = closure() if closure is not None else None
-        strategy.apply_update(inner)
-        return loss
-
-    # The gate calls the scheduler-wrapped step, so torch's "step before scheduler" bookkeeping holds.
-    step._wrapped_by_lr_sched = getattr(inner, "_wrapped_by_lr_sched", True)  # type: ignore[attr-defined]
-    optimizer.step = step  # type: ignore[method-assign]

@@ -21,29 +21,24 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks.fault_injection import FaultTrigger
-from callbacks.flash_checkpoint import FlashCheckpoint
 from callbacks.heartbeat import Heartbeat
 from callbacks.metrics import CommitMetrics
 from runner import protocol
 from runner.checksum import param_checksum
-from runner.comm import Comm, RunAborted
+from runner.comm import Comm, RunAborted, RunFailedError
 from runner.config.validate import all_faults, dp_size
 from runner.data import MemmapTokens, SyntheticTokens
 from runner.events import EventLog, JsonLines
+from runner.faults.comm_faults import FaultInjectingComm
 from runner.lightning_module import GPTModule, StepDataModule
 from runner.loggers import build_logger
 from runner.plan import gpt_config
-from runner.recovery.flash_ckpt import Event, Prefetch
-from runner.recovery.flash_ckpt.persister import persister_address
-from runner.recovery.flash_names import flash_job_id
-from runner.recovery.ndb.config import NDBConfig
-from runner.recovery.ndb.runtime import NDBRuntime
-from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
+from runner.recovery.flashrecovery.rejoin import ReplicaRecovery
+from runner.recovery.hooks import WorkerContext
 from runner.recovery.sdc import GradientGuard
-from runner.recovery.snapshot_restore import SnapshotRestore
+from runner.recovery.worker_registry import combine, technique_workers
 from runner.status import WorkerStatus
 from runner.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy
-from runner.topology import Topology
 
 EXIT_ABORTED = 3  # the controller ended the run
 EXIT_FAILED = 4  # recovery impossible
@@ -99,47 +94,37 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     status = WorkerStatus(spec.wid, spec.node, spec.local_rank, spec.logical_rank, dp)
     run_dir = Path(spec.run_dir)
     device, backend = select_device(cfg, spec.logical_rank)
-    comm = Comm(store, spec.wid, backend, device, cfg.launcher)
+    injected = [f for f in all_faults(cfg) if f.kind != "none"]
+    comm = (FaultInjectingComm if injected else Comm)(store, spec.wid, backend, device, cfg.launcher)
     events = EventLog(run_dir / "events.jsonl", rank=lambda: comm.logical_rank if comm.layout else spec.logical_rank,
                       step=lambda: status.step)
     heartbeat = Heartbeat(spec.host, spec.port, spec.namespace, status, cfg.heartbeat.interval_s,
                           orphan_after_s=max(5.0, cfg.heartbeat.interval_s * cfg.heartbeat.misses * 4))
     heartbeat.start()
     events.emit("worker_started", wid=spec.wid, node=spec.node, role=spec.role, pid=os.getpid())
-    # a restarted rank maps its snapshots and faults in memory for them while it builds its model
-    restoring = spec.role == "restore" and "flash_ckpt" in cfg.ft
-    prefetch = Prefetch(flash_job_id(spec.run_dir), spec.logical_rank) if restoring else None
-    if "flash_ckpt" in cfg.ft:  # inherited from the fork server; loaded here under torchrun or SLURM
-        from runner.recovery.flash_ckpt.kernels import warm_up  # numba only where flash checkpoints run
-
-        warm_up()
-
-    micro_batch = cfg.trainer.global_batch_size // dp
-    module, datamodule = build_module_and_data(cfg, micro_batch)
     # Workers never decide a run's fate: even without fault tolerance a failed collective is reported
     # and the controller answers (here: ends the run naming the fault).
-    recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s)
+    faults = FaultTrigger(injected, comm, status, events, release_timeout_s=cfg.launcher.recovery_timeout_s)
+    recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s, on_start=faults.on_recovery_start)
+    # before the model: a technique's worker side may start work that overlaps building it
+    techniques = technique_workers(cfg.ft, WorkerContext(cfg, spec.run_dir, spec.node, spec.logical_rank, spec.role,
+                                                         comm, events, status, recovery))
+    micro_batch = cfg.trainer.global_batch_size // dp
+    module, datamodule = build_module_and_data(cfg, micro_batch)
+    hooks = combine(techniques, module)
+    comm.want_side_group = hooks.side_group
     joining = spec.role in ("joiner", "spare", "restore")  # none holds the state yet: setup collectives stay local
-    ndb = NDBRuntime(module.model, NDBConfig(**cfg.ft.ndb), cfg.seed) if "ndb" in cfg.ft else None
-    flash = flash_callback(cfg, spec, events) if "flash_ckpt" in cfg.ft else None
-    restore = SnapshotRestore(comm, events, recovery, flash.job_id, flash.dir, prefetch) if flash else None
-    replicate = bool(cfg.parallel.zero) and "deadpool" in cfg.ft
-    comm.want_side_group = replicate
-    strategy = ResilientStrategy(
-        comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
-        recover=recovery, restore_snapshot=restore, joining=joining, ndb=ndb, first_gen=spec.first_gen,
-        guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
-        start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
-        zero_stage=cfg.parallel.zero, replicate_shards=replicate, topology=Topology.from_cfg(cfg),
-    )
-    metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, strategy,
+    metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, comm,
                             tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
                             log_every_n_steps=cfg.trainer.log_every_n_steps)
-    strategy._on_commit = metrics.on_commit
-    faults = FaultTrigger([f for f in all_faults(cfg) if f.kind != "none"], comm, status, events,
-                          release_timeout_s=cfg.launcher.recovery_timeout_s)
-    recovery.on_start = faults.on_recovery_start
-    strategy.fault_hooks = faults
+    strategy = ResilientStrategy(
+        comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
+        recover=recovery, restore_snapshot=hooks.restore_snapshot, on_commit=metrics.on_commit, joining=joining,
+        takeover=hooks.takeover, first_gen=spec.first_gen,
+        guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
+        start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
+        zero_stage=cfg.parallel.zero, shard_replication=hooks.shard_replication,
+    )
     is_rank0 = spec.logical_rank == 0
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
@@ -149,8 +134,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         precision=cfg.trainer.precision,
         gradient_clip_val=cfg.trainer.grad_clip or None,
         logger=build_logger(cfg, run_dir) if is_rank0 else False,  # a replacement of rank 0 resumes the logging
-        # flash first: its teardown (draining the persister) runs while the heartbeat still beats
-        callbacks=[*([flash] if flash else []), heartbeat, faults, metrics],
+        # techniques' first (flash checkpoints: draining the persister runs while the heartbeat still beats)
+        callbacks=[*hooks.callbacks, heartbeat, faults, metrics],
         enable_checkpointing=False,
         enable_progress_bar=bool(cfg.trainer.progress_bar and is_rank0 and not joining),
         enable_model_summary=is_rank0 and not joining,
@@ -163,29 +148,12 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     ckpt_path = {"joiner": PEER_CKPT, "spare": PEER_CKPT, "restore": SNAPSHOT_CKPT}.get(spec.role)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     status.phase = "done"
-    final = _final_record(trainer, module, strategy)
+    final = {"global_step": trainer.global_step, "checksum": param_checksum(module),
+             "logical_rank": strategy.logical_rank, "t": time.time(), **hooks.final_record()}
     protocol.set_json(store, f"done/{spec.wid}", final)
     store.add("done_count", 1)  # one counter for the controller to watch instead of a key per worker
     events.emit("worker_done", wid=spec.wid, **{k: v for k, v in final.items() if k != "checksum"})
     heartbeat.stop()
-
-
-def flash_callback(cfg: DictConfig, spec: WorkerSpec, events: EventLog) -> FlashCheckpoint:
-    """ft=flash_ckpt: snapshots of this logical rank, a copy on the partner node, persists to <run dir>/checkpoints."""
-    fc = cfg.ft.flash_ckpt
-
-    def partner(rank: int):
-        return Topology.from_cfg(cfg).partner_rank(rank) if fc.neighbour_backup else None
-
-    def on_event(event: Event) -> None:
-        if event.kind not in ("committed", "backed_up"):  # one per snapshot and rank would drown the log
-            events.emit(f"snapshot_{event.kind}", snapshot_step=event.step, where=event.where, detail=event.detail)
-
-    job_id = flash_job_id(spec.run_dir)
-    return FlashCheckpoint(fc.every_n_steps, fc.persist_every_n_steps or None, Path(spec.run_dir) / "checkpoints",
-                           overlap=fc.overlap, job_id=job_id, keep=fc.keep, rank=None, partner=partner,
-                           on_event=on_event,  # a spare learns its rank when given one
-                           persister_address=persister_address(job_id, spec.node))
 
 
 def select_device(cfg: DictConfig, logical_rank: int) -> tuple[torch.device, str]:
@@ -219,17 +187,6 @@ def build_module_and_data(cfg: DictConfig, micro_batch: int):
     else:
         source = SyntheticTokens(cfg.seed, m.vocab_size, m.seq_len, micro_batch)
     return module, StepDataModule(source)
-
-
-def _final_record(trainer, module, strategy) -> dict:
-    record = {"global_step": trainer.global_step, "checksum": param_checksum(module),
-              "logical_rank": strategy.logical_rank, "t": time.time()}
-    if strategy.ndb is not None and strategy.ndb.step_times[True]:
-        record["takeover"] = strategy.ndb.stats()
-    if strategy.replicator is not None:
-        record["replication"] = {"bytes_per_step": strategy.replicator.bytes_per_step,
-                                 "buffer_bytes": strategy.replicator.memory_bytes()}
-    return record
 
 
 def _threads(cfg: DictConfig, ranks: int) -> int:

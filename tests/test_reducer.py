@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from runner.comm import CollectiveFailure, Comm
+from runner.comm import CollectiveFailure
+from runner.faults.comm_faults import FaultInjectingComm
 from runner.protocol import Layout
 from runner.reducer import GradReducer
 
@@ -18,7 +19,7 @@ TIMEOUTS = SimpleNamespace(collective_timeout_s=10.0, rendezvous_timeout_s=10.0,
 @pytest.fixture
 def comm():
     store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
-    comm = Comm(store, 0, "gloo", torch.device("cpu"), TIMEOUTS)
+    comm = FaultInjectingComm(store, 0, "gloo", torch.device("cpu"), TIMEOUTS)
     comm.join(Layout(gen=0, members=[0], logical=[0], dp=1))
     yield comm
     comm.abort()
@@ -67,7 +68,7 @@ def test_a_failed_launch_inside_backward_surfaces_at_reduce_with_grads_intact(co
     model = _model()
     reducer = _reducer(comm, model)
     reducer.arm()
-    comm.inject_transient = True
+    comm.fail_next_collective()
     _backward(model)  # the hooks do not raise
     local = [p.grad.clone() for p in model.parameters()]
     with pytest.raises(CollectiveFailure, match="injected"):

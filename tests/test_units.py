@@ -190,9 +190,8 @@ def test_a_committed_step_without_a_record_is_written_by_a_member_that_holds_it(
 
     path = tmp_path / "metrics.jsonl"
     comm = SimpleNamespace(wid=5, gen=1, layout=Layout(gen=1, members=[9, 5], logical=[0, 1], dp=2))
-    strategy = SimpleNamespace(comm=comm, dp_size=2)
     events = SimpleNamespace(emit=lambda kind, **details: None)
-    metrics = CommitMetrics(JsonLines(path), events, strategy, tokens_per_sample=1, micro_batch=1, log_every_n_steps=1)
+    metrics = CommitMetrics(JsonLines(path), events, comm, tokens_per_sample=1, micro_batch=1, log_every_n_steps=1)
     extras = torch.tensor([1.0, 1.0, 2.0, 0.0], dtype=torch.float64)
 
     def steps() -> list[int]:

@@ -92,7 +92,7 @@ def test_replication_failing_twice_in_one_healthy_group_fails_the_run():
     from types import SimpleNamespace
 
     from runner.comm import CollectiveFailure, RunFailedError
-    from runner.strategy import ResilientStrategy
+    from runner.recovery.deadpool.replication import ShardReplication
 
     outcomes = []
 
@@ -102,17 +102,16 @@ def test_replication_failing_twice_in_one_healthy_group_fails_the_run():
                 raise CollectiveFailure("shard replication failed: connection reset")
 
     emitted = []
-    strategy = ResilientStrategy.__new__(ResilientStrategy)  # only the replication bookkeeping is exercised
-    strategy.replicator, strategy._replication_failed_in = Replicator(), None
-    strategy.comm = SimpleNamespace(gen=3, logical_rank=1)
-    strategy.events = SimpleNamespace(emit=lambda kind, **fields: emitted.append((kind, fields["gen"])))
+    comm = SimpleNamespace(gen=3, logical_rank=1)
+    events = SimpleNamespace(emit=lambda kind, **fields: emitted.append((kind, fields["gen"])))
+    replication = ShardReplication(Replicator(), comm, events)
 
     outcomes[:] = ["fail", "ok", "fail"]
     for _ in range(3):  # a success in between: failures are not "in a row"
-        strategy._await_replication()
-    strategy.comm.gen = 4  # a recovery regrouped: the earlier failure was the lost peer's
+        replication.wait_previous()
+    comm.gen = 4  # a recovery regrouped: the earlier failure was the lost peer's
     outcomes[:] = ["fail", "fail"]
-    strategy._await_replication()
+    replication.wait_previous()
     with pytest.raises(RunFailedError, match="failed twice in a row while every rank was alive"):
-        strategy._await_replication()
+        replication.wait_previous()
     assert emitted == [("replication_failed", 3), ("replication_failed", 3), ("replication_failed", 4), ("replication_failed", 4)]

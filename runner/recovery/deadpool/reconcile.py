@@ -23,51 +23,55 @@ from __future__ import annotations
 
 from typing import Optional
 
-from runner.comm import RunFailedError
-from runner.recovery.deadpool.replicator import ABANDON_AFTER_S, ReplicaLost
+from runner.comm import Comm, RunFailedError
+from runner.events import EventLog
+from runner.recovery.deadpool.replicator import ABANDON_AFTER_S, ReplicaLost, ShardReplicator
 from runner.recovery.deadpool.shard_state import ShardState
+from runner.training.state import ReplicaState, ShardedState
+from runner.training.transfer import exchange
 
 
-def reconcile_shards(strategy, table: list[list[int]], events) -> Optional[dict]:
-    comm = strategy.comm
+def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, table: list[list[int]],
+                     events: EventLog) -> Optional[dict]:
     me, logical = comm.rank, comm.layout.logical
     holders = [(c, r) for r, (c, j) in enumerate(table) if not j]
     newest = max(c for c, _ in holders)
     source = min(r for c, r in holders if c == newest)
     laggards = [r for r, (c, j) in enumerate(table) if not j and c < newest]
     joiners = [r for r, (_, j) in enumerate(table) if j]
-    replicator = strategy.replicator
+    replicator = sharded.replicator
     if replicator is not None and replicator.drain():  # the broken generation's exchange, if one was in flight
         events.emit("replication_abandoned", gen=comm.gen, waited_s=ABANDON_AFTER_S)
     if laggards:
-        final = strategy.exchange(strategy.final_gradients() if me == source else None, source, receive=me in laggards)
+        final = exchange(comm, sharded.final_gradients() if me == source else None, source, receive=me in laggards)
         if me in laggards:
-            strategy.finish_update(final)
+            sharded.finish_update(final)
             events.emit("shard_update_finished", gen=comm.gen, step=newest, source=logical[source])
     if not comm.layout.complete:
         return None  # survivors only: joiners are served, and everyone synced, in the complete generation
     shard = None
     for j in joiners:
-        received = _fetch_shard(strategy, logical[j], joiners, newest)
+        received = _fetch_shard(comm, replicator, logical[j], joiners, newest)
         if me == j:
             shard = received
-            strategy.zero.load_own(shard.params)
+            sharded.zero.load_own(shard.params)
             events.emit("shard_restored", gen=comm.gen, step=newest, holder=replicator.holder(logical[j]),
                         replayed_updates=shard.gen - shard.base_gen)
-    strategy.zero.sync(comm)
+    sharded.zero.sync(comm)
     if not joiners:
         return None
-    ckpt = strategy.exchange(strategy.dump_state() if me == source else None, source, receive=me in joiners)
+    ckpt = exchange(comm, state.dump_state() if me == source else None, source, receive=me in joiners)
     if me not in joiners:
         return None
-    strategy.adopt_shard_state(ckpt, shard)
+    assert shard is not None
+    sharded.adopt_shard_state(ckpt, shard.state)
     return ckpt
 
 
-def _fetch_shard(strategy, lrank: int, joiners: list[int], gen: int) -> ShardState:
+def _fetch_shard(comm: Comm, replicator: ShardReplicator | None, lrank: int, joiners: list[int],
+                 gen: int) -> ShardState:
     """Logical rank ``lrank``'s shard after ``gen`` updates, from its holder to every member (so that all
     of them fail alike when it cannot be had)."""
-    comm, replicator = strategy.comm, strategy.replicator
     holder = replicator.holder(lrank) if replicator is not None else None
     h = comm.layout.logical.index(holder) if holder is not None else None
     if h is None or h in joiners:
@@ -81,7 +85,7 @@ def _fetch_shard(strategy, lrank: int, joiners: list[int], gen: int) -> ShardSta
             payload = replicator.replica_of(lrank, gen).to_payload()
         except ReplicaLost as err:
             payload = {"lost": str(err)}
-    payload = strategy.exchange(payload, h, receive=True)
+    payload = exchange(comm, payload, h, receive=True)
     if "lost" in payload:
         raise RunFailedError(f"logical rank {lrank}'s optimizer shard cannot be rebuilt: {payload['lost']}")
     return ShardState.from_payload(payload)

@@ -79,7 +79,6 @@ class ShardReplicator:
         self._group_gen = -1  # the side group the sizes below are about
         self._layout_sent = b""  # the layout bytes the holder has
         self._expect_send = self._expect_recv = HEADER_BYTES  # the size of the next first message, each way
-        self.pause_before_data: Optional[threading.Event] = None  # fault injection: hold the copy half-way
         self.bytes_per_step = 0
 
     # -- who backs up whom -----------------------------------------------------------------------
@@ -157,7 +156,8 @@ class ShardReplicator:
         if pg is None:
             raise CollectiveFailure("no side group (aborted)")
         if self._group_gen != group_gen:  # a new group: the holder has nothing of ours yet
-            self._group_gen, self._layout_sent, self._expect_send, self._expect_recv = group_gen, b"", HEADER_BYTES, HEADER_BYTES
+            self._group_gen, self._layout_sent = group_gen, b""
+            self._expect_send = self._expect_recv = HEADER_BYTES
         own = [self.zero.params[i] for i in self.zero.plan.flat_shard(me)]
         layout = describe(own, self.zero.optimizer)
         if layout != self._layout:  # the layout changes only when the optimizer state gains keys
@@ -169,14 +169,13 @@ class ShardReplicator:
         message[:HEADER_BYTES].view(torch.int64).copy_(
             torch.tensor([gen, layout.nbytes, len(layout_bytes), int(combined)], dtype=torch.int64))
         if layout_bytes:
-            message[HEADER_BYTES:HEADER_BYTES + len(layout_bytes)].copy_(torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8))
+            message[HEADER_BYTES:HEADER_BYTES + len(layout_bytes)].copy_(
+                torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8))
         sends = []
         if not combined:
             sends.append(pg.send([message[:HEADER_BYTES]], holder, TAG_HEADER))
             if layout_bytes:
                 sends.append(pg.send([message[HEADER_BYTES:HEADER_BYTES + len(layout_bytes)]], holder, TAG_LAYOUT))
-        if self.pause_before_data is not None:
-            self.pause_before_data.wait(self.timeout_s)
         if combined:
             sends.append(pg.send([message], holder, TAG_HEADER))
         else:
@@ -264,8 +263,8 @@ def _prefix(layout_len: int) -> int:
 
 def _encode_layout(layout: ShardLayout) -> bytes:
     buf = io.BytesIO()
-    torch.save({"entries": [list(e) for e in layout.entries], "values": [[k[0], k[1], v] for k, v in layout.values.items()],
-                "nbytes": layout.nbytes}, buf)
+    torch.save({"entries": [list(e) for e in layout.entries],
+                "values": [[k[0], k[1], v] for k, v in layout.values.items()], "nbytes": layout.nbytes}, buf)
     return buf.getvalue()
 
 

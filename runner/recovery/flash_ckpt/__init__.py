@@ -1,6 +1,7 @@
 """Flash checkpoint: per-rank snapshots in /dev/shm, persisted to disk by another process.
 
-See docs/checkpointing.md for the segment format, the protocol and the failure cases.
+See docs/checkpointing.md for the segment format, the protocol and the failure cases. The worker's
+side: ``worker`` (the snapshot callback and a restarted rank's ``snapshot_restore``).
 """
 
 from .events import Event

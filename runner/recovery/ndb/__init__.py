@@ -12,6 +12,9 @@ low-rank FFN weight gradients. API:
   ``contributor_counts(model, microbatches, takeovers, cfg) -> dict[str, int]``: after a SUM
   all-reduce, divide each gradient by its count (attention params exclude skipped micro-batches).
 * ``lowrank_linear`` / ``LowRankWgradLinear``, ``SVDCache``, ``lowrank_rank``: approximation (c).
+
+Inside the runner: ``runtime.NDBRuntime`` runs a taken-over micro-batch, ``neighbour.NeighbourTakeover``
+is the training step's hook, ``worker.NDBWorker`` gives the worker its hooks.
 """
 
 from runner.recovery.ndb.config import NDBConfig

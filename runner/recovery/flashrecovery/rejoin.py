@@ -20,6 +20,7 @@ Any failure on the way goes back to step 1; every wait is bounded.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -29,21 +30,24 @@ from runner.comm import CollectiveFailure, Comm, RunFailedError
 from runner.events import EventLog
 from runner.recovery.deadpool.reconcile import reconcile_shards
 from runner.status import WorkerStatus
+from runner.training.state import ReplicaState
+from runner.training.transfer import exchange
 
 
 class ReplicaRecovery:
-    def __init__(self, comm: Comm, events: EventLog, status: WorkerStatus, recovery_timeout_s: float) -> None:
+    def __init__(self, comm: Comm, events: EventLog, status: WorkerStatus, recovery_timeout_s: float,
+                 on_start: Callable[[], None] = lambda: None) -> None:
         self.comm, self.events, self.status = comm, events, status
         self.recovery_timeout_s = recovery_timeout_s
-        self.on_start = lambda: None  # the fault injector's hook for faults that strike during a recovery
+        self.on_start = on_start  # the fault injector's hook for faults that strike during a recovery
 
-    def __call__(self, strategy, reason: str) -> Optional[dict]:
+    def __call__(self, state: ReplicaState, reason: str) -> Optional[dict]:
         joining = reason == "join"
         need_new_group = not joining
         if reason == "planned":  # the controller published a new generation; nothing failed
             self.comm.abort()
         elif not joining:
-            self.abandon(strategy, reason)
+            self.abandon(state, reason)
             self.on_start()
         while True:
             try:
@@ -53,32 +57,33 @@ class ReplicaRecovery:
                     self.comm.join(layout)
                     self._emit_once("group_formed", gen=layout.gen, members=len(layout.members),
                                     complete=layout.complete, rebuild_s=time.time() - t0, recovery=layout.recovery)
-                ckpt = self._reconcile(strategy, joining)
+                ckpt = self._reconcile(state, joining)
                 if self.comm.layout.complete:
                     return ckpt
                 need_new_group = True  # survivors-only: wait for the replacement's generation
             except CollectiveFailure as err:
-                self.abandon(strategy, f"during recovery: {err}")
+                self.abandon(state, f"during recovery: {err}")
                 need_new_group = True
 
-    def abandon(self, strategy, reason: str) -> None:
+    def abandon(self, state: ReplicaState, reason: str) -> None:
         self.comm.abort()
         self.status.phase = "recovering"
         protocol.report(self.comm.store, {
             "wid": self.comm.wid, "gen": self.comm.gen, "reason": reason, "t": time.time(),
-            "step": strategy.lightning_module.trainer.global_step if strategy.lightning_module else -1,
+            "step": state.global_step,
         })
 
-    def _reconcile(self, strategy, joining: bool) -> Optional[dict]:
-        committed = -1 if joining else strategy.committed_steps()
+    def _reconcile(self, state: ReplicaState, joining: bool) -> Optional[dict]:
+        committed = -1 if joining else state.committed_steps()
         mine = torch.tensor([committed, int(joining)], dtype=torch.int64, device=self.comm.device)
         table = [t.tolist() for t in self.comm.allgather(mine)]
         holders = [(c, r) for r, (c, j) in enumerate(table) if not j]
         if not holders:
             raise RunFailedError(f"every data-parallel replica of the model and optimizer state was lost: no member of "
                                  f"generation {self.comm.gen} holds it")
-        if strategy.zero is not None:  # sharded optimizer state: laggards and joiners are served differently
-            return reconcile_shards(strategy, table, self.events)
+        sharded = state.sharded
+        if sharded is not None:  # sharded optimizer state: laggards and joiners are served differently
+            return reconcile_shards(self.comm, state, sharded, table, self.events)
         newest = max(c for c, _ in holders)
         source = min(r for c, r in holders if c == newest)
         receivers = [r for r, (c, j) in enumerate(table) if j or c < newest]
@@ -86,14 +91,14 @@ class ReplicaRecovery:
             return None
         t0 = time.time()
         me = self.comm.rank
-        ckpt = strategy.exchange(strategy.dump_state() if me == source else None, source, receive=me in receivers)
+        ckpt = exchange(self.comm, state.dump_state() if me == source else None, source, receive=me in receivers)
         if me == source:
             self.events.emit("state_sent", gen=self.comm.gen, receivers=len(receivers), step=newest)
         if me in receivers:
             self.events.emit("state_restored", gen=self.comm.gen, restore_s=time.time() - t0,
                              role="joiner" if joining else "laggard", step=newest)
             if not joining:
-                strategy.adopt_committed_state(ckpt)
+                state.adopt_committed_state(ckpt)
                 return None
         return ckpt
 

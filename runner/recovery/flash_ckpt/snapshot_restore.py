@@ -8,8 +8,9 @@ corrupt snapshot costs an older step, never a mixed one. Model weights from memo
 straight into the module's parameters (already allocated and faulted in), so Lightning's
 ``load_state_dict`` finds them in place and copies nothing; the rest is loaded into new tensors.
 The checkpoint dict goes back to Lightning (``Strategy.load_checkpoint``), which restores model,
-optimizer, schedulers and loops; the data position follows from ``global_step``. Later snapshots of the abandoned timeline are
-invalidated. A collective failure on the way waits for the controller's next generation.
+optimizer, schedulers and loops; the data position follows from ``global_step``. Later snapshots of
+the abandoned timeline are invalidated. A collective failure on the way waits for the controller's
+next generation.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from runner.recovery.flash_ckpt import (
     load_newest,
     newest_common_step,
 )
-from runner.recovery.rejoin import ReplicaRecovery, RunFailedError
+from runner.recovery.flashrecovery.rejoin import ReplicaRecovery, RunFailedError
+from runner.training.state import ReplicaState
 
 
 class SnapshotRestore:
@@ -41,25 +43,25 @@ class SnapshotRestore:
         self.job_id, self.ckpt_dir = job_id, ckpt_dir
         self.prefetch = prefetch
 
-    def __call__(self, strategy) -> dict:
+    def __call__(self, state: ReplicaState) -> dict:
         regroup = False
         try:
             while True:
                 try:
                     if regroup:
-                        self.comm.join(self.comm.await_layout(self.recovery.recovery_timeout_s, newer_than=self.comm.gen))
-                    return self._agree_and_load(strategy)
+                        timeout_s = self.recovery.recovery_timeout_s
+                        self.comm.join(self.comm.await_layout(timeout_s, newer_than=self.comm.gen))
+                    return self._agree_and_load(state)
                 except CollectiveFailure as err:  # a rank died meanwhile: the controller restarts everyone again
-                    self.recovery.abandon(strategy, f"during snapshot restore: {err}")
+                    self.recovery.abandon(state, f"during snapshot restore: {err}")
                     regroup = True
         finally:
             if self.prefetch is not None:
                 self.prefetch.close()
 
-    def _agree_and_load(self, strategy) -> dict:
+    def _agree_and_load(self, state: ReplicaState) -> dict:
         t0 = time.time()
-        module = strategy.lightning_module
-        live = {"state_dict": module.state_dict()} if module is not None else None
+        live = state.live_weights()
         rank = self.comm.logical_rank
         held = sorted({c.step for c in list_snapshots(self.job_id, rank, self.ckpt_dir)}, reverse=True)
         refused: set[int] = set()

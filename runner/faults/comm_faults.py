@@ -1,0 +1,111 @@
+"""A communicator whose links can be made to fail, slow down, be cut, or hold a shard copy half-way.
+
+Only a run with a fault config builds it (``worker.py``); ``Comm`` itself knows nothing of faults.
+The model is torchft's fault-injecting process-group wrapper: the faults are the victim's own, armed
+by ``callbacks.fault_injection.FaultTrigger``, and they surface exactly as real ones would, as a
+failed launch or wait (``CollectiveFailure``) of the main group, or a failed rendezvous.
+
+* ``fail_next_collective``: the next launched collective fails (a transient connection error);
+* ``fail_next_reduction``: the next gradient reduction completes on every peer, then fails here
+  only (``after_reduce``: the others commit the step, the victim lags);
+* ``slow_links``: a delay before every batch of collectives (like a ``tc`` delay);
+* ``partition``: collectives and rendezvous fail until the partition ends;
+* ``hold_next_shard_copy``: the side group's next shard message (DeadPool's ZeRO-1 replication) waits
+  until ``release_shard_copy``, so that a kill lands while the copy is in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import PrefixStore
+
+from runner.comm import CollectiveFailure, Comm
+from runner.recovery.deadpool.replicator import HEADER_BYTES, TAG_HEADER, TAG_LAYOUT
+
+PARTITIONED = "network partition: this rank cannot reach its peers"
+
+
+class FaultInjectingComm(Comm):
+    """``Comm`` with the victim's link faults; every method not overridden here behaves as ``Comm``'s."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._transient = False  # the next collective fails once
+        self._after_reduction = False  # the next gradient reduction fails here only, once complete
+        self._link_delay_s = 0.0  # added before every batch of collectives
+        self._partitioned_until = 0.0  # collectives and rendezvous fail until then
+
+    # -- arming, by the fault trigger ------------------------------------------------------------
+    def fail_next_collective(self) -> None:
+        self._transient = True
+
+    def fail_next_reduction(self) -> None:
+        self._after_reduction = True
+
+    def slow_links(self, delay_s: float) -> None:
+        self._link_delay_s = delay_s
+
+    def partition(self, duration_s: float) -> None:
+        """Cut this rank's links for ``duration_s`` (negative: for good)."""
+        self._partitioned_until = time.monotonic() + (duration_s if duration_s >= 0 else 1e9)
+
+    def hold_next_shard_copy(self) -> threading.Event:
+        """Hold the side group's next shard message until the returned event is set (at most the collective
+        timeout). Call it before the copy starts; the group it wraps is dropped with the generation."""
+        release = threading.Event()
+        if self.side_pg is not None:
+            held = _HeldShardGroup(self.side_pg, release, self.collective_timeout.total_seconds())
+            self.side_pg = held  # type: ignore[assignment]  # a stand-in with the calls the replicator makes
+        return release
+
+    # -- where the faults strike -----------------------------------------------------------------
+    def _partitioned(self) -> bool:
+        return time.monotonic() < self._partitioned_until
+
+    def _arrive(self, prefix: PrefixStore, wait: timedelta) -> None:
+        if self._partitioned():
+            raise CollectiveFailure(PARTITIONED)
+        super()._arrive(prefix, wait)
+
+    def launch(self, op) -> None:
+        if self._failure is None and self.pg is not None:
+            if self._transient:
+                self._transient = False
+                self._failure = "injected transient connection error"
+                return
+            if self._partitioned():
+                self._failure = PARTITIONED
+                return
+            if self._link_delay_s and not self._in_flight:
+                time.sleep(self._link_delay_s)  # the fault itself: a slow link, once per batch of collectives
+        super().launch(op)
+
+    def wait_reduction(self) -> None:
+        failure = self._drain()
+        if failure is None and self._after_reduction:
+            self._after_reduction = False
+            failure = "injected connection error after the reduction completed on every peer"
+        self._raise_on(failure)
+
+
+class _HeldShardGroup:
+    """The side group, except that the send carrying the shard's bytes (not a bare header or the layout)
+    waits for ``release`` first, once; every other call goes to the group itself."""
+
+    def __init__(self, pg: Any, release: threading.Event, timeout_s: float) -> None:
+        self._pg, self._release, self._timeout_s = pg, release, timeout_s
+        self._held = False
+
+    def send(self, tensors: list, dst: int, tag: int) -> Any:
+        carries_shard = tag != TAG_LAYOUT and not (tag == TAG_HEADER and tensors[0].numel() == HEADER_BYTES)
+        if carries_shard and not self._held:
+            self._held = True
+            self._release.wait(self._timeout_s)
+        return self._pg.send(tensors, dst, tag)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pg, name)

@@ -1,0 +1,49 @@
+"""DeadPool's update hook under ZeRO-1: every update's shard is copied to its holder (``ShardReplicator``).
+
+Before an update the previous copy must be complete and what a replay of the update needs is kept;
+after it the new shard's copy starts, and overlaps the next step.
+"""
+
+from __future__ import annotations
+
+from runner.comm import CollectiveFailure, Comm, RunFailedError
+from runner.events import EventLog
+from runner.recovery.deadpool.replicator import ShardReplicator
+
+
+class ShardReplication:
+    """``runner.recovery.hooks.UpdateReplication`` for DeadPool."""
+
+    def __init__(self, replicator: ShardReplicator, comm: Comm, events: EventLog) -> None:
+        self.replicator, self.comm, self.events = replicator, comm, events
+        self._failed_in: int | None = None  # group generation of the last failed exchange
+
+    def start(self, gen: int) -> None:
+        self.replicator.start(self.comm, gen)
+
+    def record(self, gen: int) -> None:
+        self.replicator.record(self.comm.logical_rank, gen)
+
+    def wait_previous(self) -> None:
+        """The previous exchange must be complete before the shard changes again. A failed one is logged
+        only: the main group's next collective meets the same fault, and recovery starts there, at a
+        point where every rank agrees on the step. A second failure in a row in the same group
+        generation is no peer's fault (every collective between them succeeded): the run fails, as
+        its shards would go on without a replica."""
+        try:
+            self.replicator.wait()
+        except CollectiveFailure as err:
+            self.events.emit("replication_failed", gen=self.comm.gen, error=str(err))
+            if self._failed_in == self.comm.gen:
+                raise RunFailedError(
+                    f"the replication of logical rank {self.comm.logical_rank}'s ZeRO-1 optimizer shard to its "
+                    f"neighbour failed twice in a row while every rank was alive ({err}); its replica would stay "
+                    "stale and a node loss could not be recovered from it. This is not a peer failure: check the "
+                    "side group's network (the same interface as the main group's) and the worker's events.jsonl, "
+                    "or run without ft=deadpool's ZeRO-1 replication (parallel.zero=0) until it is fixed.") from None
+            self._failed_in = self.comm.gen
+        else:
+            self._failed_in = None
+
+    def close(self) -> None:
+        self.replicator.close()

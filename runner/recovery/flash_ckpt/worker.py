@@ -1,0 +1,54 @@
+"""flash_ckpt's worker side: the snapshot callback, and a restarted rank's restore from snapshots.
+
+A restarted rank (role ``restore``) maps its snapshots and faults in memory for them (``Prefetch``)
+while it builds its model, which is why this side starts before the model exists; the snapshot
+kernels are compiled then too (inherited from the fork server; loaded here under torchrun or SLURM).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch import LightningModule
+
+from callbacks.flash_checkpoint import FlashCheckpoint
+from runner.recovery.flash_ckpt import Event, Prefetch
+from runner.recovery.flash_ckpt.persister import persister_address
+from runner.recovery.flash_ckpt.snapshot_restore import SnapshotRestore
+from runner.recovery.flash_names import flash_job_id
+from runner.recovery.hooks import WorkerContext, WorkerHooks
+from runner.topology import Topology
+
+
+class FlashCkptWorker:
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+        self.prefetch = Prefetch(flash_job_id(ctx.run_dir), ctx.logical_rank) if ctx.role == "restore" else None
+        from runner.recovery.flash_ckpt.kernels import warm_up  # numba only where flash checkpoints run
+
+        warm_up()
+
+    def hooks(self, module: LightningModule) -> WorkerHooks:
+        ctx = self.ctx
+        flash = self._callback()
+        restore = SnapshotRestore(ctx.comm, ctx.events, ctx.recovery, flash.job_id, flash.dir, self.prefetch)
+        return WorkerHooks(callbacks=[flash], restore_snapshot=restore)
+
+    def _callback(self) -> FlashCheckpoint:
+        """Snapshots of this logical rank, a copy on the partner node, persists to <run dir>/checkpoints."""
+        ctx = self.ctx
+        fc = ctx.cfg.ft.flash_ckpt
+
+        def partner(rank: int):
+            return Topology.from_cfg(ctx.cfg).partner_rank(rank) if fc.neighbour_backup else None
+
+        def on_event(event: Event) -> None:
+            if event.kind not in ("committed", "backed_up"):  # one per snapshot and rank would drown the log
+                ctx.events.emit(f"snapshot_{event.kind}", snapshot_step=event.step, where=event.where,
+                                detail=event.detail)
+
+        job_id = flash_job_id(ctx.run_dir)
+        return FlashCheckpoint(fc.every_n_steps, fc.persist_every_n_steps or None, Path(ctx.run_dir) / "checkpoints",
+                               overlap=fc.overlap, job_id=job_id, keep=fc.keep, rank=None, partner=partner,
+                               on_event=on_event,  # a spare learns its rank when given one
+                               persister_address=persister_address(job_id, ctx.node))

@@ -1,0 +1,49 @@
+"""The registry of worker sides: each ``ft`` name to the ``TechniqueWorker`` of its package.
+
+Adding a technique's worker side is adding its package's ``worker`` module and one line here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from lightning.pytorch import LightningModule
+
+from runner.recovery.deadpool.worker import DeadPoolWorker
+from runner.recovery.flash_ckpt.worker import FlashCkptWorker
+from runner.recovery.flashrecovery.worker import FlashRecoveryWorker
+from runner.recovery.hooks import TechniqueWorker, WorkerContext, WorkerHooks
+from runner.recovery.ndb.worker import NDBWorker
+
+WORKER_SIDES: dict[str, Callable[[WorkerContext], TechniqueWorker]] = {
+    "flashrecovery": FlashRecoveryWorker,
+    "deadpool": DeadPoolWorker,
+    "flash_ckpt": FlashCkptWorker,
+    "ndb": NDBWorker,
+}
+
+
+def technique_workers(ft: Iterable[str], ctx: WorkerContext) -> list[TechniqueWorker]:
+    """The worker side of every technique in ``ft``, in its order."""
+    return [WORKER_SIDES[name](ctx) for name in ft]
+
+
+def combine(workers: list[TechniqueWorker], module: LightningModule) -> WorkerHooks:
+    """Every technique's hooks in one; a hook that only one technique may fill is refused from two."""
+    parts = [worker.hooks(module) for worker in workers]
+
+    def only(name: str) -> Any:
+        given = [getattr(p, name) for p in parts if getattr(p, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"two techniques in ft both provide the worker hook {name!r}")
+        return given[0] if given else None
+
+    return WorkerHooks(
+        takeover=only("takeover"),
+        shard_replication=only("shard_replication"),
+        side_group=any(p.side_group for p in parts),
+        restore_snapshot=only("restore_snapshot"),
+        callbacks=[c for p in parts for c in p.callbacks],
+        final_record=lambda: {k: v for p in parts for k, v in p.final_record().items()},
+    )

@@ -1,0 +1,167 @@
+"""The committed-step protocol: a step's reduction is retried until committed, exactly once.
+
+Every attempt first lets a ``MicroBatchTakeover`` add the micro-batches of failed ranks this process
+covers, then all-reduces the gradients with the step's accounting (``GradReducer``). A failed
+collective hands over to the run's recovery (regroup, reconcile, state to newcomers) and the very
+same step is retried; a reduction the corruption guard rejects is recomputed from the same batch and
+seed. Once committed, the sums become means in ``.grad``, and ``on_commit`` learns the step's
+accounting (one count per logical rank whose micro-batch went in, the loss sum, misplaced batches).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+from runner.comm import CollectiveFailure, Comm
+from runner.data import BatchSource
+from runner.events import EventLog
+from runner.recovery.hooks import MicroBatchTakeover
+from runner.recovery.sdc import GradientGuard
+from runner.reducer import GradReducer
+from runner.status import WorkerStatus
+from runner.training.state import ReplicaState
+from runner.training.update import CommittedUpdate
+
+Recover = Callable[[ReplicaState, str], Optional[dict]]  # the run's recovery: (this replica's state, why)
+OnCommit = Callable[[int, Tensor, float], None]  # (step, accounting, seconds from reduce to commit)
+
+
+class StepCommit:
+    def __init__(self, comm: Comm, events: EventLog, status: WorkerStatus, state: ReplicaState,
+                 update: CommittedUpdate, module: Callable[[], LightningModule], *, bucket_bytes: int,
+                 guard: Optional[GradientGuard] = None, takeover: Optional[MicroBatchTakeover] = None,
+                 recover: Optional[Recover] = None, on_commit: Optional[OnCommit] = None) -> None:
+        self.comm, self.events, self.status = comm, events, status
+        self.state, self.update, self._module = state, update, module
+        self.bucket_bytes = bucket_bytes
+        self.guard, self.takeover = guard, takeover
+        self.recover, self.on_commit = recover, on_commit
+        self._reducer: Optional[GradReducer] = None  # built at the first step, once the module is set up
+        self._batch_sample: Optional[Tensor] = None
+        self._batch_loss: Optional[float] = None
+        self._t_batch = 0.0
+
+    @property
+    def dp_size(self) -> int:
+        return self.comm.layout.dp
+
+    # -- one step ----------------------------------------------------------------------------------
+    def begin(self, batch: Any) -> None:
+        """A new step's batch: its sample id (for the accounting) and a clean slate."""
+        self._batch_sample = batch.get("sample") if isinstance(batch, dict) else None
+        if self.takeover is not None:
+            self.takeover.reset()
+        self._t_batch = time.perf_counter()
+
+    def regroup(self) -> None:
+        """The controller published a new generation: regroup at the step boundary, before any compute."""
+        self.status.phase = "recovering"
+        self.reducer.disarm()  # the new layout may take over micro-batches: reduce after backward
+        assert self.recover is not None
+        self.recover(self.state, "planned")
+
+    def record_loss(self, out: Any) -> None:
+        loss = out["loss"] if isinstance(out, dict) else out
+        self._batch_loss = float(loss.detach()) if isinstance(loss, Tensor) else None
+
+    def arm(self) -> None:
+        """Before the step's own backward: its buckets launch as they fill (not when micro-batches of others
+        join after backward)."""
+        if not self.comm.layout.extra_of(self.comm.wid):
+            self.reducer.arm()
+
+    def commit(self, closure: Callable[[], Any], source: Optional[BatchSource]) -> bool:
+        """All-reduce this step's gradients; on a failure recover and retry until committed; a reduction the
+        corruption guard rejects is recomputed with ``closure``. False: a lagging survivor received the
+        committed state of this step instead."""
+        step = self._module().trainer.global_step
+        t0 = time.perf_counter()
+        while True:
+            if self.takeover is not None:
+                wanted = self.comm.layout.extra_of(self.comm.wid)
+                self.takeover.take_over(step, wanted, source, self._grad_params())
+            self.status.phase = "reduce"
+            try:
+                grads, extras = self.reducer.reduce()
+                if self.guard is None or self._guard_accepts(grads):
+                    break
+                closure()  # recompute this rank's gradients (every rank reached the same verdict)
+                if self.takeover is not None:
+                    self.takeover.reset()
+                continue
+            except CollectiveFailure as err:
+                self.recover_from(err)
+                if self.update.skip_pending:
+                    return False
+        divisor = None
+        if self.takeover is not None:
+            divisor = self.takeover.divisor(self.dp_size, self.comm.layout.takeovers)
+        self.reducer.write_back(self.dp_size, divisor)
+        if self.takeover is not None:
+            self.takeover.record_step(time.perf_counter() - self._t_batch)
+        self.status.step = step + 1
+        self.status.phase = "compute"
+        if self.on_commit is not None:
+            self.on_commit(step, extras, time.perf_counter() - t0)
+        return True
+
+    def sync_params(self) -> None:
+        """ZeRO-1: bring every owner's updated shard to everyone, through recoveries if need be."""
+        zero = self.update.zero
+        assert zero is not None
+        while zero.stale:  # a recovery ends with a sync of its own, so it is not retried after one
+            try:
+                self.status.phase = "sync"
+                zero.sync(self.comm)
+            except CollectiveFailure as err:
+                self.recover_from(err)
+
+    def recover_from(self, err: CollectiveFailure) -> None:
+        """A collective of this step failed: regroup (the run's recovery), or end the worker without one."""
+        self.status.phase = "recovering"
+        self.events.emit("collective_failed", gen=self.comm.gen, error=str(err))
+        if self.recover is None:
+            raise err
+        self.recover(self.state, str(err))
+
+    def _guard_accepts(self, flats: list[Tensor]) -> bool:
+        assert self.guard is not None
+        accepted, norm, median = self.guard.verdict(flats)
+        if not accepted and self.comm.logical_rank == 0:
+            self.events.emit("sdc_detected", gen=self.comm.gen, grad_norm=norm, recent_median=median,
+                             action="recompute_step", reason="reduced gradient norm non-finite or above "
+                             "trainer.sdc_factor x the recent median: recompute the step [policy.silent_corruption]")
+        return accepted
+
+    def _grad_params(self) -> list[Tensor]:
+        return [p for p in self._module().parameters() if p.requires_grad]
+
+    # -- the reduction and its accounting --------------------------------------------------------
+    @property
+    def reducer(self) -> GradReducer:
+        if self._reducer is None:
+            self._reducer = GradReducer(self.comm, self._module(), self.bucket_bytes, self.dp_size + 2,
+                                        self._accounting)
+        return self._reducer
+
+    def _accounting(self) -> Tensor:
+        """One count per logical rank whose micro-batch went in, the loss sum, misplaced batches."""
+        step = self._module().trainer.global_step
+        extras = torch.zeros(self.dp_size + 2, dtype=torch.float64)
+        sample_step, sample_rank = (step, self.comm.logical_rank)
+        if self._batch_sample is not None:
+            sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())
+        extras[sample_rank] += 1
+        extras[-2] = self._batch_loss if self._batch_loss is not None else float("nan")
+        extras[-1] = float(sample_step != step)
+        for loss, (extra_step, extra_rank) in self.takeover.contributions() if self.takeover is not None else ():
+            extras[extra_rank] += 1
+            extras[-2] += loss
+            extras[-1] += float(extra_step != step)
+        return extras

@@ -1,0 +1,56 @@
+"""What recovery code may read and change of a replica's training state: typed interfaces, so that it
+depends on neither the strategy nor Lightning (``runner.training.transfer.TrainerState`` implements them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+from runner.zero import ZeroOne
+
+
+class ShardedState(Protocol):
+    """ZeRO-1: no rank holds another's optimizer state, so laggards and joiners are served shard by shard."""
+
+    @property
+    def zero(self) -> ZeroOne: ...
+
+    @property
+    def replicator(self) -> Any:
+        """Where the replicas of other ranks' shards are (``ShardReplicator``), or None."""
+
+    def final_gradients(self) -> dict:
+        """The gradients the last update used (and the guard's history), for a laggard."""
+
+    def finish_update(self, final: dict) -> None:
+        """A laggard applies the update it missed with ``final`` (``final_gradients`` of a peer)."""
+
+    def adopt_shard_state(self, ckpt: dict, shard_state: dict) -> None:
+        """Put a joiner's own shard's optimizer state into a peer's checkpoint ``ckpt`` before it is restored."""
+
+
+class ReplicaState(Protocol):
+    """One data-parallel replica's committed state, as a recovery reads, hands over and adopts it."""
+
+    @property
+    def global_step(self) -> int:
+        """Lightning's committed step count; -1 before the module is attached."""
+
+    def committed_steps(self) -> int:
+        """Steps whose update this replica holds (a laggard that already adopted the newest one counts it)."""
+
+    def dump_state(self) -> dict:
+        """This replica's full checkpoint, for a peer to restore or adopt."""
+
+    def adopt_committed_state(self, ckpt: dict) -> None:
+        """A lagging survivor takes a peer's post-step state and skips its own update."""
+
+    def adopt_guard_history(self, state: Optional[dict]) -> None:
+        """The corruption guard's history from a peer's ``state``, if it carries one."""
+
+    def live_weights(self) -> Optional[dict]:
+        """``{"state_dict": ...}`` of the module as allocated now (a restore copies into it), or None."""
+
+    @property
+    def sharded(self) -> Optional[ShardedState]:
+        """The ZeRO-1 view of this state, None without sharding."""

@@ -1,0 +1,130 @@
+"""State transfer between data-parallel replicas: what a replica hands over, and how it travels.
+
+``exchange`` broadcasts a picklable object (a checkpoint, a shard, final gradients) from one member
+of the current group to the others; ``TrainerState`` is this replica's state as recovery code sees
+it (``runner.training.state``): dumped from Lightning's checkpoint connector with the corruption
+guard's history, adopted by a laggard, and under ZeRO-1 served shard by shard.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+from runner.comm import Comm
+from runner.recovery.sdc import GradientGuard
+from runner.training.update import CommittedUpdate
+from runner.zero import ZeroOne
+
+SDC_HISTORY = "resilient_sdc_norms"  # the corruption guard's history, in state handed to a replacement or laggard
+
+
+def exchange(comm: Comm, obj: Any, src_pg_rank: int, *, receive: bool) -> Any:
+    """Broadcast ``obj`` (given on the source only) over the current group; receivers get a copy."""
+    dev = comm.device
+    size = torch.zeros(1, dtype=torch.int64, device=dev)
+    payload = None
+    if comm.rank == src_pg_rank:
+        payload = to_bytes(obj).to(dev)
+        size[0] = payload.numel()
+    comm.broadcast(size, src_pg_rank)
+    if payload is None:
+        payload = torch.empty(int(size[0]), dtype=torch.uint8, device=dev)
+    comm.broadcast(payload, src_pg_rank)
+    if not receive:
+        return None
+    return from_bytes(payload, map_location=dev)
+
+
+def to_bytes(obj: Any) -> Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+
+def from_bytes(data: Tensor, map_location: Any = "cpu") -> Any:
+    """Bytes from a replica of this job: tensors and plain containers only (weights_only)."""
+    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True, map_location=map_location)
+
+
+class TrainerState:
+    """``ReplicaState`` and ``ShardedState`` of the Lightning module a strategy trains."""
+
+    def __init__(self, module: Callable[[], Optional[LightningModule]], optimizers: Callable[[], list],
+                 update: CommittedUpdate, guard: Optional[GradientGuard]) -> None:
+        self._module, self._optimizers = module, optimizers
+        self.update, self.guard = update, guard
+
+    @property
+    def global_step(self) -> int:
+        module = self._module()
+        return module.trainer.global_step if module else -1
+
+    def committed_steps(self) -> int:
+        """A laggard that already adopted or finished the newest step counts it, so a recovery that is
+        retried never applies it twice."""
+        return self.global_step + int(self.update.skip_pending)
+
+    def dump_state(self) -> dict:
+        """The full Lightning checkpoint, with the corruption guard's history (its verdicts must stay the
+        same on every rank, a replacement's too)."""
+        module = self._module()
+        assert module is not None
+        ckpt = module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if self.guard is not None:
+            ckpt[SDC_HISTORY] = list(self.guard.norms)
+        return ckpt
+
+    def adopt_committed_state(self, ckpt: dict) -> None:
+        module = self._module()
+        assert module is not None
+        module.load_state_dict(ckpt["state_dict"])
+        for opt, state in zip(self._optimizers(), ckpt["optimizer_states"]):
+            opt.load_state_dict(state)
+        self.adopt_guard_history(ckpt)
+        self.update.skip_own()
+
+    def adopt_guard_history(self, state: Optional[dict]) -> None:
+        if self.guard is not None and state and SDC_HISTORY in state:
+            self.guard.adopt(state[SDC_HISTORY])
+
+    def live_weights(self) -> Optional[dict]:
+        module = self._module()
+        return {"state_dict": module.state_dict()} if module is not None else None
+
+    # -- ZeRO-1 ----------------------------------------------------------------------------------
+    @property
+    def sharded(self) -> Optional[TrainerState]:
+        return self if self.update.zero is not None else None
+
+    @property
+    def zero(self) -> ZeroOne:
+        assert self.update.zero is not None
+        return self.update.zero
+
+    @property
+    def replicator(self) -> Any:
+        return self.update.replication.replicator if self.update.replication is not None else None
+
+    def final_gradients(self) -> dict:
+        """The gradients the last update used: kept in ``.grad`` until the next backward, which no rank can
+        have started while a laggard still misses that update (it waits in the parameter sync)."""
+        return {"grads": [p.grad for p in self.zero.params],
+                **({SDC_HISTORY: list(self.guard.norms)} if self.guard is not None else {})}
+
+    def finish_update(self, final: dict) -> None:
+        self.adopt_guard_history(final)
+        self.update.finish(final["grads"])
+
+    def adopt_shard_state(self, ckpt: dict, shard_state: dict) -> None:
+        """The source's optimizer state is the source's shard; the parameters are everyone's, synced before
+        the source dumped them."""
+        mine = self._optimizers()[0].state_dict()["param_groups"]
+        source = ckpt["optimizer_states"][0]["param_groups"]
+        ckpt["optimizer_states"] = [{"state": shard_state,
+                                     "param_groups": [{**s, "params": m["params"]} for s, m in zip(source, mine)]}]
