@@ -1,0 +1,3 @@
+"""Model parallelism over a passed process group: tensor-parallel layers (``tensor``) for the GPT in
+``runner.model``. The group is an argument, never a global, because the runner rebuilds its groups in
+every generation (see docs/parallelism.md)."""
