@@ -1,5 +1,5 @@
-"""Pipeline parallelism on two real processes and a real gloo group: two stages of a GPT under the 1F1B
-schedule compute the unsharded model's loss, gradients and optimizer steps."""
+"""Pipeline parallelism on real processes and real gloo groups: two stages of a GPT under the 1F1B schedule
+compute the unsharded model's loss, gradients and optimizer steps, also with each stage tensor-parallel."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import copy
 
 import pytest
 import torch
-from test_tensor_parallel import CountingGroup, run_ranks
+from test_tensor_parallel import GlooGroups, rel_error, run_ranks
 
 from runner.model import GPT, GPTConfig
 from runner.parallel.pipeline import GPTStage, OneFOneB
+from runner.parallel.tensor import gather_full, shard_gpt_for_tp
+from runner.topology import Topology
 
 PP = 2
 STEPS = 3
@@ -18,7 +20,8 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 MICRO_BATCHES = (1, 4)  # no steady phase at all, and warm-up, steady phase and drain
 
 
-def _train_stage_and_reference(rank: int, group: CountingGroup) -> dict:
+def _train_stage_and_reference(rank: int, groups: GlooGroups) -> dict:
+    group = groups("pp", list(range(PP)))
     report: dict = {}
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(CFG.vocab_size, (8, CFG.seq_len), generator=gen)  # one batch: the loss must fall
@@ -39,8 +42,7 @@ def _train_stage_and_reference(rank: int, group: CountingGroup) -> dict:
             if step == STEPS:
                 break
             loss_ref.backward()
-            grads.append(max(((p.grad - full[stage.full_name(n)].grad).norm() / full[stage.full_name(n)].grad.norm())
-                             .item() for n, p in stage.named_parameters()))
+            grads.append(max(rel_error(p.grad, full[stage.full_name(n)].grad) for n, p in stage.named_parameters()))
             for opt in (opt_ref, opt_pp):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -70,3 +72,33 @@ def test_pp2_1f1b_matches_the_unsharded_model():
             assert loss == pytest.approx(loss_ref, rel=1e-5)
         assert last[-1][1] < last[0][1]  # the steps trained
         assert all(loss is None for _, loss in reports[0][m]["loss"])  # only the last stage has a loss
+
+
+def _train_tp_pp_and_reference(rank: int, groups: GlooGroups) -> dict:
+    topo = Topology(nodes=2, procs_per_node=2, tp=2, pp=PP)  # one replica: a TP pair on each node, one stage each
+    dp, pp, tp = topo.coords(rank)
+    tp_group = groups(f"tp{dp}.{pp}", topo.tp_group(rank))
+    pp_group = groups(f"pp{dp}.{tp}", topo.pp_group(rank))
+    torch.manual_seed(0)
+    reference = GPT(CFG)
+    stage = GPTStage(shard_gpt_for_tp(copy.deepcopy(reference), tp_group), pp, PP)
+    schedule = OneFOneB(stage, pp_group, micro_batches=2)
+    full = dict(reference.named_parameters())
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(CFG.vocab_size, (4, CFG.seq_len), generator=gen)
+    targets = torch.randint(CFG.vocab_size, (4, CFG.seq_len), generator=gen)
+    loss_ref = reference.loss(idx, targets)
+    loss = schedule.step(idx, targets)
+    loss_ref.backward()
+    grads = gather_full(stage, tp_group, grads=True)
+    return {"stage": pp, "loss": (loss_ref.item(), None if loss is None else loss.item()),
+            "grad": max(rel_error(g, full[stage.full_name(n)].grad) for n, g in grads.items())}
+
+
+def test_tp2_pp2_on_four_ranks_matches_the_unsharded_model():
+    reports = run_ranks(_train_tp_pp_and_reference, 4)
+    assert [r["stage"] for _, r in sorted(reports.items())] == [0, 0, 1, 1]  # TP innermost, then PP
+    for report in reports.values():
+        assert report["grad"] < 1e-5
+        loss_ref, loss = report["loss"]
+        assert loss is None if report["stage"] == 0 else loss == pytest.approx(loss_ref, rel=1e-5)

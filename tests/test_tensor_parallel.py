@@ -40,22 +40,35 @@ class CountingGroup:
         return self.pg.send(tensors, peer, tag)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| over the whole tensor."""
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+class GlooGroups:
+    """Real gloo groups over the test's store: ``groups(name, members)`` on every member rank builds one."""
+
+    def __init__(self, store, rank: int) -> None:
+        self.store, self.rank = store, rank
+
+    def __call__(self, name: str, members: list[int]) -> CountingGroup:
+        prefix = dist.PrefixStore(f"{name}/", self.store)
+        return CountingGroup(dist.ProcessGroupGloo(prefix, members.index(self.rank), len(members),
+                                                   timedelta(seconds=TIMEOUT_S)))
 
 
 def _rank_main(body, rank: int, size: int, port: int, results) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=TIMEOUT_S))
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("gen0/", store), rank, size, timedelta(seconds=TIMEOUT_S))
-        results.put((rank, body(rank, CountingGroup(pg))))
+        results.put((rank, body(rank, GlooGroups(store, rank))))
     except Exception:  # the parent reports the child's traceback instead of waiting for its timeout
         results.put((rank, traceback.format_exc()))
 
 
 def run_ranks(body, size: int) -> dict:
-    """``body(rank, group)`` on ``size`` spawned processes joined by a gloo group (the store on a port from
-    the OS); each rank's report by rank, after checking that every rank returned one and exited cleanly."""
+    """``body(rank, groups)`` on ``size`` spawned processes sharing a store on a port from the OS, where
+    ``groups`` builds their gloo groups; each rank's report by rank, after checking that every rank returned
+    one and exited cleanly."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
@@ -73,12 +86,13 @@ def run_ranks(body, size: int) -> dict:
     return reports
 
 
-def _train_tp_and_reference(rank: int, group: CountingGroup) -> dict:
+def _train_tp_and_reference(rank: int, groups: GlooGroups) -> dict:
+    group = groups("tp", list(range(TP)))
     torch.manual_seed(0)
     reference = GPT(CFG)
     model = shard_gpt_for_tp(copy.deepcopy(reference), group)
     start = gather_full(model, group)
-    report: dict = {"start": max(_rel(start[n], p.detach()) for n, p in reference.named_parameters()),
+    report: dict = {"start": max(rel_error(start[n], p.detach()) for n, p in reference.named_parameters()),
                     "qkv_shape": list(model.blocks[0].attn.qkv.weight.shape), "loss": [], "grad": []}
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     opt_tp = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -96,7 +110,7 @@ def _train_tp_and_reference(rank: int, group: CountingGroup) -> dict:
         loss.backward()
         report.setdefault("allreduces", (forward, group.allreduces - before - forward))
         grads = gather_full(model, group, grads=True)
-        report["grad"].append(max(_rel(grads[n], p.grad) for n, p in reference.named_parameters()))
+        report["grad"].append(max(rel_error(grads[n], p.grad) for n, p in reference.named_parameters()))
         for opt in (opt_ref, opt_tp):
             opt.step()
             opt.zero_grad(set_to_none=True)
