@@ -4,9 +4,11 @@ compute the unsharded model's loss, gradients and optimizer steps, also with eac
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_tensor_parallel import GlooGroups, rel_error, run_ranks
 
 from runner.model import GPT, GPTConfig
@@ -102,3 +104,13 @@ def test_tp2_pp2_on_four_ranks_matches_the_unsharded_model():
         assert report["grad"] < 1e-5
         loss_ref, loss = report["loss"]
         assert loss is None if report["stage"] == 0 else loss == pytest.approx(loss_ref, rel=1e-5)
+
+
+def test_a_stage_needs_whole_blocks_and_its_own_slot_in_the_group():
+    with pytest.raises(ValueError, match="divide model.n_layer"):
+        GPTStage(GPT(CFG), 0, 3)
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=60))  # one real rank
+    with pytest.raises(ValueError, match="stage 1 of 2 runs on rank 0 of a group of 1"):
+        OneFOneB(GPTStage(GPT(CFG), 1, 2), group, micro_batches=2)
+    with pytest.raises(ValueError, match="at least one"):
+        OneFOneB(GPTStage(GPT(CFG), 0, 1), group, micro_batches=0)

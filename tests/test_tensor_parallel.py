@@ -144,3 +144,35 @@ def test_a_shard_layout_cuts_and_reassembles_a_tensor(shape, layout):
     assert torch.equal(layout.unshard(shards), full)
     if layout.parts == 3 and len(shape) == 1:  # q, k and v each contribute their first half to rank 0
         assert shards[0].tolist() == [0, 1, 4, 5, 8, 9]
+
+
+def _single_rank_group():
+    """A real gloo group of one process (an in-memory store): its collectives are identities."""
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=TIMEOUT_S))
+
+
+def test_tp1_is_the_unsharded_model():
+    torch.manual_seed(0)
+    reference = GPT(CFG)
+    model = shard_gpt_for_tp(copy.deepcopy(reference), _single_rank_group())
+    idx = torch.randint(CFG.vocab_size, (2, CFG.seq_len))
+    assert torch.equal(model.loss(idx, idx), reference.loss(idx, idx))
+    with pytest.raises(ValueError, match="sharded already"):
+        shard_gpt_for_tp(model, _single_rank_group())
+
+
+class _TwoRanks:
+    """The shape of a two-rank group, for refusals that happen before any collective."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("change, match", [({"n_head": 1}, "multiples of 2"), ({"dropout": 0.1}, "model.dropout=0")])
+def test_a_model_tp_cannot_split_exactly_is_refused(change, match):
+    cfg = GPTConfig(**{**CFG.__dict__, **change})
+    with pytest.raises(ValueError, match=match):
+        shard_gpt_for_tp(GPT(cfg), _TwoRanks())

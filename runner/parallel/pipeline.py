@@ -40,7 +40,7 @@ class GPTStage(nn.Module):
             raise ValueError(f"stage {stage} of {stages}: a pipeline needs parallel.pp to divide model.n_layer "
                              f"({cfg.n_layer}) and a stage index below it.")
         per = cfg.n_layer // stages
-        self.cfg, self.first_block = cfg, stage * per
+        self.cfg, self.index, self.stages, self.first_block = cfg, stage, stages, stage * per
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         if self.is_first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
@@ -84,8 +84,11 @@ class OneFOneB:
     def __init__(self, stage: GPTStage, group, micro_batches: int) -> None:
         if micro_batches < 1:
             raise ValueError(f"trainer.micro_batches={micro_batches}: a pipeline step needs at least one.")
+        if (group.rank(), group.size()) != (stage.index, stage.stages):
+            raise ValueError(f"stage {stage.index} of {stage.stages} runs on rank {group.rank()} of a group of "
+                             f"{group.size()}: the group must be the pipeline's ranks in stage order.")
         self.stage, self.group, self.micro_batches = stage, group, micro_batches
-        self.index, self.stages = group.rank(), group.size()
+        self.index, self.stages = stage.index, stage.stages
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> Optional[torch.Tensor]:
         """Accumulate the gradients of the mean loss over the batch (``idx``, ``targets``), split into equal
@@ -96,6 +99,7 @@ class OneFOneB:
             raise ValueError(f"a batch of {idx.shape[0]} samples does not split into {m} equal micro-batches.")
         ids, tgts = idx.chunk(m), targets.chunk(m)
         shape = (ids[0].shape[0], ids[0].shape[1], stage.cfg.d_model)
+        like = next(stage.parameters())  # received activations and gradients: the stage's dtype and device
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         sends: list[tuple[dist.Work, torch.Tensor]] = []  # the tensor stays alive until its send completes
@@ -106,7 +110,7 @@ class OneFOneB:
             sends.append((self.group.send([tensor], peer, tag), tensor))
 
         def recv(peer: int, tag: int) -> torch.Tensor:
-            buf = torch.empty(shape)
+            buf = torch.empty(shape, dtype=like.dtype, device=like.device)
             self.group.recv([buf], peer, tag).wait()
             return buf
 

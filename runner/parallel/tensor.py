@@ -34,6 +34,8 @@ def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
 
 
 class _CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce backward (see ``copy_to_tp``)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
@@ -45,6 +47,8 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: all-reduce forward, identity backward (see ``reduce_from_tp``)."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         return _all_reduce(x.contiguous().clone(), group)
