@@ -145,7 +145,7 @@ class Topology:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
 
     def _strides(self) -> dict[str, int]:
-        """How far apart in rank order two ranks are whose coordinate differs by one in each dimension."""
+        """Per dimension, the rank distance between two ranks whose coordinates differ by one in it alone."""
         sizes, strides, step = self._sizes(), {}, 1
         for dim in self._dimensions:
             strides[dim] = step
