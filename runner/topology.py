@@ -8,8 +8,12 @@ node 0), NDB neighbours (the next or previous live rank in ring order) and where
 every rank puts the ranks of a lost node. It does no I/O and holds no process state: a unit test
 checks it without starting anything.
 
-Today every rank is a data-parallel rank (``world == dp``); tensor and pipeline coordinates will
-extend this object, not the callers.
+Layout coordinates: each rank has a (dp, pp, tp) coordinate. ``order`` names the dimensions
+innermost first; the default ``tp-pp-dp`` puts a tensor-parallel group on neighbouring ranks of one
+node, then pipeline stages, and data-parallel replicas outermost. With tp = pp = 1 (the only layout
+training accepts today) every rank is its own replica and the recovery rules below are the ones the
+runner uses; docs/parallelism.md says how each generalises to "the same (pp, tp) coordinate in
+another DP replica" (``dp_peer``).
 """
 
 from __future__ import annotations
@@ -19,27 +23,54 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 NeighbourPolicy = Literal["ring_next", "ring_prev"]
+DIMENSIONS = ("tp", "pp", "dp")
 
 
 @dataclass(frozen=True)
 class Topology:
     """``nodes`` job nodes of ``procs_per_node`` ranks each, and ``spares`` hot-spare processes that
-    live on nodes of their own after the job's nodes (node ids ``nodes``, ``nodes + 1``, ...)."""
+    live on nodes of their own after the job's nodes (node ids ``nodes``, ``nodes + 1``, ...).
+
+    The training ranks form ``dp`` model replicas of ``tp * pp`` ranks each; ``order`` lists the
+    dimensions innermost first, joined by ``-`` (the default ``tp-pp-dp`` keeps a tensor-parallel
+    group inside a node)."""
 
     nodes: int
     procs_per_node: int
     spares: int = 0
+    tp: int = 1
+    pp: int = 1
+    order: str = "tp-pp-dp"
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.procs_per_node < 1 or self.spares < 0:
             raise ValueError(f"a topology needs nodes >= 1, procs_per_node >= 1 and spares >= 0 "
                              f"(got {self.nodes}, {self.procs_per_node}, {self.spares}).")
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"a topology needs tp >= 1 and pp >= 1 (got tp={self.tp}, pp={self.pp}).")
+        if sorted(self.order.split("-")) != sorted(DIMENSIONS):
+            raise ValueError(f"order {self.order!r} must name tp, pp and dp once each, innermost first, joined by "
+                             "'-' (for example 'tp-pp-dp').")
+        if self.world % (self.tp * self.pp):
+            raise ValueError(f"tp*pp = {self.tp}*{self.pp} does not divide the {self.world} training ranks "
+                             f"({self.nodes} node(s) x {self.procs_per_node}): change parallel.tp/parallel.pp or "
+                             "the number of ranks so that tp*pp*dp equals the world size.")
+        if self._dimensions[0] == "tp" and self.procs_per_node % self.tp:
+            fits = [d for d in range(1, self.procs_per_node + 1) if self.procs_per_node % d == 0]
+            raise ValueError(
+                f"Tensor parallelism is placed innermost (order {self.order!r}) so that its all-reduces, two per "
+                f"layer in each direction, stay on one node's fast links, but tp={self.tp} does not divide "
+                f"procs_per_node={self.procs_per_node}: a tensor-parallel group would span two nodes. Set "
+                f"parallel.tp to one of {fits}, or run a multiple of {self.tp} ranks per node "
+                "(parallel.procs_per_node).")
 
     @classmethod
     def from_cfg(cls, cfg) -> Topology:
-        """The topology a run's config asks for (``parallel.nodes``, ``procs_per_node``, ``spares``)."""
+        """The topology a run's config asks for (``parallel.nodes``, ``procs_per_node``, ``spares``, and the
+        layout degrees ``tp`` and ``pp`` where the config has them)."""
         p = cfg.parallel
-        return cls(int(p.nodes), int(p.procs_per_node), int(p.get("spares", 0) or 0))
+        return cls(int(p.nodes), int(p.procs_per_node), int(p.get("spares", 0) or 0),
+                   tp=int(p.get("tp", 1) or 1), pp=int(p.get("pp", 1) or 1))
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -49,8 +80,8 @@ class Topology:
 
     @property
     def dp(self) -> int:
-        """Data-parallel replicas: every training rank is one today."""
-        return self.world
+        """Data-parallel replicas of the model, ``tp * pp`` ranks each (every rank when tp = pp = 1)."""
+        return self.world // (self.tp * self.pp)
 
     @property
     def spare_nodes(self) -> int:
@@ -104,6 +135,60 @@ class Topology:
         if not up:
             raise ValueError(f"every job node is lost ({sorted(gone)}): there is no node to restart rank {rank} on.")
         return up[0], local + self.procs_per_node
+
+    # -- layout coordinates ------------------------------------------------------------------------------
+    @property
+    def _dimensions(self) -> list[str]:
+        return self.order.split("-")
+
+    def _sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
+    def _strides(self) -> dict[str, int]:
+        """Per dimension, the rank distance between two ranks whose coordinates differ by one in it alone."""
+        sizes, strides, step = self._sizes(), {}, 1
+        for dim in self._dimensions:
+            strides[dim] = step
+            step *= sizes[dim]
+        return strides
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp, pp, tp) coordinate of ``rank``: its model replica, pipeline stage and tensor-parallel slot."""
+        self._check_rank(rank)
+        sizes, strides = self._sizes(), self._strides()
+        dp, pp, tp = ((rank // strides[dim]) % sizes[dim] for dim in ("dp", "pp", "tp"))
+        return dp, pp, tp
+
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        """The rank at coordinate (``dp``, ``pp``, ``tp``); the inverse of ``coords``."""
+        if not (0 <= dp < self.dp and 0 <= pp < self.pp and 0 <= tp < self.tp):
+            raise ValueError(f"coordinate (dp={dp}, pp={pp}, tp={tp}) is outside {self} "
+                             f"(dp < {self.dp}, pp < {self.pp}, tp < {self.tp}).")
+        strides = self._strides()
+        return dp * strides["dp"] + pp * strides["pp"] + tp * strides["tp"]
+
+    def _group(self, rank: int, dim: str) -> list[int]:
+        """The ranks that share every coordinate of ``rank`` but ``dim``, in order of that coordinate."""
+        at = dict(zip(("dp", "pp", "tp"), self.coords(rank)))
+        return [self.rank_of(**{**at, dim: i}) for i in range(self._sizes()[dim])]
+
+    def tp_group(self, rank: int) -> list[int]:
+        """The ranks that hold the other slices of ``rank``'s layers (same replica, same stage)."""
+        return self._group(rank, "tp")
+
+    def pp_group(self, rank: int) -> list[int]:
+        """The pipeline stages of ``rank``'s replica at its tensor-parallel slot, first stage first."""
+        return self._group(rank, "pp")
+
+    def dp_group(self, rank: int) -> list[int]:
+        """The ranks that hold the same parameters as ``rank`` in every replica (its gradient all-reduce)."""
+        return self._group(rank, "dp")
+
+    def dp_peer(self, rank: int) -> Optional[int]:
+        """The rank at ``rank``'s (pp, tp) coordinate in the next DP replica (wrapping around): the one that
+        holds the same parameters; None with a single replica."""
+        dp, pp, tp = self.coords(rank)
+        return None if self.dp == 1 else self.rank_of((dp + 1) % self.dp, pp, tp)
 
     # -- DeadPool: the replication ring ---------------------------------------------------------------
     def replica_holder(self, rank: int) -> int:

@@ -77,3 +77,97 @@ def test_neighbour_policies_skip_dead_ranks():
         Topology.ndb_neighbour(0, [], "ring_next")
     with pytest.raises(ValueError, match="both failed and live"):
         Topology.ndb_neighbour(1, [1, 2], "ring_next")
+
+
+# -- layout coordinates (dp, pp, tp) --------------------------------------------------------------------
+LAYOUTS = [  # nodes, procs_per_node, tp, pp, order
+    (2, 4, 2, 2, "tp-pp-dp"),  # the 2 nodes x 4 ranks: tp=2 pp=2 dp=2
+    (2, 4, 1, 1, "tp-pp-dp"),
+    (1, 8, 2, 2, "tp-pp-dp"),
+    (4, 2, 2, 2, "tp-pp-dp"),  # a replica spans two nodes
+    (2, 4, 4, 1, "tp-pp-dp"),
+    (3, 2, 1, 3, "tp-pp-dp"),
+    (2, 4, 2, 2, "pp-tp-dp"),
+    (2, 4, 2, 2, "dp-pp-tp"),
+]
+
+
+@pytest.mark.parametrize("nodes, ppn, tp, pp, order", LAYOUTS)
+def test_coordinates_and_ranks_are_one_to_one(nodes, ppn, tp, pp, order):
+    t = Topology(nodes, ppn, tp=tp, pp=pp, order=order)
+    assert t.dp == t.world // (tp * pp)
+    coords = [t.coords(r) for r in range(t.world)]
+    assert sorted(coords) == [(d, p, k) for d in range(t.dp) for p in range(pp) for k in range(tp)]
+    assert all(t.rank_of(*c) == r for r, c in enumerate(coords))
+
+
+@pytest.mark.parametrize("nodes, ppn, tp, pp, order", LAYOUTS)
+def test_each_group_varies_one_coordinate_and_the_groups_partition_the_ranks(nodes, ppn, tp, pp, order):
+    t = Topology(nodes, ppn, tp=tp, pp=pp, order=order)
+    for axis, group_of, size in ((2, t.tp_group, tp), (1, t.pp_group, pp), (0, t.dp_group, t.dp)):
+        groups = {tuple(group_of(r)) for r in range(t.world)}
+        assert sorted(r for g in groups for r in g) == list(range(t.world))  # every rank in exactly one group
+        for r in range(t.world):
+            g = group_of(r)
+            assert len(g) == size and r in g
+            assert [t.coords(m)[axis] for m in g] == list(range(size))  # in order of the varying coordinate
+            fixed = [tuple(c for i, c in enumerate(t.coords(m)) if i != axis) for m in g]
+            assert len(set(fixed)) == 1  # every other coordinate is shared
+
+
+@pytest.mark.parametrize("nodes, ppn, tp, pp, order", LAYOUTS)
+def test_the_dp_peer_has_the_same_stage_and_slice_in_the_next_replica(nodes, ppn, tp, pp, order):
+    t = Topology(nodes, ppn, tp=tp, pp=pp, order=order)
+    for r in range(t.world):
+        dp, p, k = t.coords(r)
+        assert t.coords(t.dp_peer(r)) == ((dp + 1) % t.dp, p, k)
+
+
+def test_the_default_order_keeps_tp_inside_a_node_then_pp_then_dp():
+    t = Topology(nodes=2, procs_per_node=4, tp=2, pp=2)
+    assert [t.coords(r) for r in range(8)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
+                                               (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert [t.tp_group(r) for r in (0, 3, 5)] == [[0, 1], [2, 3], [4, 5]]
+    assert [t.pp_group(r) for r in (0, 3, 5)] == [[0, 2], [1, 3], [5, 7]]
+    assert [t.dp_group(r) for r in (0, 3)] == [[0, 4], [3, 7]]
+    assert [t.dp_peer(r) for r in range(8)] == [4, 5, 6, 7, 0, 1, 2, 3]  # the same slot, the other node
+    assert all(len({t.node_of(m) for m in t.tp_group(r)}) == 1 for r in range(8))
+
+
+def test_with_tp_and_pp_of_one_every_rank_is_a_replica():
+    t = Topology(nodes=3, procs_per_node=2)
+    assert [t.coords(r) for r in range(6)] == [(r, 0, 0) for r in range(6)]
+    assert t.dp_group(4) == list(range(6)) and t.tp_group(4) == [4] and t.pp_group(4) == [4]
+    assert [t.dp_peer(r) for r in range(6)] == [1, 2, 3, 4, 5, 0]
+    assert Topology(1, 1).dp_peer(0) is None  # a single replica has no peer
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(nodes=3, procs_per_node=4, tp=3), r"tp=3 does not divide procs_per_node=4.*one of \[1, 2, 4\]"),
+    (dict(nodes=2, procs_per_node=2, tp=4), "a tensor-parallel group would span two nodes"),
+    (dict(nodes=1, procs_per_node=3, pp=2), r"tp\*pp = 1\*2 does not divide the 3 training ranks"),
+    (dict(nodes=2, procs_per_node=4, order="tp-dp"), "must name tp, pp and dp once each"),
+    (dict(nodes=2, procs_per_node=4, order="tp-tp-dp"), "must name tp, pp and dp once each"),
+    (dict(nodes=2, procs_per_node=4, pp=0), "tp >= 1 and pp >= 1"),
+])
+def test_an_impossible_layout_is_refused_with_what_to_change(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Topology(**kwargs)
+
+
+def test_tp_across_nodes_is_accepted_when_the_order_does_not_put_it_innermost():
+    t = Topology(nodes=2, procs_per_node=2, tp=2, pp=2, order="pp-tp-dp")
+    assert t.tp_group(0) == [0, 2] and t.node_of(2) != t.node_of(0)
+
+
+@pytest.mark.parametrize("bad", [lambda t: t.rank_of(2, 0, 0), lambda t: t.rank_of(0, 0, 2), lambda t: t.coords(8),
+                                 lambda t: t.tp_group(-1)])
+def test_out_of_range_coordinates_are_refused(bad):
+    with pytest.raises(ValueError):
+        bad(Topology(nodes=2, procs_per_node=4, tp=2, pp=2))
+
+
+def test_from_cfg_reads_the_layout_degrees():
+    cfg = OmegaConf.create({"parallel": {"nodes": 2, "procs_per_node": 4, "spares": 0, "tp": 2, "pp": 2}})
+    assert Topology.from_cfg(cfg) == Topology(2, 4, tp=2, pp=2)
+    assert Topology.from_cfg(cfg).dp == 2
