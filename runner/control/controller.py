@@ -59,25 +59,9 @@ class Controller:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> dict:
-        if self.store is None:
-            self.store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=self.cfg.launcher.start_timeout_s))
-            self.port = self.store.port
-        if self.fleet is None:
-            preload = FORKSERVER_PRELOAD + [m for a in self.actions.values() for m in a.worker_preload()]
-            persist = next((p for a in self.actions.values() if (p := a.node_persister()) is not None), None)
-            self.fleet = LocalFleet(self.topo.total_nodes, self.queue, self.cfg.heartbeat.interval_s, preload, persist)
-        self._wire()
-        self.events.emit("run_start", world_size=self.topo.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
-                         recipe=self.cfg.recipe_name, store_port=self.port, policy=policy.table(self.cfg, self.ft))
+        self.start()
         try:
-            for lrank in range(self.topo.dp):
-                self.members.spawn(lrank, *self.topo.place(lrank), role="initial", first_gen=0)
-            for w in self.members.workers.values():
-                w.ready = w.synced = True
-            for action in self.actions.values():
-                action.on_start(self.ctx)
-            self.members.publish()
+            self.launch()
             self._loop()
         except KeyboardInterrupt:
             self._fail("interrupted by the user (Ctrl-C)")
@@ -90,6 +74,30 @@ class Controller:
         summary = write_summary(self.cfg, self.run_dir, self.record)
         log_summary_to_wandb(self.cfg, self.run_dir, summary)
         return summary
+
+    def start(self) -> None:
+        """Host the store and start the fleet unless the job brought them; build the parts."""
+        if self.store is None:
+            self.store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=self.cfg.launcher.start_timeout_s))
+            self.port = self.store.port
+        if self.fleet is None:
+            preload = FORKSERVER_PRELOAD + [m for a in self.actions.values() for m in a.worker_preload()]
+            persist = next((p for a in self.actions.values() if (p := a.node_persister()) is not None), None)
+            self.fleet = LocalFleet(self.topo.total_nodes, self.queue, self.cfg.heartbeat.interval_s, preload, persist)
+        self._wire()
+        self.events.emit("run_start", world_size=self.topo.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
+                         recipe=self.cfg.recipe_name, store_port=self.port, policy=policy.table(self.cfg, self.ft))
+
+    def launch(self) -> None:
+        """Spawn every logical rank on its node (and whatever the actions start), publish generation 0."""
+        for lrank in range(self.topo.dp):
+            self.members.spawn(lrank, *self.topo.place(lrank), role="initial", first_gen=0)
+        for w in self.members.workers.values():
+            w.ready = w.synced = True
+        for action in self.actions.values():
+            action.on_start(self.ctx)
+        self.members.publish()
 
     def _wire(self) -> None:
         """Build the parts once the store and the fleet exist, each given its collaborators."""
@@ -113,32 +121,39 @@ class Controller:
         next_hb = time.monotonic()
         while self.record.status == "running":
             try:
-                self._on_event(self.queue.get(timeout=poll))
+                self.on_event(self.queue.get(timeout=poll))
                 while True:  # every exit queued by now, so that a decision due this round sees them all
-                    self._on_event(self.queue.get_nowait())
+                    self.on_event(self.queue.get_nowait())
             except Empty:
                 pass
             now = time.monotonic()
-            self.detector.poll_reports()
-            self.injector.poll()
-            if self.chaos is not None:
-                self.chaos.poll(now)
-            if now >= next_hb:
-                self.detector.poll_heartbeats()
+            heartbeats = now >= next_hb
+            if heartbeats:
                 next_hb = now + interval_s
-            if self.members.poll_ready() and self.incidents.active is not None and self.incidents.decide_at is None:
-                self.executor.after_change()
-            for action in self.actions.values():
-                action.poll(self.ctx, now)
-            if self.incidents.decide_at is not None and now >= self.incidents.decide_at:
-                self.executor.decide_due(now)
-            if self.incidents.active is None and self.members.all_done():
-                self.record.status = "completed"
-                self.store.set("abort", "the run completed")  # releases spares still waiting for a rank
-            elif now > deadline:
+            self.round(now, heartbeats)
+            if self.record.status == "running" and now > deadline:
                 self._fail(f"the run exceeded launcher.run_timeout_s={self.cfg.launcher.run_timeout_s:.0f}s")
 
-    def _on_event(self, item) -> None:
+    def round(self, now: float, heartbeats: bool) -> None:
+        """One pass over everything but the exits: reports, faults, heartbeats (when due), replacements
+        that became ready, the actions' own pacing, a due decision, and the end of the run."""
+        self.detector.poll_reports()
+        self.injector.poll()
+        if self.chaos is not None:
+            self.chaos.poll(now)
+        if heartbeats:
+            self.detector.poll_heartbeats()
+        if self.members.poll_ready() and self.incidents.active is not None and self.incidents.decide_at is None:
+            self.executor.after_change()
+        for action in self.actions.values():
+            action.poll(self.ctx, now)
+        if self.incidents.decide_at is not None and now >= self.incidents.decide_at:
+            self.executor.decide_due(now)
+        if self.incidents.active is None and self.members.all_done():
+            self.record.status = "completed"
+            self.store.set("abort", "the run completed")  # releases spares still waiting for a rank
+
+    def on_event(self, item) -> None:
         """An exit from a node agent: news unless already handled or a normal end; an action's own
         process (a spare) is the action's business, any other one a symptom."""
         kind, wid, code, t = item
