@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from runner.control.detection import Detector
@@ -19,13 +19,13 @@ class RunContext:
     """Everything a hook may touch: the config, the layout, who is who, the open recovery, the store and
     the fleet (which starts and signals processes), and every action of the run."""
 
-    cfg: object
+    cfg: Any  # DictConfig
     ft: list[str]
     topo: Topology
     members: Membership
     detector: Detector
     incidents: Incidents
     events: EventLog
-    store: object
-    fleet: object
+    store: Any  # TCPStore, HashStore or a PrefixStore of the launcher's
+    fleet: Any  # LocalFleet or ExternalFleet
     actions: tuple[RecoveryAction, ...]

@@ -97,7 +97,7 @@ class ChaosInjector:
         """For each chaos kind, the victims (logical ranks; nodes for kill_node) the mix can handle now."""
         members = [w for w in self.ctx.members.live() if w.ready]
 
-        def handled(dead: list[int], lost: tuple = (), hung: bool = False) -> bool:
+        def handled(dead: list[int], lost: tuple[int, ...] = (), hung: bool = False) -> bool:
             return self.judge(dead, list(lost), hung).action != "fail"
 
         guard_ready = self.cfg.trainer.sdc_factor > 0 and all(
@@ -106,7 +106,7 @@ class ChaosInjector:
         out = {}
         for kind in self.chaos.kinds:
             if kind == "kill_node":
-                out[kind] = [n for n in sorted({w.node for w in members}) if handled([], [n])]
+                out[kind] = [n for n in sorted({w.node for w in members}) if handled([], (n,))]
             elif kind in ("kill_rank", "hang_rank", "partition"):  # a partition is retried, then its rank isolated
                 ok = retried or kind != "partition"
                 out[kind] = [w.logical for w in members if ok and handled([w.wid], hung=kind == "hang_rank")]

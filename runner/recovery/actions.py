@@ -9,7 +9,7 @@ mix and calls its hooks generically, so neither names a technique.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -29,7 +29,7 @@ class Situation:
     ranks) and the resources left, as ``runner.decision.decide`` received them."""
 
     ft: list[str]
-    cfg: object
+    cfg: Any  # DictConfig
     can_restart: bool
     victims: list[int]
     lost_nodes: list[int]
