@@ -3,7 +3,8 @@
 A pure function of what the controller observed, so the policy is unit-tested without processes
 (and the config check replays configured faults through it). The fault is put in one class of the
 policy table (runner/config/policy.py), and the first action of that class's row that can act now
-is taken; when none can, the run fails with the reason and with what would have handled it.
+is taken (each action says why it cannot: ``obstacle`` in its technique's ``action.py``, found through
+``runner/recovery/registry.py``); when none can, the run fails with the reason and with what would have handled it.
 """
 
 from __future__ import annotations
@@ -12,15 +13,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from runner.config import policy
+from runner.recovery.actions import Situation
+from runner.recovery.flashrecovery.action import restart_owner
+from runner.recovery.registry import BY_NAME, replicates_shards
 from runner.topology import Topology
 
-DOES = {
-    "retry": "rebuild the group and retry the step; nobody restarts",
-    "restart_rank": "restart in place, state from a surviving replica",
-    "swap_spare": "warm spares take their places, state from a replica (DeadPool)",
-    "takeover": "live neighbours take over their micro-batches (NDB); nobody restarts",
-    "restart_all": "restart every rank from the newest flash snapshot all of them hold (flash_ckpt)",
-}
+__all__ = ["Decision", "classify", "decide", "restart_owner", "shards_without_copy"]  # restart_owner: the config check
 
 
 @dataclass
@@ -30,11 +28,6 @@ class Decision:
     victims: list[int] = field(default_factory=list)  # logical ranks
     reason: str = ""
     fault_class: str = ""  # the policy row it was decided by
-
-
-def restart_owner(ft: list[str]) -> Optional[str]:
-    """The strategy whose ``max_restarts`` bounds in-place restarts."""
-    return next((n for n in ("flashrecovery", "deadpool") if n in ft), None)
 
 
 def classify(*, dead: list[int], hung: bool, lost_nodes: list[int], lost_ranks: list[int], survivors: list[int],
@@ -63,14 +56,16 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
         cls = "replica_lost"  # ZeRO-1: no live process holds these ranks' optimizer shards
     what = _what(fault, cls, victims, lost_nodes, spares, lost_shards)
     row = policy.table(cfg, ft)[cls]
+    situation = Situation(ft=ft, cfg=cfg, can_restart=can_restart, victims=victims, lost_nodes=lost_nodes,
+                          restarts_left=restarts_left, spares=spares, full_restarts_left=full_restarts_left,
+                          nodes_up=nodes_up, no_snapshots=list(no_snapshots))
     skipped = []
     for action in row:
-        why_not = _obstacle(action, ft=ft, cfg=cfg, can_restart=can_restart, victims=victims, spares=spares,
-                            restarts_left=restarts_left, full_restarts_left=full_restarts_left,
-                            nodes_up=nodes_up, lost_nodes=lost_nodes, no_snapshots=no_snapshots)
+        taker = BY_NAME[action]
+        why_not = taker.obstacle(situation)
         if why_not is None:
             passed = f" ({'; '.join(skipped)})" if skipped else ""
-            return Decision(fault, action, victims, f"{what}: {DOES[action]} [policy.{cls}]{passed}", cls)
+            return Decision(fault, action, victims, f"{what}: {taker.does} [policy.{cls}]{passed}", cls)
         skipped.append(f"{action} impossible: {why_not}")
     if skipped:
         return Decision(fault, "fail", victims, f"{what}, and no action of policy.{cls}={row} can act: "
@@ -82,11 +77,11 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
 
 
 def shards_without_copy(cfg, ft: list[str], victims: list[int]) -> list[int]:
-    """ZeRO-1: the failed ranks whose optimizer shard no live process holds. Its only copy is DeadPool's
-    replica on the holder (``Topology.replica_holder``)."""
+    """ZeRO-1: the failed ranks whose optimizer shard no live process holds. Its only copy is the replica
+    a strategy in ``ft`` keeps on the holder (``Topology.replica_holder``), if one does."""
     if not victims or not cfg.get("parallel", {}).get("zero", 0):
         return []
-    if "deadpool" not in ft:
+    if not replicates_shards(ft):
         return sorted(victims)
     return Topology.from_cfg(cfg).shards_without_copy(victims)
 
@@ -103,36 +98,6 @@ def _what(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spare
     if cls == "replica_lost":
         return f"{fault} of logical rank(s) {victims} left no data-parallel replica of the state"
     return f"{fault} of logical rank(s) {victims}"
-
-
-def _obstacle(action: str, *, ft, cfg, can_restart: bool, victims: list[int], spares: int, restarts_left: int,
-              full_restarts_left: int, nodes_up: Optional[int], lost_nodes: list[int],
-              no_snapshots: list[int]) -> Optional[str]:
-    """Why ``action`` cannot act on this fault now; None when it can."""
-    launcher_owns = ("under torchrun/SLURM the launcher owns the processes, so the job ends here for the launcher "
-                     "to restart it (torchrun --max-restarts); run without torchrun/srun for in-place restarts")
-    if action == "restart_rank":
-        if not can_restart:
-            return launcher_owns
-        if restarts_left < len(victims):
-            return (f"restart budget spent (ft.{restart_owner(ft)}.max_restarts); raise it if failures are expected "
-                    "this often")
-    elif action == "swap_spare" and spares < len(victims):
-        return f"only {spares} ready spare(s) for {len(victims)} rank(s)"
-    elif action == "restart_all":
-        up = nodes_up if nodes_up is not None else cfg.parallel.nodes - len([n for n in lost_nodes
-                                                                              if n < cfg.parallel.nodes])
-        if not can_restart:
-            return launcher_owns
-        if up < 1:
-            return f"every node was lost (now {lost_nodes}): there is no node left to restart the ranks on"
-        if no_snapshots:
-            return (f"logical rank(s) {sorted(no_snapshots)} are computed by NDB neighbours, which snapshot only their "
-                    "own rank: no snapshot step is common to every rank")
-        if full_restarts_left < 1:
-            return (f"restart budget spent (ft.flash_ckpt.max_restarts={cfg.ft.flash_ckpt.max_restarts} restarts "
-                    "of every rank); raise it if failures are expected this often")
-    return None
 
 
 def _unhandled(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spares: int, ft: list[str]) -> str:

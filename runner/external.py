@@ -20,7 +20,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from runner.config import ConfigError
 from runner.config.validate import world_size
-from runner.controller import Controller
+from runner.control.controller import Controller
 from runner.worker import WorkerSpec, run_reporting
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from runner.config import ConfigError
-from runner.controller import Controller
+from runner.control.controller import Controller
 
 
 def external_launcher() -> str | None:
@@ -37,6 +37,6 @@ def refuse_used_dir(run_dir: Path) -> None:
     it continues the same job)."""
     used = [name for name in ("summary.json", "events.jsonl", "metrics.jsonl") if (run_dir / name).exists()]
     if used:
-        raise ConfigError(f"hydra.run.dir={run_dir} already holds a run ({', '.join(used)}), and a new run never writes "
-                          "over another's outputs: choose a new hydra.run.dir (the default is a fresh timestamped "
-                          "directory) or move that run away.")
+        raise ConfigError(f"hydra.run.dir={run_dir} already holds a run ({', '.join(used)}), and a new run never "
+                          "writes over another's outputs: choose a new hydra.run.dir (the default is a fresh "
+                          "timestamped directory) or move that run away.")

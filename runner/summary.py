@@ -1,7 +1,8 @@
 """summary.json: the run's contract with users, tools and later issues (docs/outputs.md).
 
-Built at the end from what the controller knows, events.jsonl and metrics.jsonl, so a
-recovery's phases come from timestamps recorded where they happened.
+Built at the end from the run's record (``RunRecord``: how it ended, its recoveries, the workers'
+done records), events.jsonl and metrics.jsonl, so a recovery's phases come from timestamps recorded
+where they happened.
 """
 
 from __future__ import annotations
@@ -10,26 +11,26 @@ import json
 import time
 from pathlib import Path
 
-from runner import protocol
+from runner.control.records import Recovery, RunRecord
 from runner.events import read_jsonl
 from runner.loggers import run_name
 from runner.model import mfu
 from runner.plan import gpt_config
 
 
-def write_summary(ctl) -> dict:
-    cfg, run_dir = ctl.cfg, Path(ctl.run_dir)
+def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
+    run_dir = Path(run_dir)
     events = read_jsonl(run_dir / "events.jsonl")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    done = _done_records(ctl)
+    done = record.done
     checksums = sorted({d["checksum"] for d in done.values()})
-    status, error = ctl.status, ctl.error
+    status, error = record.status, record.error
     if status == "completed" and len(checksums) != 1:
         status, error = "failed", f"replicas ended with different parameters: {len(checksums)} distinct checksums"
-    wall = time.time() - ctl.t_start
-    recoveries = [_recovery_entry(r, events, metrics) for r in ctl.recoveries if r.action]
+    wall = time.time() - record.t_start
+    recoveries = [_recovery_entry(r, events, metrics) for r in record.recoveries if r.action]
     committed = _last_per_step(metrics)
-    accounting = _accounting(committed, cfg, ctl.dp)
+    accounting = _accounting(committed, cfg, record.dp)
     steps_in_metrics = len({m["step"] for m in metrics})
     train_s = _train_seconds(metrics)
     tokens_per_s = accounting["tokens_committed"] / train_s if train_s > 0 else 0.0
@@ -38,16 +39,16 @@ def write_summary(ctl) -> dict:
         **({"error": error} if status == "failed" else {}),
         "recipe": cfg.recipe_name,
         "run_name": run_name(cfg),
-        "ft": list(ctl.ft),
+        "ft": list(record.ft),
         "fault": cfg.fault.kind,
-        "world_size": ctl.dp,
+        "world_size": record.dp,
         "nodes": cfg.parallel.nodes,
         "global_step": max((d["global_step"] for d in done.values()), default=steps_in_metrics),
         "initial_loss": metrics[0]["loss"] if metrics else None,
         "final_loss": metrics[-1]["loss"] if metrics else None,
         "tokens_per_s": tokens_per_s,
         "steps_per_s": steps_in_metrics / train_s if train_s > 0 else 0.0,
-        "mfu": _mfu(cfg, tokens_per_s, ctl.dp),
+        "mfu": _mfu(cfg, tokens_per_s, record.dp),
         "wall_s": wall,
         "train_s": train_s,
         "param_checksum": checksums[0] if len(checksums) == 1 else None,
@@ -61,15 +62,6 @@ def write_summary(ctl) -> dict:
     summary["effective_training_time_ratio"] = _ettr(train_s, recoveries)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
-
-
-def _done_records(ctl) -> dict:
-    out = {}
-    for w in ctl.workers.values():
-        key = f"done/{w.wid}"
-        if ctl.assigned.get(w.logical) == w.wid and ctl.store.check([key]):
-            out[w.wid] = protocol.get_json(ctl.store, key)
-    return out
 
 
 def _last_per_step(metrics: list[dict]) -> list[dict]:
@@ -130,7 +122,7 @@ def _ettr(train_s: float, recoveries: list[dict]) -> float:
     return max(0.0, (train_s - lost) / train_s)
 
 
-def _recovery_entry(rec, events: list[dict], metrics: list[dict]) -> dict:
+def _recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> dict:
     injected = [e for e in events if e["kind"] == "fault_injected" and e.get("t", 0) <= rec.t_detect + 1e-3]
     t_fault = injected[-1].get("t_fault", injected[-1]["t"]) if injected else rec.t_detect
     fault_step = injected[-1].get("at_step", injected[-1]["step"]) if injected else -1

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from runner.chaos import Chaos
+from runner.faults.chaos import Chaos
 from runner.recovery.flash_ckpt.shm import SHM_DIR
 from runner.recovery.flash_names import flash_job_id
 from tests.conftest import run_cli

@@ -1,0 +1,180 @@
+"""The controller: one loop that runs the job's control plane, wiring the parts that do the work.
+
+It hosts the job's TCPStore (unless the job has one), starts the workers through the fleet, and then,
+every round, lets detection turn exits, reports and heartbeats into symptoms
+(``runner.control.detection``), lets the fault injectors act (``runner.faults``), lets the recovery
+actions pace their own work, and, once a recovery is due, has the executor decide and act
+(``runner.control.execution``). It is never on the training path: healthy steps cost it nothing. At
+the end it writes the summary from the run's record.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+from queue import Empty, Queue
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed import TCPStore
+
+from runner.agent import LocalFleet
+from runner.config import policy
+from runner.config.validate import ft_names
+from runner.control.context import RunContext
+from runner.control.detection import Detector
+from runner.control.execution import Executor
+from runner.control.incidents import Incidents
+from runner.control.membership import Membership
+from runner.control.records import RunRecord
+from runner.events import EventLog
+from runner.faults.chaos_injector import ChaosInjector
+from runner.faults.injector import FaultInjector
+from runner.loggers import log_summary_to_wandb
+from runner.recovery.registry import build_actions
+from runner.summary import write_summary
+from runner.topology import Topology
+
+FORKSERVER_PRELOAD = ["runner.worker"]
+
+
+class Controller:
+    """``fleet`` starts and signals workers (LocalFleet, or ExternalFleet under torchrun/SLURM);
+    ``store`` is given when the job already has one (torchrun's agent store), else hosted here."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, fleet=None, store=None, address=None,
+                 namespace: str = "") -> None:
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.fleet, self.store, self.namespace = fleet, store, namespace
+        self.host, self.port = address or ("127.0.0.1", 0)
+        self.topo = Topology.from_cfg(cfg)
+        self.ft = ft_names(cfg)
+        self.queue: Queue = Queue()
+        self.actions = build_actions(self.ft, cfg, self.topo, self.run_dir)
+        self.record = RunRecord(ft=list(self.ft), dp=self.topo.dp, t_start=time.time())
+        self.events = EventLog(self.run_dir / "events.jsonl", rank=lambda: "controller", step=lambda: -1,
+                               echo=self._echo if cfg.runner.console_events else None)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def run(self) -> dict:
+        self.start()
+        try:
+            self.launch()
+            self._loop()
+        except KeyboardInterrupt:
+            self._fail("interrupted by the user (Ctrl-C)")
+        finally:
+            self.fleet.shutdown(completed=self.record.status == "completed")
+            for action in self.actions.values():
+                action.on_end(self.ctx)
+            self.events.emit("run_end", status=self.record.status, error=self.record.error)
+        self.record.done = self.members.done_records()
+        summary = write_summary(self.cfg, self.run_dir, self.record)
+        log_summary_to_wandb(self.cfg, self.run_dir, summary)
+        return summary
+
+    def start(self) -> None:
+        """Host the store and start the fleet unless the job brought them; build the parts."""
+        if self.store is None:
+            self.store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=self.cfg.launcher.start_timeout_s))
+            self.port = self.store.port
+        if self.fleet is None:
+            preload = FORKSERVER_PRELOAD + [m for a in self.actions.values() for m in a.worker_preload()]
+            persist = next((p for a in self.actions.values() if (p := a.node_persister()) is not None), None)
+            self.fleet = LocalFleet(self.topo.total_nodes, self.queue, self.cfg.heartbeat.interval_s, preload, persist)
+        self._wire()
+        self.events.emit("run_start", world_size=self.topo.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
+                         recipe=self.cfg.recipe_name, store_port=self.port, policy=policy.table(self.cfg, self.ft))
+
+    def launch(self) -> None:
+        """Spawn every logical rank on its node (and whatever the actions start), publish generation 0."""
+        for lrank in range(self.topo.dp):
+            self.members.spawn(lrank, *self.topo.place(lrank), role="initial", first_gen=0)
+        for w in self.members.workers.values():
+            w.ready = w.synced = True
+        for action in self.actions.values():
+            action.on_start(self.ctx)
+        self.members.publish()
+
+    def _wire(self) -> None:
+        """Build the parts once the store and the fleet exist, each given its collaborators."""
+        cfg = self.cfg
+        self.members = Membership(OmegaConf.to_container(cfg, resolve=True), self.run_dir, self.topo.dp, self.store,
+                                  self.fleet, self.events, (self.host, self.port), self.namespace)
+        self.incidents = Incidents(self.record, self.events, cfg.heartbeat.decide_window_s)
+        self.detector = Detector(cfg, self.members, self.incidents, self.fleet, self.store, self.events, self._fail)
+        self.ctx = RunContext(cfg, self.ft, self.topo, self.members, self.detector, self.incidents, self.events,
+                              self.store, self.fleet, tuple(self.actions.values()))
+        self.executor = Executor(self.ctx, self.actions, self._fail)
+        memory_job = next((j for a in self.actions.values() if (j := a.memory_job()) is not None), None)
+        self.injector = FaultInjector(cfg, self.ctx, memory_job)
+        self.chaos: Optional[ChaosInjector] = (ChaosInjector(cfg, self.ctx, self.injector, self.executor.judge)
+                                               if cfg.fault.kind == "chaos" else None)
+
+    def _loop(self) -> None:
+        deadline = time.monotonic() + self.cfg.launcher.run_timeout_s
+        interval_s = self.cfg.heartbeat.interval_s
+        poll = min(interval_s, 0.05)
+        next_hb = time.monotonic()
+        while self.record.status == "running":
+            try:
+                self.on_event(self.queue.get(timeout=poll))
+                while True:  # every exit queued by now, so that a decision due this round sees them all
+                    self.on_event(self.queue.get_nowait())
+            except Empty:
+                pass
+            now = time.monotonic()
+            heartbeats = now >= next_hb
+            if heartbeats:
+                next_hb = now + interval_s
+            self.round(now, heartbeats)
+            if self.record.status == "running" and now > deadline:
+                self._fail(f"the run exceeded launcher.run_timeout_s={self.cfg.launcher.run_timeout_s:.0f}s")
+
+    def round(self, now: float, heartbeats: bool) -> None:
+        """One pass over everything but the exits: reports, faults, heartbeats (when due), replacements
+        that became ready, the actions' own pacing, a due decision, and the end of the run."""
+        self.detector.poll_reports()
+        self.injector.poll()
+        if self.chaos is not None:
+            self.chaos.poll(now)
+        if heartbeats:
+            self.detector.poll_heartbeats()
+        if self.members.poll_ready() and self.incidents.active is not None and self.incidents.decide_at is None:
+            self.executor.after_change()
+        for action in self.actions.values():
+            action.poll(self.ctx, now)
+        if self.incidents.decide_at is not None and now >= self.incidents.decide_at:
+            self.executor.decide_due(now)
+        if self.incidents.active is None and self.members.all_done():
+            self.record.status = "completed"
+            self.store.set("abort", "the run completed")  # releases spares still waiting for a rank
+
+    def on_event(self, item) -> None:
+        """An exit from a node agent: news unless already handled or a normal end; an action's own
+        process (a spare) is the action's business, any other one a symptom."""
+        kind, wid, code, t = item
+        if kind != "exit" or not self.detector.is_news(wid, code):
+            return
+        if any(action.on_exit(self.ctx, wid, code) for action in self.actions.values()):
+            return
+        self.detector.on_exit(wid, code, t)
+
+    # -- the end ------------------------------------------------------------------------------------
+    def _fail(self, reason: str) -> None:
+        if self.record.status != "running":
+            return
+        self.record.status, self.record.error = "failed", reason
+        self.store.set("abort", reason)
+        self.events.emit("run_failed", error=reason)
+
+    def _echo(self, record: dict) -> None:
+        kind = record["kind"]
+        if kind in ("run_start", "symptom_reported") or (kind == "generation" and record.get("recovery", -1) == -1):
+            return
+        details = {k: v for k, v in record.items() if k not in ("t", "step", "rank", "kind")}
+        print(f"[runner {time.time() - self.record.t_start:7.2f}s] {kind}: {json.dumps(details, default=str)}",
+              flush=True)

@@ -1,0 +1,161 @@
+"""Detection: exits, workers' reports and heartbeats turned into symptoms of the open recovery.
+
+Exits arrive at once from the node agents; a worker that caught a collective error reports it in
+the store; heartbeats (workers' in the store, agents' from the fleet) reveal hangs, stalls and
+silent nodes. Before a decision, detection also answers whether everyone proved alive since the
+first symptom, which nodes are silent, and who did not reach a retried generation's rendezvous.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from torch.distributed import PrefixStore
+
+from runner import protocol
+from runner.control.incidents import Incidents, short
+from runner.control.membership import Membership
+from runner.control.records import Recovery, Worker
+from runner.events import EventLog
+
+TRAINING_PHASES = ("compute", "takeover", "reduce")
+
+
+class Detector:
+    """Watches the workers and nodes and raises symptoms; kills a worker it finds hung."""
+
+    def __init__(self, cfg, members: Membership, incidents: Incidents, fleet, store, events: EventLog,
+                 fail: Callable[[str], None]) -> None:
+        self.cfg, self.hb = cfg, cfg.heartbeat
+        self.members, self.incidents = members, incidents
+        self.fleet, self.store, self.events, self.fail = fleet, store, events, fail
+        self.reports_seen = 0
+        self.silent_reported: set[int] = set()  # nodes whose silence was already raised as a symptom
+        self.nodes_lost: set[int] = set()  # nodes whose loss was decided: their silence is old news
+        self._last_hb_poll = time.monotonic()
+
+    # -- symptoms ---------------------------------------------------------------------------------
+    def is_news(self, wid: int, code: int) -> bool:
+        """An exit not handled yet and not a normal end."""
+        return not (self.members.workers[wid].dead or (code == 0 and self.store.check([f"done/{wid}"])))
+
+    def on_exit(self, wid: int, code: int, t: float) -> None:
+        self.incidents.symptom("exit", wid=wid, code=code, t=t)
+
+    def poll_reports(self) -> None:
+        n = self.store.add("reports", 0)
+        while self.reports_seen < n:
+            key = f"report/{self.reports_seen + 1}"
+            try:
+                self.store.wait([key], timedelta(seconds=1))
+            except Exception:
+                return  # written in a moment; read it next round
+            self.reports_seen += 1
+            rep = protocol.get_json(self.store, key)
+            if rep.get("fatal"):
+                self.fail(f"worker {rep['wid']} failed: {rep['reason']}")
+                return
+            # about a generation already replaced, or from a worker already written off (a restart of every
+            # rank kills the reporters before the next generation exists): nothing new
+            stale = rep.get("gen", self.members.gen) < self.members.gen or self.members.workers[rep["wid"]].dead
+            self.events.emit("symptom_reported", stale=stale, **short(rep))
+            if not stale:
+                self.incidents.symptom("report", **rep)
+
+    def poll_heartbeats(self) -> None:
+        now = time.monotonic()
+        interval, misses = self.hb.interval_s, self.hb.misses
+        # If this loop itself was late, what looks like silence may be ours: refresh, judge next round.
+        judging = now - self._last_hb_poll < 2 * interval
+        self._last_hb_poll = now
+        for node, last_beat in self.fleet.node_beats().items():
+            if judging and node not in self.silent_reported and now - last_beat > interval * misses:
+                self.silent_reported.add(node)
+                self.incidents.symptom("node_silent", node=node, t=time.time())
+        beating = []
+        start_timeout_s = self.cfg.launcher.start_timeout_s
+        for w in self.members.live():
+            if w.done or w.node in self.silent_reported:
+                continue
+            if w.hb_seq >= 0 or self.store.check([f"hb/{w.wid}"]):
+                beating.append(w)
+            elif now - w.t_spawn > start_timeout_s:
+                self.kill_hung(w, f"no heartbeat within launcher.start_timeout_s={start_timeout_s}")
+        payloads = self.store.multi_get([f"hb/{w.wid}" for w in beating]) if beating else []
+        for w, raw in zip(beating, payloads):  # one round trip for every beating worker
+            hb = json.loads(raw)
+            if hb["seq"] != w.hb_seq:
+                w.hb_seq, w.hb_change = hb["seq"], now
+            if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:
+                w.hb_step, w.hb_phase, w.hb_step_change = hb["step"], hb["phase"], now
+            w.synced = w.synced or hb["phase"] in TRAINING_PHASES
+            if w.first_step < 0 and hb["phase"] in TRAINING_PHASES:
+                w.first_step = hb["step"]
+            if not judging:
+                continue
+            if now - w.hb_change > interval * misses:
+                node_beat = self.fleet.node_beats().get(w.node)
+                if node_beat is not None and now - node_beat > 2 * interval:  # its node went silent with it
+                    self.silent_reported.add(w.node)
+                    self.incidents.symptom("node_silent", node=w.node, t=time.time())
+                else:
+                    self.kill_hung(w, f"{misses} heartbeats missed ({interval}s interval; last phase {w.hb_phase})")
+            elif w.hb_phase == "compute" and now - w.hb_step_change > self.hb.stall_timeout_s:
+                self.kill_hung(w, f"step {w.hb_step} not advancing for {self.hb.stall_timeout_s}s")
+
+    def kill_hung(self, w: Worker, why: str, kind: str = "hang") -> None:
+        if w.killed_for:
+            return
+        w.killed_for = why
+        self.incidents.symptom(kind, wid=w.wid, why=why, t=time.time())
+        self.events.emit("worker_killed", wid=w.wid, logical=w.logical, reason=why)
+        self.fleet.signal(w.wid, w.node, signal.SIGKILL)
+
+    # -- what a decision asks ------------------------------------------------------------------------
+    def dead_workers(self, rec: Recovery) -> list[int]:
+        """Workers the recovery's symptoms name as gone (exited, hung, cut off), not yet written off."""
+        dead = {s["wid"] for s in rec.symptoms if s["kind"] in ("exit", "hang", "unreachable") and "wid" in s}
+        return sorted(w for w in dead if not self.members.workers[w].dead)
+
+    def silent_nodes_now(self) -> set[int]:
+        limit = self.hb.interval_s * self.hb.misses
+        return {node for node, beat in self.fleet.node_beats().items() if time.monotonic() - beat > limit}
+
+    def silent_nodes(self, rec: Recovery, now: float) -> list[int]:
+        """Nodes silent now or named silent by the recovery, whose loss is not decided yet."""
+        limit = self.hb.interval_s * self.hb.misses
+        silent = {node for node, beat in self.fleet.node_beats().items() if now - beat > limit}
+        silent |= {s["node"] for s in rec.symptoms if s["kind"] == "node_silent"}
+        return sorted(silent - self.nodes_lost)
+
+    def all_proved_alive(self, since: float) -> bool:
+        """Every live worker and agent has beaten since the first symptom (a silent one is caught by the
+        heartbeat rules within the miss window, and the decision then sees it as dead)."""
+        agents_ok = all(beat > since for node, beat in self.fleet.node_beats().items() if node not in self.nodes_lost)
+        return agents_ok and all(w.hb_change > since for w in self.members.live() if w.ready and not w.done)
+
+    def isolate_unreachable(self, rec: Recovery, now: float) -> bool:
+        """A retry whose own generation failed again: members that do not arrive at its rendezvous
+        while the others do are alive but cut off from their peers (a partition); they are killed and
+        handled as failed ranks. Returns True while the arrivals are still being waited for."""
+        last = self.incidents.last_acted(rec)
+        if last is None or last.action != "retry" or last.full_gen is None:
+            return False
+        if not any(s.get("gen") == last.full_gen for s in rec.symptoms if s["kind"] == "report"):
+            return False
+        gen = last.full_gen
+        rendezvous = PrefixStore(f"pg/{gen}/", self.store)  # where Comm._arrive writes
+        workers = self.members.workers
+        missing = [wid for rank, wid in enumerate(self.members.layouts[gen].members)
+                   if not rendezvous.check([f"arrived/{rank}"]) and not workers[wid].dead]
+        grace = self.hb.interval_s * self.hb.misses  # healthy members arrive in milliseconds
+        if missing and now - self.members.published_at[gen] < grace:
+            return True
+        for wid in missing:
+            self.kill_hung(workers[wid], f"did not reach gen {gen}'s rendezvous after a retry while its peers "
+                                         "did: alive but cut off from them", kind="unreachable")
+        return False

@@ -1,0 +1,102 @@
+"""Carrying out a decision: judge the open recovery once its symptoms are in, act, publish.
+
+The decision itself is ``runner.decision.decide`` (pure); the resources it weighs (spares, restart
+budgets, ranks without snapshots) come from the run's actions (``decide_inputs``), and the chosen
+action carries itself out (``act``). Then generations follow: survivors-only while replacements
+start, complete once every logical rank is computed again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from runner.control.context import RunContext
+from runner.decision import Decision, decide
+from runner.recovery.actions import RecoveryAction
+
+
+class Executor:
+    """Decides on the open recovery when it is due, carries the decision out and publishes."""
+
+    def __init__(self, ctx: RunContext, actions: dict[str, RecoveryAction], fail: Callable[[str], None]) -> None:
+        self.ctx, self.actions, self.fail = ctx, actions, fail
+        self.cfg, self.members, self.incidents, self.detector = ctx.cfg, ctx.members, ctx.incidents, ctx.detector
+        self.recheck_s = min(self.cfg.heartbeat.interval_s, 0.05)
+
+    def decide_due(self, now: float) -> None:
+        """The decide window closed: decide now, or look again shortly while the picture is incomplete."""
+        rec, members, detector = self.incidents.active, self.members, self.detector
+        if detector.isolate_unreachable(rec, now):
+            self.incidents.decide_at = now + self.recheck_s
+            return
+        dead = detector.dead_workers(rec)
+        lost_nodes = detector.silent_nodes(rec, now)
+        hung = any(s["kind"] == "hang" for s in rec.symptoms)
+        if not dead and not lost_nodes and not detector.all_proved_alive(rec.t_detect_mono):
+            self.incidents.decide_at = now + self.recheck_s  # a transient needs proof of life from everyone
+            return
+        self.incidents.decide_at = None
+        detector.silent_reported |= set(lost_nodes)  # handled now: their silence is no new symptom later
+        detector.nodes_lost |= set(lost_nodes)
+        for action in self.actions.values():
+            action.on_nodes_lost(self.ctx, lost_nodes)
+        lost_ranks = [w.logical for w in members.live() if w.node in lost_nodes]
+        if not dead and not lost_ranks and not hung and lost_nodes:
+            self.incidents.not_needed(f"node(s) {lost_nodes} held no rank")
+            return
+        decision = self.judge(dead, lost_nodes, hung)
+        if any(s["kind"] == "unreachable" for s in rec.symptoms):
+            decision.fault = "partition"
+        rec.fault = rec.fault or decision.fault
+        # every rank the fault killed, also those whose exit had not arrived when the decide window closed
+        rec.victims = sorted(set(rec.victims) | set(decision.victims) | self.incidents.take_injected())
+        rec.action, rec.reason = decision.action, decision.reason
+        rec.t_decide = time.time()
+        self.ctx.events.emit("recovery_decided", recovery=rec.id, fault=decision.fault, action=decision.action,
+                             victims=decision.victims, reason=decision.reason, fault_class=decision.fault_class)
+        if decision.action == "fail":
+            self.fail(decision.reason)
+            return
+        for wid in dead:
+            members.workers[wid].dead = True
+        for node in lost_nodes:
+            for w in members.live():
+                if w.node == node:
+                    w.dead = True
+        self.actions[decision.action].act(self.ctx, decision, lost_nodes)
+        self.after_change()
+
+    def judge(self, dead: list[int], lost_nodes: list[int], hung: bool) -> Decision:
+        """The policy's decision for these dead workers and newly lost nodes, everything else as it is now;
+        the ranks a lost worker computed on top of its own are lost with it."""
+        members, covered_by = self.members, self.members.covered_by
+        live = members.live()
+        gone = set(dead) | {w.wid for w in live if w.node in lost_nodes}
+        dead_ranks = [members.workers[w].logical for w in dead] + [r for r, wid in covered_by.items() if wid in dead]
+        lost_ranks = [members.workers[w].logical for w in gone - set(dead)]
+        lost_ranks += [r for r, wid in covered_by.items() if wid in gone - set(dead)]
+        inputs: dict = {"restarts_left": 0}
+        for action in self.actions.values():
+            inputs.update(action.decide_inputs(self.ctx, lost_nodes))
+        return decide(
+            ft=self.ctx.ft, cfg=self.cfg, can_restart=self.ctx.fleet.can_spawn, dead=sorted(dead_ranks), hung=hung,
+            lost_nodes=lost_nodes, lost_ranks=sorted(lost_ranks),
+            survivors=[w.logical for w in live if w.synced and w.wid not in gone],
+            nodes_up=len(set(range(self.cfg.parallel.nodes)) - self.detector.nodes_lost - set(lost_nodes)),
+            **inputs,
+        )
+
+    def after_change(self) -> None:
+        """Publish survivors-only or complete generations as replacements become ready; an action that
+        leaves nobody holding state (a restart of every rank) publishes only its complete generation."""
+        rec = self.incidents.active
+        if not self.actions[rec.action].publishes_survivors and not all(w.ready for w in self.members.live()):
+            return
+        layout = self.members.publish(rec.id)
+        if layout.complete:
+            rec.t_ready = rec.t_ready or time.time()
+            rec.full_gen = layout.gen
+            self.incidents.active = None
+        elif rec.survivors_gen is None:
+            rec.survivors_gen = layout.gen

@@ -1,0 +1,60 @@
+"""Incidents: symptoms gathered into recoveries, and when the open recovery is due for a decision.
+
+The first symptom opens a recovery and starts the decide window (``heartbeat.decide_window_s``), so
+that the exits of one fault are decided together. Faults the run injects note their victims here,
+for the record of the recovery they cause.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from runner.control.records import Recovery, RunRecord
+from runner.events import EventLog
+
+DETAIL_KEYS = ("wid", "code", "node", "why", "reason", "gen")
+
+
+def short(details: dict) -> dict:
+    """The details of a symptom that an event repeats."""
+    return {k: v for k, v in details.items() if k in DETAIL_KEYS}
+
+
+class Incidents:
+    """The open recovery (if any), every recovery so far (in ``record``), and the decision's due time."""
+
+    def __init__(self, record: RunRecord, events: EventLog, decide_window_s: float) -> None:
+        self.record, self.events, self.decide_window_s = record, events, decide_window_s
+        self.active: Optional[Recovery] = None
+        self.decide_at: Optional[float] = None
+        self.opened = 0  # recoveries opened so far (ids are 0, 1, ...)
+        self.injected_victims: set[int] = set()  # killed by an injected fault, for the next recovery's record
+
+    def symptom(self, kind: str, **details) -> None:
+        """Add a symptom to the open recovery, opening one if none is; ignored once the run is over."""
+        if self.record.status != "running":
+            return
+        if self.active is None:
+            self.active = Recovery(id=self.opened, t_detect=time.time(), t_detect_mono=time.monotonic())
+            self.opened += 1
+            self.record.recoveries.append(self.active)
+            self.events.emit("fault_detected", recovery=self.active.id, symptom=kind, **short(details))
+        self.active.symptoms.append({"kind": kind, **details})
+        if self.decide_at is None:
+            self.decide_at = time.monotonic() + self.decide_window_s
+
+    def not_needed(self, reason: str) -> None:
+        """The open recovery needs no action after all: it leaves the record."""
+        rec = self.active
+        self.events.emit("recovery_not_needed", recovery=rec.id, reason=reason)
+        self.record.recoveries.remove(rec)
+        self.active = None
+
+    def take_injected(self) -> set[int]:
+        victims, self.injected_victims = self.injected_victims, set()
+        return victims
+
+    def last_acted(self, before: Recovery) -> Optional[Recovery]:
+        """The newest recovery other than ``before`` that was decided."""
+        return next((r for r in reversed(self.record.recoveries) if r is not before and r.action), None)

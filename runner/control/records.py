@@ -1,0 +1,66 @@
+"""What the controller records: each worker process, each recovery, and the run as a whole.
+
+``RunRecord`` is what the summary is built from (``runner/summary.py``): the controller fills it and
+hands it over at the end, so the summary depends on no controller internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Worker:
+    """One worker process: where it runs, which logical rank it computes, and what its heartbeats said."""
+
+    wid: int
+    node: int
+    local_rank: int
+    logical: int
+    role: str
+    t_spawn: float
+    ready: bool = False
+    synced: bool = False  # holds the model/optimizer state (an initial worker, or a joiner seen training)
+    done: bool = False
+    dead: bool = False
+    killed_for: str = ""  # set when the controller itself killed it (hang)
+    hb_seq: int = -1
+    hb_change: float = 0.0
+    hb_step: int = -1
+    hb_step_change: float = 0.0
+    hb_phase: str = ""
+    first_step: int = -1  # the step of its first heartbeat while training (its guard's history starts there)
+
+
+@dataclass
+class Recovery:
+    """What the controller knows of one recovery; worker events fill in the rest at the end."""
+
+    id: int
+    t_detect: float
+    t_detect_mono: float
+    symptoms: list = field(default_factory=list)
+    fault: str = ""
+    victims: list = field(default_factory=list)
+    step: int = -1
+    action: str = ""
+    reason: str = ""
+    t_fault: Optional[float] = None
+    t_decide: Optional[float] = None
+    t_ready: Optional[float] = None
+    survivors_gen: Optional[int] = None
+    full_gen: Optional[int] = None
+
+
+@dataclass
+class RunRecord:
+    """The run as the summary sees it: how it ended, its recoveries and the workers' done records."""
+
+    ft: list[str]
+    dp: int
+    t_start: float
+    status: str = "running"  # running | completed | failed
+    error: str = ""
+    recoveries: list[Recovery] = field(default_factory=list)
+    done: dict[int, dict] = field(default_factory=dict)  # wid -> its done record, for each rank's last worker

@@ -1,0 +1,74 @@
+"""The controller's side of configured faults: carry out a kill, a stop or a node loss a victim announced.
+
+A worker that reaches its fault's trigger writes ``fault/hit/<i>`` and waits; the controller kills or
+stops it (or loses its node, or kills every rank), so the fault comes from outside the victim as a real
+one would, then releases it. Faults that damage snapshot memory do so here too
+(``runner.faults.snapshot_memory``). Faults the worker carries out itself (transient, slow_rank, bitflip,
+slow_link, partition) need nothing here.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+from runner import protocol
+from runner.config.validate import all_faults
+from runner.control.context import RunContext
+from runner.control.records import Worker
+from runner.faults import snapshot_memory
+
+WORKER_CARRIED = ("transient", "slow_rank", "bitflip", "slow_link", "partition", "chaos")
+
+
+class FaultInjector:
+    """Carries out the configured faults (and chaos's controller-side ones) on the run's processes."""
+
+    def __init__(self, cfg, ctx: RunContext, memory_job: Optional[str]) -> None:
+        self.ctx, self.memory_job = ctx, memory_job
+        self.faults = [f for f in all_faults(cfg) if f.kind != "none"]  # indexed as the workers index them
+        self.hits: dict[int, dict] = {}
+
+    def poll(self) -> None:
+        """Carry out every fault whose victim announced it since the last round, then release the victim."""
+        store = self.ctx.store
+        for i, fault in enumerate(self.faults):
+            if i in self.hits or fault.kind in WORKER_CARRIED:
+                continue
+            key = f"fault/hit/{i}"
+            if not store.check([key]):
+                continue
+            hit = protocol.get_json(store, key)
+            self.hits[i] = hit
+            self.carry_out(i, fault.kind, self.ctx.members.workers[hit["wid"]], fault.node, hit["step"])
+            store.set(f"fault/released/{i}", "1")
+
+    def carry_out(self, index: int, kind: str, w: Worker, node: int, at_step: Optional[int] = None) -> None:
+        """SIGKILL or SIGSTOP worker ``w``, lose ``node``, or kill every rank (and damage snapshot memory).
+        ``at_step``: the step boundary the victim announced; a chaos fault lands mid-step, at no known step."""
+        fleet, members = self.ctx.fleet, self.ctx.members
+        t = time.time()
+        memory = {}
+        if kind == "kill_rank":
+            fleet.signal(w.wid, w.node, signal.SIGKILL)
+            victims = [w.logical]
+        elif kind == "hang_rank":
+            fleet.signal(w.wid, w.node, signal.SIGSTOP)
+            victims = [w.logical]
+        elif kind == "kill_node":
+            wids = fleet.lose_node(node)
+            victims = [r for r in (members.workers[v].logical for v in wids) if r >= 0]
+            members.await_exit([members.workers[v] for v in wids])
+            if self.memory_job is not None:  # the node's memory went with it (all nodes share this host's /dev/shm)
+                memory["segments_lost"] = len(snapshot_memory.drop_node_memory(self.memory_job, victims))
+        else:  # kill_all, wipe_shm, corrupt_snapshot: every rank dies (the last two damage the snapshots first)
+            victims = members.kill_all()
+            if kind == "wipe_shm" and self.memory_job is not None:
+                memory["segments_lost"] = len(snapshot_memory.drop_host_memory(self.memory_job))
+            elif kind == "corrupt_snapshot" and self.memory_job is not None:
+                memory["corrupted_step"] = snapshot_memory.corrupt_newest(self.memory_job, w.logical)
+        self.ctx.incidents.injected_victims |= set(victims)
+        if at_step is not None:
+            memory["at_step"] = at_step
+        self.ctx.events.emit("fault_injected", fault=kind, index=index, victims=victims, t_fault=t, **memory)

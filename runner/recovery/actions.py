@@ -1,0 +1,106 @@
+"""What a recovery technique offers the controller: one typed interface per policy action.
+
+Each technique's package holds its controller-side action(s) in ``action.py``; ``runner/recovery/registry.py``
+maps the ``ft`` names to them. The decision asks an action's ``obstacle`` (can it act on this fault now, and
+why not) as a pure function of a ``Situation``; the controller builds one instance per action of the run's
+mix and calls its hooks generically, so neither names a technique.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from runner.control.context import RunContext
+    from runner.decision import Decision
+    from runner.recovery.flash_ckpt.persister import NodePersist
+    from runner.topology import Topology
+
+LAUNCHER_OWNS = ("under torchrun/SLURM the launcher owns the processes, so the job ends here for the launcher "
+                 "to restart it (torchrun --max-restarts); run without torchrun/srun for in-place restarts")
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What the decision knows when it asks whether an action can act: the fault's victims (logical
+    ranks) and the resources left, as ``runner.decision.decide`` received them."""
+
+    ft: list[str]
+    cfg: Any  # DictConfig
+    can_restart: bool
+    victims: list[int]
+    lost_nodes: list[int]
+    restarts_left: int
+    spares: int = 0
+    full_restarts_left: int = 0
+    nodes_up: Optional[int] = None
+    no_snapshots: list[int] = field(default_factory=list)
+
+
+class RecoveryAction:
+    """One action of the policy table, as the controller carries it out.
+
+    ``name`` is its name in the policy table and ``does`` the phrase a decision's reason quotes.
+    ``obstacle`` is pure (the simulator and the config check call it through ``decide``); the other
+    hooks run in the controller with the run's ``RunContext`` and do nothing unless a technique needs them.
+    An instance holds the technique's own controller-side state for one run.
+    """
+
+    name: ClassVar[str]
+    does: ClassVar[str]
+    publishes_survivors: ClassVar[bool] = True  # False: no survivors-only generation (nobody holds state)
+    replicates_shards: ClassVar[bool] = False  # its strategy keeps a copy of each ZeRO-1 shard on another node
+
+    def __init__(self, cfg, topo: Topology, run_dir: Path) -> None:
+        self.cfg, self.topo, self.run_dir = cfg, topo, run_dir
+
+    @staticmethod
+    def obstacle(s: Situation) -> Optional[str]:
+        """Why this action cannot act on the fault now; None when it can."""
+        return None
+
+    def act(self, ctx: RunContext, decision: Decision, lost_nodes: list[int]) -> None:
+        """Carry the decision out: spawn, assign or restart; the controller publishes afterwards."""
+
+    # -- hooks the controller calls on every action of the run ---------------------------------------
+    def worker_preload(self) -> list[str]:
+        """Modules the workers' fork server imports ahead (before any worker exists)."""
+        return []
+
+    def node_persister(self) -> Optional[NodePersist]:
+        """A process each node agent runs beside its workers, if the action needs one."""
+        return None
+
+    def memory_job(self) -> Optional[str]:
+        """The job id of snapshot memory that memory faults damage, if the action keeps any."""
+        return None
+
+    def on_start(self, ctx: RunContext) -> None:
+        """The initial workers are spawned; the first generation is not yet published."""
+
+    def on_exit(self, ctx: RunContext, wid: int, code: int) -> bool:
+        """A worker exited; True when it was the action's own (no symptom)."""
+        return False
+
+    def on_nodes_lost(self, ctx: RunContext, nodes: list[int]) -> None:
+        """The decision is about to write ``nodes`` off."""
+
+    def decide_inputs(self, ctx: RunContext, lost_nodes: list[int]) -> dict:
+        """The ``decide`` keywords this action's resources set (budgets, spares...)."""
+        return {}
+
+    def poll(self, ctx: RunContext, now: float) -> None:
+        """Once per controller round: work the action paces itself."""
+
+    def busy(self) -> bool:
+        """Work of this action is still under way (a fault injected now would mix with it)."""
+        return False
+
+    def on_every_rank_restarted(self) -> None:
+        """Every rank was restarted: forget work in flight for ranks that no longer exist."""
+
+    def on_end(self, ctx: RunContext) -> None:
+        """Every worker is gone."""

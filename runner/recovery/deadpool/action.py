@@ -1,0 +1,71 @@
+"""DeadPool's controller side: the pool of hot spares and the swap of a spare into a failed rank.
+
+Spares are started with the job on nodes of their own (``Topology.spare_place``), load everything a
+rank needs and wait, warm, for a logical rank. A swap gives each failed rank a ready spare, which joins
+the next generation and takes its state from a replica (ZeRO-1 shards from the neighbour that
+replicated them). A spare that dies, or whose node is lost, leaves the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from runner.recovery.actions import RecoveryAction, Situation
+
+
+class SwapSpare(RecoveryAction):
+    """Warm spares take the failed logical ranks."""
+
+    name = "swap_spare"
+    does = "warm spares take their places, state from a replica (DeadPool)"
+    replicates_shards = True  # each rank's ZeRO-1 optimizer shard has a copy one node on
+
+    def __init__(self, cfg, topo, run_dir) -> None:
+        super().__init__(cfg, topo, run_dir)
+        self.spares: list[int] = []  # wids: started, warm, not yet given a logical rank
+
+    @staticmethod
+    def obstacle(s: Situation) -> Optional[str]:
+        if s.spares < len(s.victims):
+            return f"only {s.spares} ready spare(s) for {len(s.victims)} rank(s)"
+        return None
+
+    def on_start(self, ctx) -> None:
+        for i in range(self.topo.spares):  # hot spares live on nodes of their own
+            self.spares.append(ctx.members.spawn(-1, *self.topo.spare_place(i), role="spare", first_gen=0).wid)
+
+    def on_exit(self, ctx, wid: int, code: int) -> bool:
+        if wid not in self.spares:
+            return False
+        self.spares.remove(wid)
+        ctx.members.workers[wid].dead = True
+        ctx.events.emit("spare_lost", wid=wid, code=code, spares_left=len(self.spares))
+        return True
+
+    def on_nodes_lost(self, ctx, nodes: list[int]) -> None:
+        workers = ctx.members.workers
+        for wid in [w for w in self.spares if workers[w].node in nodes]:
+            self.spares.remove(wid)
+            workers[wid].dead = True
+            ctx.events.emit("spare_lost", wid=wid, node=workers[wid].node, spares_left=len(self.spares))
+
+    def decide_inputs(self, ctx, lost_nodes: list[int]) -> dict:
+        workers = ctx.members.workers
+        return {"spares": len([s for s in self._ready(ctx) if workers[s].node not in lost_nodes])}
+
+    def act(self, ctx, decision, lost_nodes: list[int]) -> None:
+        members, ready = ctx.members, self._ready(ctx)
+        for lrank in decision.victims:
+            members.covered_by.pop(lrank, None)  # a rank a neighbour covered until now gets a process of its own
+            wid = ready.pop(0)
+            self.spares.remove(wid)
+            spare = members.workers[wid]
+            spare.logical, spare.role, spare.ready = lrank, "joiner", True  # warm: it joins this generation
+            members.assigned[lrank] = wid
+            ctx.events.emit("spare_assigned", logical=lrank, wid=wid, node=spare.node, spares_left=len(self.spares))
+
+    def _ready(self, ctx) -> list[int]:
+        """Spares whose node is beating and whose process has loaded everything."""
+        silent = ctx.detector.silent_nodes_now()
+        return [wid for wid in self.spares if ctx.members.workers[wid].node not in silent
+                and ctx.store.check([f"ready/{wid}"])]

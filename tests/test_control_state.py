@@ -1,0 +1,194 @@
+"""The controller's state machine without processes: symptom -> decide -> act -> publish.
+
+A real ``HashStore`` carries the protocol as the TCPStore does in a run; the fleet records what the
+controller starts and signals instead of starting processes (it is the process launcher, not a
+collective). The test plays the workers' side in the store (ready, heartbeats, reports, done records)
+and drives the controller one round at a time, then reads the generations it published and its events.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+from torch.distributed import HashStore
+
+from runner import protocol
+from runner.control.controller import Controller
+from runner.protocol import Layout
+from runner.topology import Topology
+from tests.test_config import _compose
+
+BASE = ["+recipe=gpt_tiny", "logger=none", "runner.console_events=false", "parallel.nodes=2",
+        "parallel.procs_per_node=2", "heartbeat.interval_s=1", "heartbeat.decide_window_s=0"]
+
+
+class RecordedFleet:
+    """Records spawns and signals; a lost node's agent stops beating. Nothing is started."""
+
+    can_spawn = True
+
+    def __init__(self, nodes: int) -> None:
+        self.nodes = nodes
+        self.spawned: list[tuple[int, int, str, int]] = []  # (wid, node, role, logical rank)
+        self.signals: list[tuple[int, int]] = []  # (wid, signal)
+        self.lost: set[int] = set()
+        self.completed = None
+
+    def spawn(self, target, args: tuple, wid: int, node: int) -> None:
+        spec = args[0]
+        self.spawned.append((wid, node, spec.role, spec.logical_rank))
+
+    def signal(self, wid: int, node: int, sig: int) -> None:
+        self.signals.append((wid, sig))
+
+    def lose_node(self, node: int) -> list[int]:
+        self.lost.add(node)
+        return [wid for wid, n, _, _ in self.spawned if n == node]
+
+    def node_beats(self) -> dict[int, float]:
+        now = time.monotonic()
+        return {n: float("-inf") if n in self.lost else now for n in range(self.nodes)}
+
+    def shutdown(self, completed: bool) -> None:
+        self.completed = completed
+
+
+def _start(tmp_path: Path, *overrides: str) -> tuple[Controller, RecordedFleet]:
+    cfg = _compose(*BASE, *overrides)
+    fleet = RecordedFleet(Topology.from_cfg(cfg).total_nodes)
+    ctl = Controller(cfg, tmp_path, fleet=fleet, store=HashStore())
+    ctl.start()
+    ctl.launch()
+    return ctl, fleet
+
+
+def _round(ctl: Controller, heartbeats: bool = False, ahead_s: float = 0.0) -> None:
+    """One loop round: the exits queued so far, then everything else ``ahead_s`` seconds from now."""
+    while not ctl.queue.empty():
+        ctl.on_event(ctl.queue.get_nowait())
+    ctl.round(time.monotonic() + ahead_s, heartbeats)
+
+
+def _layout(ctl: Controller, gen: int) -> Layout:
+    assert int(ctl.store.get("gen")) == gen
+    return Layout.from_json(ctl.store.get(f"gen/{gen}"))
+
+
+def _events(tmp_path: Path, kind: str) -> list[dict]:
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+def _beat(ctl: Controller, wids, seq: int, step: int) -> None:
+    for wid in wids:
+        protocol.set_json(ctl.store, f"hb/{wid}", {"seq": seq, "step": step, "phase": "compute", "rss": 0, "t": 0})
+
+
+def _finish(ctl: Controller, wids) -> None:
+    for wid in wids:
+        protocol.set_json(ctl.store, f"done/{wid}", {"checksum": "c", "global_step": 8})
+        ctl.store.add("done_count", 1)
+
+
+def test_a_crash_restarts_the_rank_in_place_then_publishes_survivors_and_complete(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=flashrecovery")
+    assert _layout(ctl, 0).members == [0, 1, 2, 3] and [s[2] for s in fleet.spawned] == ["initial"] * 4
+
+    ctl.queue.put(("exit", 2, -9, time.time()))
+    _round(ctl)
+    decided = _events(tmp_path, "recovery_decided")
+    assert [(d["fault"], d["action"], d["victims"]) for d in decided] == [("process_crash", "restart_rank", [2])]
+    assert fleet.spawned[-1] == (4, 1, "joiner", 2)  # where rank 2 ran: node 1, local rank 0
+    survivors = _layout(ctl, 1)
+    assert (survivors.members, survivors.pending, survivors.recovery) == ([0, 1, 3], [2], 0)
+
+    ctl.store.set("ready/4", "1")
+    _round(ctl)
+    full = _layout(ctl, 2)
+    assert (full.members, full.logical, full.joiners, full.pending) == ([0, 1, 4, 3], [0, 1, 2, 3], [4], [])
+    rec = ctl.record.recoveries[0]
+    assert (rec.survivors_gen, rec.full_gen, ctl.incidents.active) == (1, 2, None)
+
+    _finish(ctl, [0, 1, 3, 4])
+    _round(ctl)
+    assert ctl.record.status == "completed" and ctl.store.get("abort") == b"the run completed"
+    assert sorted(ctl.members.done_records()) == [0, 1, 3, 4]
+
+
+def test_a_transient_error_is_retried_once_everyone_proved_alive(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=flashrecovery")
+    protocol.report(ctl.store, {"wid": 1, "gen": 0, "reason": "collective failed"})
+    _round(ctl)
+    assert _events(tmp_path, "fault_detected") and not _events(tmp_path, "recovery_decided")  # no proof of life yet
+
+    _beat(ctl, range(4), seq=1, step=3)
+    _round(ctl, heartbeats=True, ahead_s=0.1)
+    assert [d["action"] for d in _events(tmp_path, "recovery_decided")] == ["retry"]
+    retried = _layout(ctl, 1)
+    assert (retried.members, retried.recovery, retried.complete) == ([0, 1, 2, 3], 0, True)
+    assert len(fleet.spawned) == 4 and not fleet.signals  # nobody restarts
+
+
+def test_a_lost_node_goes_to_warm_spares(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=deadpool", "parallel.spares=2")
+    assert fleet.spawned[4:] == [(4, 2, "spare", -1), (5, 2, "spare", -1)]  # a spare node of their own
+    for wid in (4, 5):
+        ctl.store.set(f"ready/{wid}", "1")
+
+    _round(ctl, heartbeats=True)  # a first heartbeat poll only refreshes: the launch took its time
+    fleet.lose_node(1)
+    _round(ctl, heartbeats=True)
+    assert [e["symptom"] for e in _events(tmp_path, "fault_detected")] == ["node_silent"]
+    _round(ctl)  # the decision comes the round after the symptom
+    decided = _events(tmp_path, "recovery_decided")
+    assert [(d["fault"], d["action"], d["victims"]) for d in decided] == [("node_loss", "swap_spare", [2, 3])]
+    assert [(e["logical"], e["wid"]) for e in _events(tmp_path, "spare_assigned")] == [(2, 4), (3, 5)]
+    swapped = _layout(ctl, 1)
+    assert (swapped.members, swapped.joiners, swapped.complete) == ([0, 1, 4, 5], [4, 5], True)
+    assert len(fleet.spawned) == 6  # the spares were already running
+
+
+def test_a_neighbour_takes_over_and_the_repaired_rank_rejoins(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=ndb", "ft.ndb.repair_after_s=0")
+    ctl.queue.put(("exit", 3, -9, time.time()))
+    _round(ctl)
+    assert [d["action"] for d in _events(tmp_path, "recovery_decided")] == ["takeover"]
+    assert [(e["logical"], e["neighbour_wid"]) for e in _events(tmp_path, "takeover_assigned")] == [(3, 0)]
+    taken = _layout(ctl, 1)
+    assert (taken.members, taken.extra, taken.complete) == ([0, 1, 2], [[3], [], []], True)
+
+    _round(ctl)  # repair_after_s=0: the rank is restarted where it ran
+    assert fleet.spawned[-1] == (4, 1, "joiner", 3) and _events(tmp_path, "repair_started")
+    ctl.store.set("ready/4", "1")
+    _round(ctl)
+    assert int(ctl.store.get("gen")) == 1  # ready, but its takeover has not committed a step yet
+
+    _beat(ctl, [0, 1, 2], seq=1, step=1)
+    _round(ctl, heartbeats=True)
+    back = _layout(ctl, 2)
+    assert (back.members, back.extra, back.complete) == ([0, 1, 2, 4], [], True)
+    assert [(e["logical"], e["wid"]) for e in _events(tmp_path, "rejoined")] == [(3, 4)]
+
+
+def test_a_configured_kill_is_carried_out_by_the_controller_and_released(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=flashrecovery", "fault.kind=kill_rank", "fault.rank=1", "fault.step=3")
+    protocol.set_json(ctl.store, "fault/hit/0", {"wid": 1, "step": 3})
+    _round(ctl)
+    assert fleet.signals == [(1, signal.SIGKILL)] and ctl.store.get("fault/released/0") == b"1"
+    injected = _events(tmp_path, "fault_injected")
+    assert [(e["fault"], e["victims"], e["at_step"]) for e in injected] == [("kill_rank", [1], 3)]
+
+    ctl.queue.put(("exit", 1, -9, time.time()))
+    _round(ctl)
+    assert ctl.record.recoveries[0].victims == [1] and fleet.spawned[-1] == (4, 0, "joiner", 1)
+
+
+def test_no_action_left_fails_the_run_with_the_reason(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=flashrecovery", "ft.flashrecovery.max_restarts=0")
+    ctl.queue.put(("exit", 0, -9, time.time()))
+    _round(ctl)
+    assert ctl.record.status == "failed" and "restart budget spent" in ctl.record.error
+    assert ctl.store.get("abort").decode() == ctl.record.error and len(fleet.spawned) == 4
