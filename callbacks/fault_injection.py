@@ -18,8 +18,9 @@ from datetime import timedelta
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from runner import chaos, protocol
+from runner import protocol
 from runner.config.validate import RANK_FAULTS
+from runner.faults import chaos
 from runner.faults.comm_faults import FaultInjectingComm
 
 

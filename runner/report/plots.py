@@ -21,6 +21,7 @@ DPI = 120
 LEGEND_INSIDE_MAX = 4  # more series than this and the legend moves outside the axes
 MARKERS = {"fault_injected": ("-", "fault injected"), "fault_detected": (":", "fault detected")}
 SMOOTH_STEPS = 9  # throughput: median over this many consecutive committed steps (odd: centred)
+WALL_TIME = "wall time since the first step started (s)"
 GAP_FACTOR = 5.0  # a pause between commits longer than this many median step times breaks the line
 
 
@@ -61,10 +62,8 @@ def rto_phases(jobs: list[Job]):
 
 def progress(jobs: list[Job]):
     """Committed global step against wall time: the run's slope is its speed, a recovery a flat stretch."""
-    fig, ax = plt.subplots(figsize=(10, 5))
-    ax.set_title("Progress (flat stretches: recoveries; x: a failed job stopped there)")
-    ax.set_xlabel("wall time since the first step started (s)")
-    ax.set_ylabel("committed global step")
+    fig, ax = _figure("Progress (flat stretches: recoveries; x: a failed job stopped there)", WALL_TIME,
+                      "committed global step")
     for job in jobs:
         t0 = job.first_step_start()
         if t0 is None:
@@ -83,10 +82,8 @@ def progress(jobs: list[Job]):
 def throughput(jobs: list[Job]):
     """tokens/s, a centred running median over ``SMOOTH_STEPS`` committed steps, against wall time; the line
     breaks where commits paused (a recovery) instead of bridging it; fault markers as vertical lines."""
-    fig, ax = plt.subplots(figsize=(10, 5))
-    ax.set_title(f"Throughput over wall time, median of {SMOOTH_STEPS} steps (vertical lines: faults)")
-    ax.set_xlabel("wall time since the first step started (s)")
-    ax.set_ylabel("tokens/s")
+    fig, ax = _figure(f"Throughput over wall time, median of {SMOOTH_STEPS} steps (vertical lines: faults)",
+                      WALL_TIME, "tokens/s")
     for job in jobs:
         t0 = job.first_step_start()
         if t0 is None:
@@ -132,10 +129,7 @@ def _with_gaps(times: list[float], values: list[float]) -> tuple[list[float], li
 
 def loss(jobs: list[Job]):
     """Training loss per committed step; fault-free runs dashed."""
-    fig, ax = plt.subplots(figsize=(10, 5))
-    ax.set_title("Training loss (fault-free runs dashed)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (mean over micro-batches)")
+    fig, ax = _figure("Training loss (fault-free runs dashed)", "step", "loss (mean over micro-batches)")
     for job in jobs:
         dashed = job.fault_free  # drawn thinner and on top, so an identical faulted curve stays visible
         ax.plot([m["step"] for m in job.metrics], [m["loss"] for m in job.metrics], label=_label(job),
@@ -143,6 +137,14 @@ def loss(jobs: list[Job]):
     _legend(ax, len(jobs))
     fig.tight_layout()
     return fig
+
+
+def _figure(title: str, xlabel: str, ylabel: str):
+    fig, ax = plt.subplots(figsize=(10, 5))
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    return fig, ax
 
 
 def _label(job: Job) -> str:
