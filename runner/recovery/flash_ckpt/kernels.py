@@ -108,7 +108,8 @@ def _walk(words, w0, w1, other, mode, sums):
 
 
 @njit(nogil=True, cache=True)
-def _chunks(region_addr, data_len, chunk_bytes, c0, c1, first, region_off, index, tensor_off, nbytes, addrs, copy_in, sums):
+def _chunks(region_addr, data_len, chunk_bytes, c0, c1, first, region_off, index, tensor_off, nbytes, addrs, copy_in,
+            sums):
     words = carray(_pointer(region_addr), data_len >> 3, np.uint64)
     scratch = np.zeros(1, dtype=np.uint64)
     tail_bytes = scratch.view(np.uint8)
@@ -163,4 +164,5 @@ def warm_up() -> None:
     region = np.zeros(8, dtype=np.uint8)
     no_pieces = np.zeros(0, dtype=np.int64)
     tables = (np.zeros(2, dtype=np.int64), no_pieces, no_pieces, no_pieces, no_pieces)
-    copy_in(region.ctypes.data, 8, _BLOCK_BYTES, 0, 1, tables, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.uint64))
+    copy_in(region.ctypes.data, 8, _BLOCK_BYTES, 0, 1, tables, np.zeros(1, dtype=np.int64),
+            np.zeros(1, dtype=np.uint64))

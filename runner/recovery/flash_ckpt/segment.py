@@ -114,7 +114,8 @@ def plan_layout(flat: Flat) -> tuple[list[dict[str, Any]], int]:
     entries, offset = [], 0
     for path, t in zip(flat.paths, flat.tensors):
         nbytes = t.numel() * t.element_size()
-        entries.append({"path": path, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
+        entries.append({"path": path, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset,
+                        "nbytes": nbytes})
         offset = _round_up(offset + nbytes, ALIGN)
     return entries, offset
 
@@ -158,7 +159,8 @@ class Slot:
         data_cap = _round_up(max(data_len, 1), PAGE)
         data_off = PAGE + meta_cap
         size = data_off + data_cap
-        ensure_space(size * (2 if with_sibling else 1), f"{path.name}" + (" and its sibling slot" if with_sibling else ""))
+        ensure_space(size * (2 if with_sibling else 1),
+                     f"{path.name}" + (" and its sibling slot" if with_sibling else ""))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -266,9 +268,11 @@ class Slot:
         self._write_header(False, step, h.meta_cap, len(meta_bytes), h.data_off, h.data_cap, digest(meta_bytes))
         self._mm[_COMMITTED_AT : _COMMITTED_AT + 4] = _COMMITTED.pack(1)
 
-    def _write_header(self, committed: bool, step: int, meta_cap: int, meta_len: int, data_off: int, data_cap: int, meta_digest: int) -> None:
+    def _write_header(self, committed: bool, step: int, meta_cap: int, meta_len: int, data_off: int, data_cap: int,
+                      meta_digest: int) -> None:
         self._mm[: _HEADER.size] = _HEADER.pack(
-            MAGIC, VERSION, int(committed), step, PAGE, meta_cap, meta_len, data_off, data_cap, meta_digest, os.getpid(), os.getppid()
+            MAGIC, VERSION, int(committed), step, PAGE, meta_cap, meta_len, data_off, data_cap, meta_digest,
+            os.getpid(), os.getppid(),
         )
 
     def close(self) -> None:

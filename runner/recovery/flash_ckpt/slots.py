@@ -75,7 +75,8 @@ def load_slot(path: Path, *, step: int | None = None, into: Any = None,
                 dtype = codec.dtype_from_name(entry["dtype"])
                 dst = new(entry["shape"], dtype) if new is not None else torch.empty(entry["shape"], dtype=dtype)
             if dst.numel() * dst.element_size() != entry["nbytes"]:
-                raise CorruptSnapshot(f"{path.name}: tensor {entry['path']} has {entry['nbytes']} bytes for its shape {entry['shape']}")
+                raise CorruptSnapshot(f"{path.name}: tensor {entry['path']} has {entry['nbytes']} bytes "
+                                      f"for its shape {entry['shape']}")
             dsts.append(dst)
         addrs = [address(dst) for dst in dsts]
         with ThreadPoolExecutor(1, thread_name_prefix="flash-restore") as helper:
