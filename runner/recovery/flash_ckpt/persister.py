@@ -370,6 +370,7 @@ def spawn_persister(out_dir: str | Path, keep: int = 3, *, on_event: EventSink =
                     start_method: Literal["spawn", "forkserver", "fork"] = "spawn") -> PersistClient:
     """Start a persister process of our own (when no agent provides one) and return its client."""
     ctx = mp.get_context(start_method)
+    assert isinstance(ctx, ProcessContext)  # a named start method's context (the stubs type it BaseContext)
     req_r, req_w = ctx.Pipe(duplex=False)
     res_r, res_w = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_serve_in_child, args=(str(out_dir), keep, req_r, res_w), name="flash-persister",

@@ -144,7 +144,8 @@ class SlotWriter:
         free = [p for h, p in headers if h is None or not h.committed]
         if free:
             return free[0]
-        return min(headers, key=lambda hp: hp[0].step)[1]
+        committed = [(h.step, p) for h, p in headers if h is not None]  # all of them: none is free
+        return min(committed, key=lambda sp: sp[0])[1]
 
     def invalidate_after(self, step: int) -> list[int]:
         """Uncommit slots newer than `step` (an abandoned timeline after a rollback); returns their steps."""

@@ -13,13 +13,14 @@ import resource
 import torch
 
 from runner.data import BatchSource, derive_seed, seed_step
+from runner.model import GPT
 from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.ndb.params import attention_param_names
 from runner.recovery.ndb.takeover import TakeoverForward
 
 
 class NDBRuntime:
-    def __init__(self, gpt: torch.nn.Module, cfg: NDBConfig, seed: int) -> None:
+    def __init__(self, gpt: GPT, cfg: NDBConfig, seed: int) -> None:
         self.cfg, self.seed = cfg, seed
         self.forward = TakeoverForward(gpt, cfg)
         names = attention_param_names(gpt)
