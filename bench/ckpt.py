@@ -12,9 +12,10 @@ pre-faulted /dev/shm mapping, with every core's intra-op thread: the best copy o
 Everything else runs as a rank of the runner does where ranks share the host's cores (its
 worker sets torch to cores / ranks threads, one here): torch's idle OpenMP workers spin for ~10 ms
 after each parallel region, which would halve any copy started by other threads right after a
-two-thread optimizer step, a contention that a rank with one intra-op thread does not have. Each of --repeats rounds runs every method once, so load from
-other processes hits them alike; "x floor" is the median over rounds of time / that round's
-floor. The first flash save (which creates and pre-faults the segment) is reported on its own.
+two-thread optimizer step, a contention that a rank with one intra-op thread does not have. Each
+of --repeats rounds runs every method once, so load from other processes hits them alike;
+"x floor" is the median over rounds of time / that round's floor. The first flash save (which
+creates and pre-faults the segment) is reported on its own.
 
 Each restore runs right after its kind of save (flash restores after the flash saves, before
 torch.save and DCP write files). Restores from memory, the two the runner does first (with
@@ -44,6 +45,7 @@ import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from time import perf_counter
 
@@ -211,7 +213,7 @@ def run_size(label: str, cfg: GPTConfig, repeats: int) -> dict:
                 state = tr.checkpoint(step)
                 # each restore runs right after its own kind of save: torch.save and DCP leave
                 # page-cache writeback running, which would slow whatever is measured next
-                res[LIVE].append(timed(lambda: load_newest(job, 0, into=state)))
+                res[LIVE].append(timed(partial(load_newest, job, 0, into=state)))
                 for mode, row in (("prepared", RESTARTED), ("cold", COLD)):
                     conn.send(mode)
                     if not conn.poll(60):
@@ -219,14 +221,15 @@ def run_size(label: str, cfg: GPTConfig, repeats: int) -> dict:
                     res[row].append(conn.recv())
                 res[NEW].append(timed(lambda: load_newest(job, 0)))
                 with open(path, "wb") as f:
-                    res["torch.save to file (page cache)"].append(timed(lambda: torch.save(state, f)))
+                    res["torch.save to file (page cache)"].append(timed(partial(torch.save, state, f)))
                     res["fsync after torch.save"].append(timed(lambda: (f.flush(), os.fsync(f.fileno()))))
+                dcp_dir = Path(d) / f"dcp{r}"
                 t0 = perf_counter()
-                fut = dcp.async_save(dcp_state, checkpoint_id=Path(d) / f"dcp{r}")
+                fut = dcp.async_save(dcp_state, checkpoint_id=dcp_dir)
                 res["DCP async_save (blocking part)"].append(perf_counter() - t0)
                 fut.result()
-                res["restore torch.load(weights_only=True)"].append(timed(lambda: torch.load(path, weights_only=True)))
-                res["restore dcp.load (in place)"].append(timed(lambda: dcp.load(dcp_state, checkpoint_id=Path(d) / f"dcp{r}")))
+                res["restore torch.load(weights_only=True)"].append(timed(partial(torch.load, path, weights_only=True)))
+                res["restore dcp.load (in place)"].append(timed(partial(dcp.load, dcp_state, checkpoint_id=dcp_dir)))
         conn.send("")
         child.join(60)
     finally:
@@ -258,9 +261,10 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)  # DCP wants a group
     try:
         torch.set_num_threads(1)  # as a rank sharing the cores; the floor copies use all (all_cores)
-        print(f"torch {torch.__version__}, 1 intra-op thread ({os.cpu_count()} for the floor copies), {os.cpu_count()} CPUs, "
-              f"load {os.getloadavg()[0]:.2f}, files in {tempfile.gettempdir()}")
-        results = {label: run_size(label, cfg, args.repeats) for label, cfg in SIZES.items() if args.large or label != "1GB"}
+        print(f"torch {torch.__version__}, 1 intra-op thread ({os.cpu_count()} for the floor copies), "
+              f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, files in {tempfile.gettempdir()}")
+        results = {label: run_size(label, cfg, args.repeats)
+                   for label, cfg in SIZES.items() if args.large or label != "1GB"}
     finally:
         dist.destroy_process_group()
         store.parent.rmdir()

@@ -24,7 +24,10 @@ def run_cli(*overrides: str, timeout: float = 900) -> tuple[dict, list[dict], li
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise RuntimeError(f"run failed before writing a summary:\n{proc.stderr[-3000:]}")
-    read = lambda name: [json.loads(x) for x in (run_dir / name).read_text().splitlines() if x.strip()]
+
+    def read(name: str) -> list[dict]:
+        return [json.loads(x) for x in (run_dir / name).read_text().splitlines() if x.strip()]
+
     return json.loads(summary_path.read_text()), read("metrics.jsonl"), read("events.jsonl")
 
 

@@ -25,8 +25,8 @@ def main() -> int:
         print(f"needs 2 or more GPUs for an NCCL group; this host has {gpus}", file=sys.stderr)
         return 2
     base = ["+recipe=gpt_tiny", "runner.device=cuda", "parallel.backend=nccl", "parallel.nodes=1",
-            f"parallel.procs_per_node={gpus}", f"trainer.global_batch_size={2 * gpus}", f"trainer.max_steps={args.steps}",
-            "ft=[flashrecovery]"]
+            f"parallel.procs_per_node={gpus}", f"trainer.global_batch_size={2 * gpus}",
+            f"trainer.max_steps={args.steps}", "ft=[flashrecovery]"]
     clean, _, _ = run_cli(*base)
     print(f"fault-free: {clean['status']}, checksum {clean['param_checksum']}")
     ok = clean["status"] == "completed"

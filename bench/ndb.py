@@ -102,7 +102,8 @@ def saved_activation_bytes(model: GPT, phases: list[Phase]) -> int:
     for phase in phases:
         storages: dict[int, int] = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        # the hook runs only inside this iteration (phase() below), so it binds this phase's dict
+        def pack(t: torch.Tensor, storages: dict[int, int] = storages) -> torch.Tensor:
             s = t.untyped_storage()
             if s.data_ptr() not in params:
                 storages[s.data_ptr()] = s.nbytes()

@@ -9,6 +9,7 @@ is taken (each action says why it cannot: ``obstacle`` in its technique's ``acti
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -46,7 +47,7 @@ def classify(*, dead: list[int], hung: bool, lost_nodes: list[int], lost_ranks: 
 
 def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hung: bool, lost_nodes: list[int],
            lost_ranks: list[int], survivors: list[int], restarts_left: int, spares: int = 0,
-           full_restarts_left: int = 0, nodes_up: Optional[int] = None, no_snapshots: list[int] = ()) -> Decision:
+           full_restarts_left: int = 0, nodes_up: Optional[int] = None, no_snapshots: Sequence[int] = ()) -> Decision:
     """``nodes_up``: the job's nodes still up after this fault (default: parallel.nodes less ``lost_nodes``);
     ``no_snapshots``: logical ranks NDB neighbours compute, which write no flash snapshots of their own."""
     fault, cls, victims = classify(dead=dead, hung=hung, lost_nodes=lost_nodes, lost_ranks=lost_ranks,
@@ -59,7 +60,7 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
     situation = Situation(ft=ft, cfg=cfg, can_restart=can_restart, victims=victims, lost_nodes=lost_nodes,
                           restarts_left=restarts_left, spares=spares, full_restarts_left=full_restarts_left,
                           nodes_up=nodes_up, no_snapshots=list(no_snapshots))
-    skipped = []
+    skipped: list[str] = []
     for action in row:
         taker = BY_NAME[action]
         why_not = taker.obstacle(situation)
@@ -87,7 +88,7 @@ def shards_without_copy(cfg, ft: list[str], victims: list[int]) -> list[int]:
 
 
 def _what(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spares: int,
-          lost_shards: list[int] = ()) -> str:
+          lost_shards: Sequence[int] = ()) -> str:
     if cls == "transient":
         return "collective error with every process alive"
     if lost_shards:

@@ -91,3 +91,17 @@ def assert_nothing_left(token: str, run: Run) -> None:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@pytest.fixture
+def job():
+    """A fresh flash-checkpoint job id; fails the test if its segments are left in /dev/shm."""
+    # imported here: the flash_ckpt package compiles its kernels, which the fast tests need not pay for
+    from runner.recovery.flash_ckpt import cleanup
+    from runner.recovery.flash_ckpt.shm import job_files
+
+    job_id = f"t{uuid.uuid4().hex[:10]}"
+    yield job_id
+    leaked = job_files(job_id)
+    cleanup(job_id)
+    assert not leaked, f"segments left in /dev/shm: {leaked}"

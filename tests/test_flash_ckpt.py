@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import Pipe
@@ -46,15 +45,6 @@ from runner.recovery.flash_ckpt.shm import job_files, slot_paths
 from runner.recovery.flash_ckpt.slots import SlotWriter
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def job():
-    job_id = f"t{uuid.uuid4().hex[:10]}"
-    yield job_id
-    leaked = job_files(job_id)
-    cleanup(job_id)
-    assert not leaked, f"segments left in /dev/shm: {leaked}"
 
 
 @pytest.fixture
@@ -214,7 +204,8 @@ def test_flipped_byte_is_detected_and_skipped(job, snap, tmp_path):
     assert restored.candidate.step == 1
     assert_same(make_state(1), restored.state)
     [skip] = restored.skipped
-    assert skip.candidate.location == path and "checksum mismatch in data bytes 0-" in skip.reason and '"w"' in skip.reason
+    assert skip.candidate.location == path
+    assert "checksum mismatch in data bytes 0-" in skip.reason and '"w"' in skip.reason
     assert [(e.kind, e.step) for e in events] == [("skipped", 2)]
     assert persist_latest(snap.segment, tmp_path) == checkpoint_path(tmp_path, 0, 1)  # never persists step 2
 
@@ -260,7 +251,8 @@ def test_fused_copy_kernels_match_the_checksum_and_copy_every_byte(chunk_bytes, 
     assert srcs[list(state).index("strided")] is None  # not contiguous: the caller copies it
     for entry, tensor, src in zip(entries, flat.tensors, srcs):
         if src is None:
-            region[entry["offset"] : entry["offset"] + entry["nbytes"]] = tensor.contiguous().view(torch.uint8).numpy().ravel()
+            raw = tensor.contiguous().view(torch.uint8).numpy().ravel()
+            region[entry["offset"] : entry["offset"] + entry["nbytes"]] = raw
     with ThreadPoolExecutor(1) as pool:
         helper = pool if two_streams else None
         digests = plan.fill(region, srcs, helper)
@@ -427,7 +419,8 @@ def test_breakpoint_persist_after_crash_then_stale_cleanup(job, snap, tmp_path):
     script = _CRASHING_WORKER.format(tests=str(REPO / "tests"), repo=str(REPO), job=crashed)
     try:
         # through `sh -c '...; true'` so that the worker's parent is gone too, as after a node crash
-        proc = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0"; true', script], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0"; true', script],
+                              capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
         newest = list_snapshots(crashed, 0)[0].step
         assert newest in (3, 4)  # step 4 may or may not have committed before the kill

@@ -7,7 +7,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_flash_ckpt import assert_same, job  # noqa: F401  (job is a fixture)
+from test_flash_ckpt import assert_same
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -114,4 +114,5 @@ def test_replication_failing_twice_in_one_healthy_group_fails_the_run():
     replication.wait_previous()
     with pytest.raises(RunFailedError, match="failed twice in a row while every rank was alive"):
         replication.wait_previous()
-    assert emitted == [("replication_failed", 3), ("replication_failed", 3), ("replication_failed", 4), ("replication_failed", 4)]
+    assert emitted == [("replication_failed", 3), ("replication_failed", 3),
+                       ("replication_failed", 4), ("replication_failed", 4)]

@@ -44,8 +44,8 @@ class Controller:
     """``fleet`` starts and signals workers (LocalFleet, or ExternalFleet under torchrun/SLURM);
     ``store`` is given when the job already has one (torchrun's agent store), else hosted here."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, fleet=None, store=None, address=None,
-                 namespace: str = "") -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, fleet=None, store=None,
+                 address: Optional[tuple[str, int]] = None, namespace: str = "") -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.fleet, self.store, self.namespace = fleet, store, namespace
         self.host, self.port = address or ("127.0.0.1", 0)
@@ -102,7 +102,9 @@ class Controller:
     def _wire(self) -> None:
         """Build the parts once the store and the fleet exist, each given its collaborators."""
         cfg = self.cfg
-        self.members = Membership(OmegaConf.to_container(cfg, resolve=True), self.run_dir, self.topo.dp, self.store,
+        plain_cfg = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(plain_cfg, dict)  # a DictConfig converts to a dict
+        self.members = Membership(plain_cfg, self.run_dir, self.topo.dp, self.store,
                                   self.fleet, self.events, (self.host, self.port), self.namespace)
         self.incidents = Incidents(self.record, self.events, cfg.heartbeat.decide_window_s)
         self.detector = Detector(cfg, self.members, self.incidents, self.fleet, self.store, self.events, self._fail)

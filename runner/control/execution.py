@@ -27,6 +27,7 @@ class Executor:
     def decide_due(self, now: float) -> None:
         """The decide window closed: decide now, or look again shortly while the picture is incomplete."""
         rec, members, detector = self.incidents.active, self.members, self.detector
+        assert rec is not None  # a decision is due only while a recovery is open (decide_at is set with it)
         if detector.isolate_unreachable(rec, now):
             self.incidents.decide_at = now + self.recheck_s
             return
@@ -91,6 +92,7 @@ class Executor:
         """Publish survivors-only or complete generations as replacements become ready; an action that
         leaves nobody holding state (a restart of every rank) publishes only its complete generation."""
         rec = self.incidents.active
+        assert rec is not None  # called for the open recovery, once decided
         if not self.actions[rec.action].publishes_survivors and not all(w.ready for w in self.members.live()):
             return
         layout = self.members.publish(rec.id)

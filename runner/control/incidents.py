@@ -47,6 +47,7 @@ class Incidents:
     def not_needed(self, reason: str) -> None:
         """The open recovery needs no action after all: it leaves the record."""
         rec = self.active
+        assert rec is not None  # called while deciding the open recovery
         self.events.emit("recovery_not_needed", recovery=rec.id, reason=reason)
         self.record.recoveries.remove(rec)
         self.active = None

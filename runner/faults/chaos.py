@@ -51,7 +51,10 @@ class Chaos:
 
     @property
     def over(self) -> bool:
-        return self.drawn >= self.max_faults or (self.next_at is not None and self.next_at - self.t0 > self.until_s)
+        if self.next_at is None:
+            return self.drawn >= self.max_faults
+        assert self.t0 is not None  # next_at is first set by start(), with t0
+        return self.drawn >= self.max_faults or self.next_at - self.t0 > self.until_s
 
     def due(self, now: float) -> bool:
         return self.next_at is not None and not self.over and now >= self.next_at

@@ -39,7 +39,7 @@ class ChaosInjector:
             self.chaos.start(now)
             return
         if self.wait is not None:
-            self._settle(now)
+            self._settle(now, self.wait)
         if not self.chaos.due(now):
             return
         draw = self.chaos.draw(now, self._candidates())
@@ -65,11 +65,11 @@ class ChaosInjector:
         else:
             self.injector.carry_out(index, draw.kind, w, w.node)
 
-    def _settle(self, now: float) -> None:
+    def _settle(self, now: float, wait: tuple[float, int, int]) -> None:
         """The last chaos fault settled once the recoveries it causes are over (a bitflip causes none: the
         guard recomputes the step; a partition for good causes two: the retry, then the isolation) and every
         rank has committed two steps past it (a bitflip's recomputed step among them)."""
-        since, until_id, until_step = self.wait
+        since, until_id, until_step = wait
         timeout_s = self.cfg.launcher.recovery_timeout_s
         if min(w.hb_step for w in self.ctx.members.live()) < until_step:
             return

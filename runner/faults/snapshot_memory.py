@@ -38,7 +38,9 @@ def corrupt_newest(job_id: str, rank: int) -> int:
     if not held:
         raise LookupError(f"rank {rank} of job {job_id} has no committed snapshot to corrupt")
     step, path = held[0]
-    offset = read_header(path).data_off
+    header = read_header(path)
+    assert header is not None  # committed_steps lists only slots whose header parses
+    offset = header.data_off
     fd = os.open(path, os.O_RDWR)
     try:
         byte = os.pread(fd, 1, offset)

@@ -33,7 +33,9 @@ from runner.training.transfer import exchange
 
 def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, table: list[list[int]],
                      events: EventLog) -> Optional[dict]:
-    me, logical = comm.rank, comm.layout.logical
+    layout = comm.layout
+    assert layout is not None  # reconciling happens in the generation just joined
+    me, logical = comm.rank, layout.logical
     holders = [(c, r) for r, (c, j) in enumerate(table) if not j]
     newest = max(c for c, _ in holders)
     source = min(r for c, r in holders if c == newest)
@@ -47,7 +49,7 @@ def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, tab
         if me in laggards:
             sharded.finish_update(final)
             events.emit("shard_update_finished", gen=comm.gen, step=newest, source=logical[source])
-    if not comm.layout.complete:
+    if not layout.complete:
         return None  # survivors only: joiners are served, and everyone synced, in the complete generation
     shard = None
     for j in joiners:
@@ -73,6 +75,7 @@ def _fetch_shard(comm: Comm, replicator: ShardReplicator | None, lrank: int, joi
     """Logical rank ``lrank``'s shard after ``gen`` updates, from its holder to every member (so that all
     of them fail alike when it cannot be had)."""
     holder = replicator.holder(lrank) if replicator is not None else None
+    assert comm.layout is not None  # fetched in the generation just joined
     h = comm.layout.logical.index(holder) if holder is not None else None
     if h is None or h in joiners:
         lost = (f"with its replica on logical rank {holder}" if holder is not None
@@ -81,6 +84,7 @@ def _fetch_shard(comm: Comm, replicator: ShardReplicator | None, lrank: int, joi
                              "generation holds it")
     payload = None
     if comm.rank == h:
+        assert replicator is not None  # h is set only when a replicator names the holder
         try:
             payload = replicator.replica_of(lrank, gen).to_payload()
         except ReplicaLost as err:

@@ -94,7 +94,11 @@ class ShardReplicator:
         params = self.zero.params
         # references, not copies: the update leaves .grad alone and zero_grad drops it (ZeroOne), so these
         # tensors stay as they are until the record is pruned
-        grads = [params[i].grad.detach() for i in self.zero.plan.flat_shard(self.partner(logical_rank))]
+        grads = []
+        for i in self.zero.plan.flat_shard(self.partner(logical_rank)):
+            grad = params[i].grad
+            assert grad is not None  # recorded after the backward that set it, before the update
+            grads.append(grad.detach())
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.zero.optimizer.param_groups]
         self._records = [r for r in self._records if r.gen < gen] + [UpdateRecord(gen, grads, hyper)]
 
@@ -233,6 +237,7 @@ class ShardReplicator:
         if [r.gen for r in missing] != list(range(base.gen + 1, gen + 1)):
             raise ReplicaLost(f"logical rank {partner}'s replica is at update {base.gen}, and the updates up to {gen} "
                               f"were not all recorded (have {[r.gen for r in self._records]})")
+        assert base.layout is not None and base.data is not None  # a complete slot (gen >= 0) holds both
         shard = unpack(base.layout, base.data, base.gen)
         if not missing:
             return shard

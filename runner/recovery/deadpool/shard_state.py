@@ -23,7 +23,8 @@ ALIGN = 8  # byte offsets stay aligned so a slice can be viewed as any dtype
 class ShardLayout:
     """Where each tensor of a shard lives in the packed bytes; ``values`` holds non-tensor state."""
 
-    entries: list[tuple[int, str, str, tuple[int, ...], int]]  # (position, key, dtype, shape, offset); key "" = the parameter
+    # (position, key, dtype, shape, offset); key "" = the parameter
+    entries: list[tuple[int, str, str, tuple[int, ...], int]]
     values: dict[tuple[int, str], Any] = field(default_factory=dict)
     nbytes: int = 0
 
@@ -79,7 +80,8 @@ class ShardPacker:
         if self.buffer.numel() < prefix + layout.nbytes:
             self.buffer, self._entries = torch.empty(prefix + layout.nbytes, dtype=torch.uint8), ()
         if self._entries != (prefix, layout.entries):
-            self._views = [_typed(self.buffer, dtype, shape, prefix + offset) for _, _, dtype, shape, offset in layout.entries]
+            self._views = [_typed(self.buffer, dtype, shape, prefix + offset)
+                           for _, _, dtype, shape, offset in layout.entries]
             self._entries = (prefix, layout.entries)
         state = optimizer.state
         tensors = [params[pos].detach() if key == "" else state[params[pos]][key] for pos, key, *_ in layout.entries]
@@ -118,7 +120,8 @@ class UpdateRecord:
     hyper: list[dict[str, Any]]
 
 
-def replay(template: torch.optim.Optimizer, shard: ShardState, groups: list[int], records: list[UpdateRecord]) -> ShardState:
+def replay(template: torch.optim.Optimizer, shard: ShardState, groups: list[int],
+           records: list[UpdateRecord]) -> ShardState:
     """Apply ``records`` to ``shard`` with a fresh optimizer of the template's kind: the very same update math.
 
     ``groups[pos]`` is the optimizer group of the shard's parameter at ``pos`` (positions are group-major).
@@ -141,5 +144,5 @@ def replay(template: torch.optim.Optimizer, shard: ShardState, groups: list[int]
             p.grad = g.clone()
         type(opt).step(opt)
         gen = record.gen
-    return ShardState(gen, [p.detach() for p in params], {pos: opt.state[p] for pos, p in enumerate(params) if opt.state[p]},
-                      shard.base_gen)
+    state = {pos: opt.state[p] for pos, p in enumerate(params) if opt.state[p]}
+    return ShardState(gen, [p.detach() for p in params], state, shard.base_gen)

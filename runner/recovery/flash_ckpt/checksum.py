@@ -43,7 +43,7 @@ def seal(sums: np.ndarray, nbytes: int) -> int:
 
 def _finish(block_sums: np.ndarray, tail_sum: int, odd_bytes, size: int) -> int:
     """crc32 over the whole blocks' sums, the sum of the words after them, the odd bytes, the size."""
-    crc = zlib.crc32(block_sums)
+    crc = zlib.crc32(block_sums.data)  # the array's own buffer (numpy's stubs give ndarray no __buffer__)
     crc = zlib.crc32(tail_sum.to_bytes(8, "little"), crc)
     crc = zlib.crc32(odd_bytes, crc)
     return zlib.crc32(size.to_bytes(8, "little"), crc)

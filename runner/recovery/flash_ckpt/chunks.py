@@ -21,6 +21,9 @@ import torch
 
 from .checksum import BLOCK_BYTES, seal
 
+# kernels.copy_in / copy_out: (region_addr, data_len, chunk_bytes, c0, c1, tables, addrs, sums)
+CopyKernel = Callable[[int, int, int, int, int, tuple, np.ndarray, np.ndarray], None]
+
 CHUNK_BYTES = 1 << 20
 
 
@@ -97,14 +100,17 @@ class Plan:
             if got != want:
                 raise on_mismatch(c)
 
-    def _run(self, kernel, region: np.ndarray, addrs: list[int | None], helper: Executor | None) -> list[int]:
+    def _run(self, kernel: CopyKernel, region: np.ndarray, addrs: list[int | None],
+             helper: Executor | None) -> list[int]:
         """Run a copy kernel over all chunks, the two halves at once on the caller and `helper`."""
         sums = np.zeros(-(-self.data_len // BLOCK_BYTES), dtype=np.uint64)
         args = (region.ctypes.data, self.data_len, self.chunk_bytes)
         tables = (self.first, self.region_off, self.index, self.tensor_off, self.nbytes)
         table = np.array([a or 0 for a in addrs] or [0], dtype=np.int64)
         half = (self.nchunks + 1) // 2 if helper is not None else self.nchunks
-        other = helper.submit(kernel, *args, half, self.nchunks, tables, table, sums) if half < self.nchunks else None
+        other = None
+        if helper is not None and half < self.nchunks:  # with no helper, half is every chunk
+            other = helper.submit(kernel, *args, half, self.nchunks, tables, table, sums)
         try:
             kernel(*args, 0, half, tables, table, sums)
         finally:

@@ -25,6 +25,8 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+# numba's own annotations count an intrinsic's typingctx as an argument of its call and give a
+# compiled function's (Dispatcher's) call none, so mypy rejects the calls marked `type: ignore[call-arg]`
 _BLOCK_SHIFT = 9  # 512 words = 4 KiB, checksum.BLOCK_BYTES
 _BLOCK_BYTES = 8 << _BLOCK_SHIFT
 _OUT, _IN, _SUM, _ZERO = 0, 1, 2, 3  # what a walk does to region words: copy out/in, only sum, zero
@@ -77,7 +79,7 @@ def _stream(src, dst_address):
     acc = np.uint64(0)
     for i in range(src.size):
         v = src[i]
-        _store_streaming(dst_address, i, v)
+        _store_streaming(dst_address, i, v)  # type: ignore[call-arg]  # numba's types, see above
         acc += v
     return acc
 
@@ -95,7 +97,8 @@ def _walk(words, w0, w1, other, mode, sums):
         if mode == _OUT:
             acc = _stream(region, other + (w - w0) * 8)
         elif mode == _IN:
-            acc = _stream(carray(_pointer(other + (w - w0) * 8), stop - w, np.uint64), region.ctypes.data)
+            src = carray(_pointer(other + (w - w0) * 8), stop - w, np.uint64)  # type: ignore[call-arg]  # numba's types, see above
+            acc = _stream(src, region.ctypes.data)
         elif mode == _SUM:
             acc = np.uint64(0)
             for i in range(region.size):
@@ -108,8 +111,9 @@ def _walk(words, w0, w1, other, mode, sums):
 
 
 @njit(nogil=True, cache=True)
-def _chunks(region_addr, data_len, chunk_bytes, c0, c1, first, region_off, index, tensor_off, nbytes, addrs, copy_in, sums):
-    words = carray(_pointer(region_addr), data_len >> 3, np.uint64)
+def _chunks(region_addr, data_len, chunk_bytes, c0, c1, first, region_off, index, tensor_off, nbytes, addrs, copy_in,
+            sums):
+    words = carray(_pointer(region_addr), data_len >> 3, np.uint64)  # type: ignore[call-arg]  # numba's types, see above
     scratch = np.zeros(1, dtype=np.uint64)
     tail_bytes = scratch.view(np.uint8)
     for c in range(c0, c1):
@@ -147,14 +151,14 @@ def copy_out(region_addr: int, data_len: int, chunk_bytes: int, c0: int, c1: int
              addrs: np.ndarray, sums: np.ndarray) -> None:
     """Copy the pieces of chunks [c0, c1) from the region at `region_addr` to the tensors at
     `addrs`, summing every region word (padding included) into `sums`."""
-    _chunks(region_addr, data_len, chunk_bytes, c0, c1, *tables, addrs, False, sums)
+    _chunks(region_addr, data_len, chunk_bytes, c0, c1, *tables, addrs, False, sums)  # type: ignore[call-arg]  # numba's types, see above
 
 
 def copy_in(region_addr: int, data_len: int, chunk_bytes: int, c0: int, c1: int, tables: tuple,
             addrs: np.ndarray, sums: np.ndarray) -> None:
     """Copy the pieces of chunks [c0, c1) from the tensors at `addrs` into the region at
     `region_addr`, zeroing the padding between them, summing every region word into `sums`."""
-    _chunks(region_addr, data_len, chunk_bytes, c0, c1, *tables, addrs, True, sums)
+    _chunks(region_addr, data_len, chunk_bytes, c0, c1, *tables, addrs, True, sums)  # type: ignore[call-arg]  # numba's types, see above
 
 
 def warm_up() -> None:
@@ -163,4 +167,5 @@ def warm_up() -> None:
     region = np.zeros(8, dtype=np.uint8)
     no_pieces = np.zeros(0, dtype=np.int64)
     tables = (np.zeros(2, dtype=np.int64), no_pieces, no_pieces, no_pieces, no_pieces)
-    copy_in(region.ctypes.data, 8, _BLOCK_BYTES, 0, 1, tables, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.uint64))
+    copy_in(region.ctypes.data, 8, _BLOCK_BYTES, 0, 1, tables, np.zeros(1, dtype=np.int64),
+            np.zeros(1, dtype=np.uint64))

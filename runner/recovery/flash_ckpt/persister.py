@@ -20,16 +20,19 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from time import perf_counter
-from typing import Any
+from typing import Any, Literal
 
 from .disk import apply_retention, checkpoint_path, sidecar_path, write_atomic
 from .events import EventSink, emit
 from .shm import PREFIX, check_job_id
 from .slots import committed_steps, find_step, load_slot, newest_verified, pin_step
 
+# the contexts that can start a process (the stubs give BaseContext no Process, rightly)
+ProcessContext = mp.context.SpawnContext | mp.context.ForkServerContext | mp.context.ForkContext
 FAILED = "failed"  # a trainer's last message when its fit failed: persist at breakpoint, as after a crash
 
 
@@ -74,8 +77,9 @@ class Persister:
     def persist(self, segment: str, step: int | None = None) -> Path:
         """Persist `step` of `segment` (None: its newest committed snapshot); raise PersistError."""
         outcome = self._run(segment, step)
-        if not outcome.ok:
+        if outcome.error is not None:
             raise PersistError(outcome.error, [outcome])
+        assert outcome.path is not None  # an outcome without an error names the file it wrote
         return Path(outcome.path)
 
     def serve(self, requests: Connection, results: Connection) -> bool:
@@ -94,7 +98,7 @@ class Persister:
                 if msg is None or msg == FAILED:
                     return msg is None
                 segment, step = msg
-                outcome = self._run(segment, step, lambda: _notify(results, ("captured", segment, step)))
+                outcome = self._run(segment, step, partial(_notify, results, ("captured", segment, step)))
                 _notify(results, ("done", outcome))
         finally:
             results.close()
@@ -110,7 +114,8 @@ class Persister:
             outcome = PersistOutcome(segment, meta["step"], str(path), None, perf_counter() - t0)
         except Exception as e:  # every failure is reported, never dropped
             outcome = PersistOutcome(segment, step, None, f"{type(e).__name__}: {e}", perf_counter() - t0)
-        emit(self.on_event, "persisted" if outcome.ok else "persist_failed", outcome.step, outcome.path or segment, outcome.error or "")
+        emit(self.on_event, "persisted" if outcome.ok else "persist_failed", outcome.step, outcome.path or segment,
+             outcome.error or "")
         return outcome
 
 
@@ -219,7 +224,8 @@ class PersistClient:
             self._pending.discard(key)
             self._outcomes.append(outcome)
             self._cond.notify_all()
-        emit(self._on_event, "persisted" if outcome.ok else "persist_failed", outcome.step, outcome.path or outcome.segment, outcome.error or "")
+        emit(self._on_event, "persisted" if outcome.ok else "persist_failed", outcome.step,
+             outcome.path or outcome.segment, outcome.error or "")
 
 
 def persister_address(job_id: str, node: int) -> str:
@@ -269,12 +275,13 @@ class NodePersisterHandle:
         self._control.close()
 
 
-def start_node_persister(ctx: mp.context.BaseContext, spec: NodePersist, node: int,
+def start_node_persister(ctx: ProcessContext, spec: NodePersist, node: int,
                          timeout_s: float = 120.0) -> NodePersisterHandle:
     """Start node `node`'s persister from `ctx` and return once it listens (RuntimeError if it
     does not within `timeout_s`), so that no trainer of the node can miss it."""
     control, child_control = ctx.Pipe()
-    proc = ctx.Process(target=_node_main, args=(spec, node, child_control), name=f"flash-persister-n{node}", daemon=False)
+    proc = ctx.Process(target=_node_main, args=(spec, node, child_control), name=f"flash-persister-n{node}",
+                       daemon=False)
     proc.start()
     child_control.close()
     handle = NodePersisterHandle(proc, control)
@@ -284,7 +291,8 @@ def start_node_persister(ctx: mp.context.BaseContext, spec: NodePersist, node: i
         ready = False  # it died on the way; its traceback is on stderr
     if not ready:
         handle.kill()
-        raise RuntimeError(f"the flash-checkpoint persister of node {node} did not start listening within {timeout_s:.0f} s")
+        raise RuntimeError(f"the flash-checkpoint persister of node {node} did not start listening "
+                           f"within {timeout_s:.0f} s")
     return handle
 
 
@@ -343,7 +351,8 @@ def _serve_node_client(persister: Persister, conn: Connection, log) -> None:
         return
     on_disk = checkpoint_path(persister.out_dir, rank, held[0][0])
     if on_disk.exists() and sidecar_path(on_disk).exists():
-        log.emit("snapshot_breakpoint_skipped", snapshot_rank=rank, snapshot_step=held[0][0], reason=f"already on disk: {on_disk}")
+        log.emit("snapshot_breakpoint_skipped", snapshot_rank=rank, snapshot_step=held[0][0],
+                 reason=f"already on disk: {on_disk}")
         return
     outcome = persister._run(segment, None)
     if outcome.ok:
@@ -358,12 +367,14 @@ def _serve_in_child(out_dir: str, keep: int, requests: Connection, results: Conn
 
 
 def spawn_persister(out_dir: str | Path, keep: int = 3, *, on_event: EventSink = None,
-                    start_method: str = "spawn") -> PersistClient:
+                    start_method: Literal["spawn", "forkserver", "fork"] = "spawn") -> PersistClient:
     """Start a persister process of our own (when no agent provides one) and return its client."""
     ctx = mp.get_context(start_method)
+    assert isinstance(ctx, ProcessContext)  # a named start method's context (the stubs type it BaseContext)
     req_r, req_w = ctx.Pipe(duplex=False)
     res_r, res_w = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_serve_in_child, args=(str(out_dir), keep, req_r, res_w), name="flash-persister", daemon=True)
+    proc = ctx.Process(target=_serve_in_child, args=(str(out_dir), keep, req_r, res_w), name="flash-persister",
+                       daemon=True)
     proc.start()
     req_r.close()
     res_w.close()

@@ -37,8 +37,10 @@ def _copy(path: Path, step: int, target: str, holder: int) -> int:
         try:
             dst = writer.begin(len(encode_meta(meta)), plan.data_len)
             try:  # the region moves as one piece per chunk; the chunk checksums carry over
-                whole = Plan.of([{"path": "data region", "offset": 0, "nbytes": plan.data_len}], plan.data_len, plan.chunk_bytes)
-                whole.drain(src.region(), [dst.region().ctypes.data], meta["digests"], lambda c: src.mismatch(meta, plan, c))
+                region = [{"path": "data region", "offset": 0, "nbytes": plan.data_len}]
+                whole = Plan.of(region, plan.data_len, plan.chunk_bytes)
+                whole.drain(src.region(), [dst.region().ctypes.data], meta["digests"],
+                            lambda c: src.mismatch(meta, plan, c))
             except BaseException:
                 writer.abort(dst)
                 raise

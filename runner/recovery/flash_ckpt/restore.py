@@ -77,7 +77,7 @@ def load_newest(job_id: str, rank: int, ckpt_dir: str | Path | None = None, *, s
             if cand.source == "disk":
                 state = read_verified(cand.location)
             else:
-                if new is not None:
+                if prefetch is not None and new is not None:  # new comes from the prefetch
                     prefetch.rewind()
                 state = load_slot(cand.location, step=cand.step, into=into, new=new)[1]
         except (CorruptSnapshot, OSError) as e:

@@ -114,7 +114,8 @@ def plan_layout(flat: Flat) -> tuple[list[dict[str, Any]], int]:
     entries, offset = [], 0
     for path, t in zip(flat.paths, flat.tensors):
         nbytes = t.numel() * t.element_size()
-        entries.append({"path": path, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
+        entries.append({"path": path, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset,
+                        "nbytes": nbytes})
         offset = _round_up(offset + nbytes, ALIGN)
     return entries, offset
 
@@ -158,7 +159,8 @@ class Slot:
         data_cap = _round_up(max(data_len, 1), PAGE)
         data_off = PAGE + meta_cap
         size = data_off + data_cap
-        ensure_space(size * (2 if with_sibling else 1), f"{path.name}" + (" and its sibling slot" if with_sibling else ""))
+        ensure_space(size * (2 if with_sibling else 1),
+                     f"{path.name}" + (" and its sibling slot" if with_sibling else ""))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -177,12 +179,24 @@ class Slot:
             path.unlink(missing_ok=True)
             raise
 
+    def _mapping(self) -> mmap.mmap:
+        """The mapping, which every slot that has a size holds from open to close."""
+        assert self._mm is not None  # only an empty (just created by another process) or closed slot has none
+        return self._mm
+
+    def _laid_out(self) -> Header:
+        """The header of a slot whose creator has laid it out (every slot one writes to or reads data from)."""
+        h = self.header()
+        assert h is not None  # create() writes the header before the slot is handed out
+        return h
+
     def _prefault(self) -> None:
         """Map every page now, so the first snapshot copy runs at memcpy speed, not page-fault speed."""
+        mm = self._mapping()
         try:
-            self._mm.madvise(_MADV_POPULATE_WRITE)
+            mm.madvise(_MADV_POPULATE_WRITE)
         except (OSError, AttributeError):
-            np.frombuffer(self._mm, dtype=np.uint8)[::PAGE] = 0
+            np.frombuffer(mm, dtype=np.uint8)[::PAGE] = 0
 
     def lock(self, exclusive: bool) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
@@ -206,9 +220,10 @@ class Slot:
             raise CorruptSnapshot(f"{self.path.name}: not committed (empty or a write was interrupted)")
         if step is not None and h.step != step:
             raise CorruptSnapshot(f"{self.path.name}: holds step {h.step}, not {step}")
-        if h.meta_len > h.meta_cap or h.data_off + h.data_cap > len(self._mm):
+        mm = self._mapping()
+        if h.meta_len > h.meta_cap or h.data_off + h.data_cap > len(mm):
             raise CorruptSnapshot(f"{self.path.name}: header regions exceed the file")
-        raw = memoryview(self._mm)[h.meta_off : h.meta_off + h.meta_len]
+        raw = memoryview(mm)[h.meta_off : h.meta_off + h.meta_len]
         try:
             if digest(raw) != h.meta_digest:
                 raise CorruptSnapshot(f"{self.path.name}: metadata checksum mismatch")
@@ -239,10 +254,10 @@ class Slot:
     def data(self) -> torch.Tensor:
         """The data region as a uint8 tensor aliasing the mapping (never handed to callers)."""
         if self._bytes is None:
-            h = self.header()
+            h = self._laid_out()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # read-only mappings are only read
-                self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8, count=h.data_cap, offset=h.data_off)
+                self._bytes = torch.frombuffer(self._mapping(), dtype=torch.uint8, count=h.data_cap, offset=h.data_off)
         return self._bytes
 
     def view(self, entry: dict[str, Any]) -> torch.Tensor:
@@ -255,20 +270,22 @@ class Slot:
         return self.data().numpy()
 
     def mark_uncommitted(self) -> None:
-        self._mm[_COMMITTED_AT : _COMMITTED_AT + 4] = _COMMITTED.pack(0)
+        self._mapping()[_COMMITTED_AT : _COMMITTED_AT + 4] = _COMMITTED.pack(0)
 
     def commit(self, step: int, meta_bytes: bytes) -> None:
         """Write metadata and header, then set the committed flag as the very last store."""
-        h = self.header()
+        h, mm = self._laid_out(), self._mapping()
         if len(meta_bytes) > h.meta_cap:
             raise ValueError(f"{self.path.name}: metadata of {len(meta_bytes)} B exceeds capacity {h.meta_cap} B")
-        self._mm[h.meta_off : h.meta_off + len(meta_bytes)] = meta_bytes
+        mm[h.meta_off : h.meta_off + len(meta_bytes)] = meta_bytes
         self._write_header(False, step, h.meta_cap, len(meta_bytes), h.data_off, h.data_cap, digest(meta_bytes))
-        self._mm[_COMMITTED_AT : _COMMITTED_AT + 4] = _COMMITTED.pack(1)
+        mm[_COMMITTED_AT : _COMMITTED_AT + 4] = _COMMITTED.pack(1)
 
-    def _write_header(self, committed: bool, step: int, meta_cap: int, meta_len: int, data_off: int, data_cap: int, meta_digest: int) -> None:
-        self._mm[: _HEADER.size] = _HEADER.pack(
-            MAGIC, VERSION, int(committed), step, PAGE, meta_cap, meta_len, data_off, data_cap, meta_digest, os.getpid(), os.getppid()
+    def _write_header(self, committed: bool, step: int, meta_cap: int, meta_len: int, data_off: int, data_cap: int,
+                      meta_digest: int) -> None:
+        self._mapping()[: _HEADER.size] = _HEADER.pack(
+            MAGIC, VERSION, int(committed), step, PAGE, meta_cap, meta_len, data_off, data_cap, meta_digest,
+            os.getpid(), os.getppid(),
         )
 
     def close(self) -> None:

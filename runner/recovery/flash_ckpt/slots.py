@@ -75,7 +75,8 @@ def load_slot(path: Path, *, step: int | None = None, into: Any = None,
                 dtype = codec.dtype_from_name(entry["dtype"])
                 dst = new(entry["shape"], dtype) if new is not None else torch.empty(entry["shape"], dtype=dtype)
             if dst.numel() * dst.element_size() != entry["nbytes"]:
-                raise CorruptSnapshot(f"{path.name}: tensor {entry['path']} has {entry['nbytes']} bytes for its shape {entry['shape']}")
+                raise CorruptSnapshot(f"{path.name}: tensor {entry['path']} has {entry['nbytes']} bytes "
+                                      f"for its shape {entry['shape']}")
             dsts.append(dst)
         addrs = [address(dst) for dst in dsts]
         with ThreadPoolExecutor(1, thread_name_prefix="flash-restore") as helper:
@@ -143,7 +144,8 @@ class SlotWriter:
         free = [p for h, p in headers if h is None or not h.committed]
         if free:
             return free[0]
-        return min(headers, key=lambda hp: hp[0].step)[1]
+        committed = [(h.step, p) for h, p in headers if h is not None]  # all of them: none is free
+        return min(committed, key=lambda sp: sp[0])[1]
 
     def invalidate_after(self, step: int) -> list[int]:
         """Uncommit slots newer than `step` (an abandoned timeline after a rollback); returns their steps."""

@@ -84,6 +84,7 @@ class SnapshotRestore:
             if all(ok for (ok,) in self._gather([int(restored is not None)])):
                 break
             refused.add(step)
+        assert restored is not None  # the loop ends once every rank, this one included, restored
         dropped = invalidate_newer(self.job_id, rank, step, self.ckpt_dir)
         c = restored.candidate
         self.events.emit("snapshot_restored", step=step, source=c.source, location=str(c.location),

@@ -98,7 +98,8 @@ class Snapshotter:
 
     def _meta(self, job: _Job) -> dict[str, Any]:
         digests = job.digests or [_DIGEST_BOUND] * -(-job.data_len // CHUNK_BYTES)  # widest, to size the slot
-        return snapshot_meta(self.job_id, self.rank, None, job.step, job.entries, job.flat.skeleton, job.data_len, digests)
+        return snapshot_meta(self.job_id, self.rank, None, job.step, job.entries, job.flat.skeleton, job.data_len,
+                             digests)
 
     def _meta_bound(self, job: _Job) -> int:
         """Metadata size once the chunk checksums are known (they are not yet)."""

@@ -58,6 +58,7 @@ class ReplicaRecovery:
                     self._emit_once("group_formed", gen=layout.gen, members=len(layout.members),
                                     complete=layout.complete, rebuild_s=time.time() - t0, recovery=layout.recovery)
                 ckpt = self._reconcile(state, joining)
+                assert self.comm.layout is not None  # joined above, or joining one already
                 if self.comm.layout.complete:
                     return ckpt
                 need_new_group = True  # survivors-only: wait for the replacement's generation

@@ -55,16 +55,12 @@ class SVDCache:
     def basis(self, name: str, weight: torch.Tensor, rank: int, step: int) -> torch.Tensor:
         """V (in x rank) for layer ``name``, recomputed when stale, missing or of another rank."""
         cached = self._bases.get(name)
-        fresh = (
-            cached is not None
-            and cached.v.shape[1] == rank
-            and 0 <= step - cached.step < self.svd_every
-        )
-        if not fresh:
-            dtype = torch.promote_types(weight.dtype, torch.float32)  # no half-precision SVD
-            _, _, vh = torch.linalg.svd(weight.detach().to(dtype), full_matrices=False)
-            cached = _Basis(step, vh[:rank].T.to(weight.dtype).contiguous())
-            self._bases[name] = cached
+        if cached is not None and cached.v.shape[1] == rank and 0 <= step - cached.step < self.svd_every:
+            return cached.v  # fresh
+        dtype = torch.promote_types(weight.dtype, torch.float32)  # no half-precision SVD
+        _, _, vh = torch.linalg.svd(weight.detach().to(dtype), full_matrices=False)
+        cached = _Basis(step, vh[:rank].T.to(weight.dtype).contiguous())
+        self._bases[name] = cached
         return cached.v
 
 

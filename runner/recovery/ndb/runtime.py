@@ -13,13 +13,14 @@ import resource
 import torch
 
 from runner.data import BatchSource, derive_seed, seed_step
+from runner.model import GPT
 from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.ndb.params import attention_param_names
 from runner.recovery.ndb.takeover import TakeoverForward
 
 
 class NDBRuntime:
-    def __init__(self, gpt: torch.nn.Module, cfg: NDBConfig, seed: int) -> None:
+    def __init__(self, gpt: GPT, cfg: NDBConfig, seed: int) -> None:
         self.cfg, self.seed = cfg, seed
         self.forward = TakeoverForward(gpt, cfg)
         names = attention_param_names(gpt)
@@ -28,7 +29,8 @@ class NDBRuntime:
         self.rss_before_kib: int | None = None
         self.ranks_taken_over: set[int] = set()
 
-    def backward(self, source: BatchSource, step: int, logical_rank: int, device: torch.device) -> tuple[float, list[int]]:
+    def backward(self, source: BatchSource, step: int, logical_rank: int,
+                 device: torch.device) -> tuple[float, list[int]]:
         """Accumulate the taken-over micro-batch's (approximate) gradients; returns its loss and sample id."""
         if self.rss_before_kib is None:
             self.rss_before_kib = _max_rss_kib()
@@ -49,8 +51,11 @@ class NDBRuntime:
 
     def stats(self) -> dict:
         """The neighbour's step time and peak memory before and after it took over."""
-        mean = lambda xs: sum(xs[1:]) / (len(xs) - 1) if len(xs) > 1 else None  # first step: warm-up or recovery
-        return {"extra_ranks": sorted(self.ranks_taken_over), "step_time_before_s": mean(self.step_times[False]), "step_time_after_s": mean(self.step_times[True]),
+        def mean(xs: list[float]) -> float | None:
+            return sum(xs[1:]) / (len(xs) - 1) if len(xs) > 1 else None  # first step: warm-up or recovery
+
+        return {"extra_ranks": sorted(self.ranks_taken_over), "step_time_before_s": mean(self.step_times[False]),
+                "step_time_after_s": mean(self.step_times[True]),
                 "peak_rss_before_kib": self.rss_before_kib, "peak_rss_after_kib": _max_rss_kib(),
                 "steps_taken_over": len(self.step_times[True])}
 

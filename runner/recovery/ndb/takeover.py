@@ -49,7 +49,7 @@ def extra_microbatch_loss(
     bases = _ffn_bases(model, cfg, step, svd_cache)
     pos = torch.arange(idx.shape[1], device=idx.device)
     x = model.drop(model.tok_emb(idx) + model.pos_emb(pos))
-    for block, block_bases in zip(model.blocks, bases):
+    for block, block_bases in zip(_blocks(model), bases):
         x = x + _attention_branch(block, x, cfg.skip_attention)
         x = x + _ffn_branch(block, x, cfg.recompute_ffn, block_bases)
     logits = model.head(model.ln_f(x))
@@ -79,14 +79,24 @@ def _ffn_bases(
         return [None] * len(model.blocks)
 
     def basis(name: str, layer: torch.nn.Linear) -> torch.Tensor:
-        rank = lowrank_rank(*layer.weight.shape, cfg, step)
+        out_features, in_features = layer.weight.shape
+        rank = lowrank_rank(out_features, in_features, cfg, step)
         return svd_cache.basis(name, layer.weight, rank, step)
 
     bases: list[FFNBases | None] = []
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(_blocks(model)):
         ffn = block.ffn
         bases.append((basis(f"blocks.{i}.ffn.fc", ffn.fc), basis(f"blocks.{i}.ffn.out", ffn.out)))
     return bases
+
+
+def _blocks(model: GPT) -> list[Block]:
+    """The model's blocks, typed as such (a ModuleList's items are typed as plain Modules)."""
+    blocks = []
+    for block in model.blocks:
+        assert isinstance(block, Block)
+        blocks.append(block)
+    return blocks
 
 
 def _attention_branch(block: Block, x: torch.Tensor, skip: bool) -> torch.Tensor:

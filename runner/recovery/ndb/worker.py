@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from lightning.pytorch import LightningModule
 
+from runner.model import GPT
 from runner.recovery.hooks import WorkerContext, WorkerHooks
 from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.ndb.neighbour import NeighbourTakeover
@@ -17,7 +18,9 @@ class NDBWorker:
 
     def hooks(self, module: LightningModule) -> WorkerHooks:
         cfg = self.ctx.cfg
-        runtime = NDBRuntime(module.model, NDBConfig(**cfg.ft.ndb), cfg.seed)  # our GPT: the approximations' model
+        model = module.model
+        assert isinstance(model, GPT)  # our GPT, not a wrapper: the approximations' model
+        runtime = NDBRuntime(model, NDBConfig(**cfg.ft.ndb), cfg.seed)
 
         def final_record() -> dict:
             return {"takeover": runtime.stats()} if runtime.step_times[True] else {}
