@@ -41,7 +41,8 @@ class CommitMetrics(Callback):
         self._t_step = time.perf_counter()
 
     def on_commit(self, step: int, extras, reduce_s: float) -> None:
-        gen, layout = self.comm.gen, self.comm.joined
+        gen, layout = self.comm.gen, self.comm.layout
+        assert layout is not None  # a step is committed only inside a generation this worker joined
         dp = layout.dp
         counts = [int(c) for c in extras[:dp].tolist()]
         contributors = max(1, sum(counts))
