@@ -12,28 +12,33 @@ process, whose handler only raises a flag; the order is read at the next step st
 from __future__ import annotations
 
 import signal
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from runner import protocol
+from runner.comm import Comm
 from runner.config.validate import RANK_FAULTS
 from runner.faults import chaos
 from runner.faults.comm_faults import FaultInjectingComm
 
 
 class FaultTrigger(Callback):
-    def __init__(self, faults: list, comm: FaultInjectingComm, status, events, release_timeout_s: float) -> None:
+    def __init__(self, faults: list, comm: Comm, status, events, release_timeout_s: float) -> None:
         self.faults = list(enumerate(faults))
         self.comm, self.status, self.events = comm, status, events
         self.release_timeout_s = release_timeout_s
-        self._t_start = None
+        self._t_start: float | None = None
         self._ordered = False  # the chaos signal came: an order waits in the store
         self._flip_order: int | None = None  # index of an ordered bitflip, done in the next backward
         self._flip = None  # the bitflip hook, armed for one backward
-        self._copy_held = None  # a kill due while this step's shard copy is in flight: (fire, release the copy)
+        # a kill due while this step's shard copy is in flight: (fire, release the copy)
+        self._copy_held: tuple[Callable[[], None], threading.Event] | None = None
         if any(f.kind == "chaos" for f in faults):
             signal.signal(chaos.SIGNAL, self._on_order)
             signal.siginterrupt(chaos.SIGNAL, False)  # system calls under way resume instead of failing
@@ -95,9 +100,9 @@ class FaultTrigger(Callback):
         for i, fault in self.faults:
             if (fault.during == "replication" and self._targets_me(fault) and self._due(fault, step)
                     and self.comm.store.add(f"fault/claim/{i}", 1) == 1):
-                release = self.comm.hold_next_shard_copy()
+                release = self._injecting.hold_next_shard_copy()
                 # the copy overlaps step + 1
-                self._copy_held = (lambda i=i, fault=fault: self._fire(i, fault, step + 1), release)
+                self._copy_held = (partial(self._fire, i, fault, step + 1), release)
                 return
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -124,6 +129,7 @@ class FaultTrigger(Callback):
     def _due(self, fault, step: int) -> bool:
         if fault.step >= 0:
             return step == fault.step
+        assert self._t_start is not None  # asked from the training hooks, which follow on_train_start
         return fault.after_s >= 0 and time.monotonic() - self._t_start >= fault.after_s
 
     def _fire(self, i: int, fault, step: int) -> None:
@@ -138,15 +144,22 @@ class FaultTrigger(Callback):
 
     def _arm_link_fault(self, i: int, kind: str, delay_s: float, duration_s: float, during: str = "step") -> None:
         """Network faults: the victim's own links fail once, slow down, or are cut."""
+        comm = self._injecting
         if kind == "transient" and during == "after_reduce":
-            self.comm.fail_next_reduction()  # the others commit the step; the victim alone lags
+            comm.fail_next_reduction()  # the others commit the step; the victim alone lags
         elif kind == "transient":
-            self.comm.fail_next_collective()
+            comm.fail_next_collective()
         elif kind == "slow_link":
-            self.comm.slow_links(delay_s)
+            comm.slow_links(delay_s)
         else:
-            self.comm.partition(duration_s)
-        self.events.emit("fault_injected", fault=kind, index=i, victims=[self.comm.logical_rank])
+            comm.partition(duration_s)
+        self.events.emit("fault_injected", fault=kind, index=i, victims=[comm.logical_rank])
+
+    @property
+    def _injecting(self) -> FaultInjectingComm:
+        """The communicator's fault hooks: a worker with faults to inject is given a ``FaultInjectingComm``."""
+        assert isinstance(self.comm, FaultInjectingComm)
+        return self.comm
 
 
 def _flip_top_exponent_bit(grad: torch.Tensor) -> torch.Tensor:

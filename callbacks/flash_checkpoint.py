@@ -88,6 +88,7 @@ class FlashCheckpoint(Callback):
         self.job_id = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
         self.exclude_keys, self.unlink_on_success = exclude_keys, unlink_on_success
         self.rank, self.partner = rank, partner
+        self._partner_rank: int | None = None  # ``partner`` resolved for this rank at setup
         self.blocked_s: list[float] = []  # per snapshot: time the training loop was held
         self._user_sink = on_event
         self._client, self._own_client = persister, persister is None
@@ -106,38 +107,43 @@ class FlashCheckpoint(Callback):
         cleanup_stale(self.job_id)
         if self.rank is None:
             self.rank = trainer.global_rank
-        if callable(self.partner):
-            self.partner = self.partner(self.rank)
+        self._partner_rank = self.partner(self.rank) if callable(self.partner) else self.partner
         self._snap = Snapshotter(self.job_id, self.rank, on_event=self._on_event)
-        persists = self.persist_every_n_steps and (trainer.max_steps < 0 or trainer.max_steps >= self.persist_every_n_steps)
+        persists = self.persist_every_n_steps and (
+            trainer.max_steps < 0 or trainer.max_steps >= self.persist_every_n_steps)
         # the node's persister costs nothing to join and persists at breakpoint, even in a short fit
         if self.persist_every_n_steps and self._client is None and self._persister_address is not None:
-            self._client = connect_persister(self._persister_address, self._snap.segment, self.rank, on_event=self._on_event)
+            self._client = connect_persister(self._persister_address, self._snap.segment, self.rank,
+                                             on_event=self._on_event)
             if self._client is None:
-                log.warning("flash checkpoint: no node persister at %r; this rank spawns its own", self._persister_address)
+                log.warning("flash checkpoint: no node persister at %r; this rank spawns its own",
+                            self._persister_address)
         if persists and self._client is None:
             self._client = spawn_persister(self.dir, self.keep, on_event=self._on_event)
-        if self.partner is not None:
+        if self._partner_rank is not None:
             self._backup_pool = ThreadPoolExecutor(1, thread_name_prefix=f"flash-backup-r{self.rank}")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        dropped = self._snap.invalidate_after(trainer.global_step)
+        dropped = self._snapshotter.invalidate_after(trainer.global_step)
         if dropped:
-            log.warning("flash checkpoint: dropped snapshots of steps %s, newer than the resumed step %d", dropped, trainer.global_step)
+            log.warning("flash checkpoint: dropped snapshots of steps %s, newer than the resumed step %d",
+                        dropped, trainer.global_step)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         waited = self._settle()
         if waited and self.blocked_s:
             self.blocked_s[-1] += waited
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
         step = trainer.global_step
         if step == self._last_step or step % self.every_n_steps:
             return
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         for key in self.exclude_keys:
             checkpoint.pop(key, None)
-        save = self._snap.save_async if self.overlap else self._snap.save
+        snap = self._snapshotter
+        save = snap.save_async if self.overlap else snap.save
         self.blocked_s.append(save(checkpoint, step))
         self._last_step = step
         self._to_backup = step
@@ -176,13 +182,15 @@ class FlashCheckpoint(Callback):
 
     def _settle(self) -> float:
         """Finish the snapshot in flight, then hand a committed step to the partner copy and the persister."""
-        waited = self._snap.wait() + self._settle_backup()
+        waited = self._snapshotter.wait() + self._settle_backup()
         if self._to_backup is not None and self._backup_pool is not None:
             self._to_backup = None
             self._backup = self._backup_pool.submit(self._copy_to_partner)
         if self._to_persist is not None:
             step, self._to_persist = self._to_persist, None
-            self._client.request(self._snap.segment, step)
+            # a persist step is only reached with a persister: setup joins or spawns one whenever the fit reaches one
+            assert self._client is not None
+            self._client.request(self._snapshotter.segment, step)
         return waited
 
     def _settle_backup(self) -> float:
@@ -196,11 +204,19 @@ class FlashCheckpoint(Callback):
 
     def _copy_to_partner(self) -> None:
         """A failed copy leaves the previous one in place: reported, never fatal to training."""
+        rank, partner = self.rank, self._partner_rank
+        assert rank is not None and partner is not None  # set in setup, which starts copies only with a partner
         try:
-            step = backup_to_partner(self.job_id, self.rank, self.partner)
-            emit(self._on_event, "backed_up", step, f"rank {self.partner}")
+            step = backup_to_partner(self.job_id, rank, partner)
+            emit(self._on_event, "backed_up", step, f"rank {partner}")
         except Exception as e:
-            emit(self._on_event, "backup_failed", None, f"rank {self.partner}", f"{type(e).__name__}: {e}")
+            emit(self._on_event, "backup_failed", None, f"rank {partner}", f"{type(e).__name__}: {e}")
+
+    @property
+    def _snapshotter(self) -> Snapshotter:
+        """This fit's snapshotter: the hooks that use it run between the fit's setup and its teardown."""
+        assert self._snap is not None
+        return self._snap
 
     def _on_event(self, event: Event) -> None:
         if event.kind in ("persist_failed", "skipped", "backup_failed"):

@@ -1,10 +1,10 @@
 """Worker heartbeats, sent from a daemon thread so the training step never waits for them.
 
 Payload: sequence number, step, phase and RSS. The thread also reads the newest generation number,
-so a planned change (a repaired rank rejoining) is noticed at the next step at no cost to it. The controller declares a worker dead after
-``misses`` silent intervals (SIGSTOP, a wedged process) and hung when the step stops advancing
-while heartbeats still arrive. If the store itself is gone (the controller died), the worker
-exits: no orphan keeps running.
+so a planned change (a repaired rank rejoining) is noticed at the next step at no cost to it. The
+controller declares a worker dead after ``misses`` silent intervals (SIGSTOP, a wedged process)
+and hung when the step stops advancing while heartbeats still arrive. If the store itself is gone
+(the controller died), the worker exits: no orphan keeps running.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class Heartbeat(Callback):
         last_ok = time.monotonic()
         while not self._stop.is_set():
             seq += 1
-            payload = {"seq": seq, "step": self.status.step, "phase": self.status.phase, "rss": rss_bytes(), "t": time.time()}
+            payload = {"seq": seq, "step": self.status.step, "phase": self.status.phase, "rss": rss_bytes(),
+                       "t": time.time()}
             try:
                 store.set(key, json.dumps(payload))
                 if self.status.latest_gen >= 0 or store.check(["gen"]):  # planned membership changes reach

@@ -30,7 +30,7 @@ class CommitMetrics(Callback):
         self.tokens_per_sample, self.micro_batch = tokens_per_sample, micro_batch
         self.log_every = max(1, log_every_n_steps)
         self._t_step = time.perf_counter()
-        self._last_gen = None
+        self._last_gen: int | None = None
         self._unwritten: dict | None = None  # this member's last record, while another member writes
         self.trainer = None
 
@@ -42,6 +42,7 @@ class CommitMetrics(Callback):
 
     def on_commit(self, step: int, extras, reduce_s: float) -> None:
         gen, layout = self.comm.gen, self.comm.layout
+        assert layout is not None  # a step is committed only inside a generation this worker joined
         dp = layout.dp
         counts = [int(c) for c in extras[:dp].tolist()]
         contributors = max(1, sum(counts))

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
 from queue import Queue
 from typing import Optional
 
@@ -24,10 +25,11 @@ from runner.recovery.flash_ckpt.persister import NodePersist, NodePersisterHandl
 
 
 class NodeAgent:
-    def __init__(self, node: int, events: Queue, interval_s: float, persister: Optional[NodePersisterHandle] = None) -> None:
+    def __init__(self, node: int, events: Queue, interval_s: float,
+                 persister: Optional[NodePersisterHandle] = None) -> None:
         self.node, self.events, self.interval_s = node, events, interval_s
         self.persister = persister
-        self.procs: dict[int, object] = {}  # wid -> multiprocessing.Process
+        self.procs: dict[int, BaseProcess] = {}  # wid -> its started worker process
         self.reported: set[int] = set()  # wids whose exit this agent has reported (or, once lost, seen)
         self.lost = False
         self.last_beat = time.monotonic()
@@ -37,14 +39,14 @@ class NodeAgent:
         self._thread = threading.Thread(target=self._watch, name=f"agent-{node}", daemon=True)
         self._thread.start()
 
-    def add(self, wid: int, proc) -> None:
+    def add(self, wid: int, proc: BaseProcess) -> None:
         with self._lock:
             self.procs[wid] = proc
         os.write(self._wake_w, b"x")
 
     def pids(self) -> dict[int, int]:
         with self._lock:
-            return {wid: p.pid for wid, p in self.procs.items() if p.exitcode is None}
+            return {wid: _pid(p) for wid, p in self.procs.items() if p.exitcode is None}
 
     def exit_reported(self, wid: int) -> bool:
         """The worker is gone and the controller has its exit in the queue (a lost node reports none)."""
@@ -57,7 +59,7 @@ class NodeAgent:
             proc = self.procs.get(wid)
         if proc is not None and proc.exitcode is None:
             try:
-                os.kill(proc.pid, sig)
+                os.kill(_pid(proc), sig)
             except ProcessLookupError:
                 pass
 
@@ -95,6 +97,7 @@ class NodeAgent:
                 if r == self._wake_r:
                     os.read(self._wake_r, 64)
                     continue
+                assert isinstance(r, int)  # wait() hands back the descriptors it was given
                 wid = live[r]
                 with self._lock:
                     proc = self.procs[wid]
@@ -103,6 +106,12 @@ class NodeAgent:
                     self.events.put(("exit", wid, proc.exitcode, time.time()))
                 with self._lock:
                     self.reported.add(wid)
+
+
+def _pid(proc: BaseProcess) -> int:
+    """A process is added to its agent once started, so it has a pid."""
+    assert proc.pid is not None
+    return proc.pid
 
 
 class LocalFleet:

@@ -39,9 +39,9 @@ class Comm:
         self.collective_timeout = timedelta(seconds=timeouts.collective_timeout_s)
         self.rendezvous_timeout_s = timeouts.rendezvous_timeout_s
         self.recovery_timeout_s = timeouts.recovery_timeout_s
-        self.pg: dist.ProcessGroup | None = None
+        self.pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # a backend built directly, no wrapper
         self.want_side_group = False  # DeadPool's shard replication: a second, gloo-only group per generation
-        self.side_pg: dist.ProcessGroup | None = None
+        self.side_pg: dist.ProcessGroupGloo | None = None
         self.layout: Layout | None = None
         self._in_flight: list = []  # work objects of launched collectives not waited for yet
         self._failure: str | None = None  # why a launch failed, raised by the next wait_all
@@ -53,15 +53,21 @@ class Comm:
 
     @property
     def rank(self) -> int:
-        return self.layout.pg_rank(self.wid)
+        return self.joined.pg_rank(self.wid)
 
     @property
     def size(self) -> int:
-        return len(self.layout.members)
+        return len(self.joined.members)
 
     @property
     def logical_rank(self) -> int:
-        return self.layout.logical[self.rank]
+        return self.joined.logical[self.rank]
+
+    @property
+    def joined(self) -> Layout:
+        """The generation this worker joined: its ranks and sizes are only asked for after ``join``."""
+        assert self.layout is not None, "no generation joined yet"
+        return self.layout
 
     def await_layout(self, timeout_s: float, *, newer_than: int) -> Layout:
         """Block until the controller publishes a generation newer than ``newer_than`` with this worker in it."""
@@ -118,11 +124,11 @@ class Comm:
                 return
             except Exception:
                 pass
-            if self.store.check([f"gen/{self.layout.gen + 1}"]):
-                raise CollectiveFailure(f"gen {self.layout.gen} was replaced before every member arrived")
+            gen = self.joined.gen
+            if self.store.check([f"gen/{gen + 1}"]):
+                raise CollectiveFailure(f"gen {gen} was replaced before every member arrived")
             if time.monotonic() >= deadline:
-                raise CollectiveFailure(
-                    f"gen {self.layout.gen}: not every member arrived within {wait.total_seconds():.0f}s")
+                raise CollectiveFailure(f"gen {gen}: not every member arrived within {wait.total_seconds():.0f}s")
 
     def abort(self) -> None:
         """Drop this process's group: its sockets close, so peers' pending collectives fail immediately."""
@@ -222,7 +228,7 @@ def _opts(op) -> dist.AllreduceOptions:
     return opts
 
 
-def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta) -> dist.ProcessGroup:
+def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta) -> dist.ProcessGroupGloo:
     """Gloo over loopback (or the host's interface); the rendezvous waits at most ``rendezvous``."""
     pg = dist.ProcessGroupGloo(store, rank, size, rendezvous)
     pg.set_timeout(timeout)

@@ -93,7 +93,8 @@ class IndexedDatasetSource:
 
 
 def _token_batch(seq: torch.Tensor, step: int, logical_rank: int) -> dict[str, torch.Tensor]:
-    return {"idx": seq[:, :-1].contiguous(), "targets": seq[:, 1:].contiguous(), "sample": torch.tensor([step, logical_rank])}
+    return {"idx": seq[:, :-1].contiguous(), "targets": seq[:, 1:].contiguous(),
+            "sample": torch.tensor([step, logical_rank])}
 
 
 class StepLoader:

@@ -29,7 +29,8 @@ class JsonLines:
 class EventLog(JsonLines):
     """events.jsonl: one object per line with t, step, rank, kind and details."""
 
-    def __init__(self, path: Path, rank: Callable[[], Any], step: Callable[[], int], echo: Optional[Callable[[dict], None]] = None) -> None:
+    def __init__(self, path: Path, rank: Callable[[], Any], step: Callable[[], int],
+                 echo: Optional[Callable[[dict], None]] = None) -> None:
         super().__init__(path)
         self.rank, self.step, self.echo = rank, step, echo
 

@@ -9,6 +9,7 @@ import torch
 
 from runner.data import BatchSource, StepLoader
 from runner.model import GPT, GPTConfig, flops_per_token
+from runner.strategy import ResilientStrategy
 
 
 class GPTModule(pl.LightningModule):
@@ -18,7 +19,8 @@ class GPTModule(pl.LightningModule):
         self.model_cfg = model_cfg
         self.model = GPT(model_cfg)
         self.lr, self.min_lr, self.warmup_steps, self.max_steps = lr, min_lr, warmup_steps, max_steps
-        self.weight_decay, self.betas = weight_decay, tuple(betas)
+        beta1, beta2 = betas
+        self.weight_decay, self.betas = weight_decay, (beta1, beta2)
         self.tokens_per_sample = model_cfg.seq_len
         self.flops_per_token = flops_per_token(model_cfg)
 
@@ -53,4 +55,7 @@ class StepDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> StepLoader:
         trainer = self.trainer
-        return StepLoader(self.source, lambda: trainer.global_step, lambda: trainer.strategy.logical_rank)
+        assert trainer is not None  # Lightning attaches the trainer before it asks for the dataloader
+        strategy = trainer.strategy
+        assert isinstance(strategy, ResilientStrategy)  # which logical rank's samples to serve
+        return StepLoader(self.source, lambda: trainer.global_step, lambda: strategy.logical_rank)

@@ -63,7 +63,7 @@ class GradReducer:
         self.comm, self.accounting = comm, accounting
         self.buckets = _make_buckets(trainable_params(module)[::-1], bucket_bytes, accounting_size, comm.device)
         self._opts = dist.AllreduceOptions()
-        self._opts.reduceOp = dist.ReduceOp.SUM
+        self._opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
         self._armed = False
         self._next = 0  # the next bucket to launch
         for bucket in self.buckets:
@@ -90,8 +90,8 @@ class GradReducer:
         while self._next < len(self.buckets):
             self._launch_next()
         self.comm.wait_reduction()
-        carrier = next(b for b in self.buckets if b.accounting is not None)
-        return [b.grads for b in self.buckets if b.params], carrier.accounting
+        accounting = next(b.accounting for b in self.buckets if b.accounting is not None)
+        return [b.grads for b in self.buckets if b.params], accounting
 
     def write_back(self, dp: int, divisor: Optional[Callable[[Tensor], int]] = None) -> None:
         """Sums -> means into ``.grad``: by ``dp``, or per parameter by ``divisor(p)`` (NDB)."""
@@ -127,8 +127,8 @@ class GradReducer:
 
 def trainable_params(module: torch.nn.Module) -> list[Tensor]:
     """Trainable parameters in registration order, each once (tied weights appear once)."""
-    seen: set[int] = set()
-    return [p for p in module.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+    once = {id(p): p for p in module.parameters() if p.requires_grad}  # a dict keeps each id's first position
+    return list(once.values())
 
 
 def _make_buckets(params: list[Tensor], bucket_bytes: int, accounting_size: int,

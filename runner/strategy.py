@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -90,9 +91,9 @@ class ResilientStrategy(ParallelStrategy):
         self._shard_replication = shard_replication  # a technique copies each updated shard elsewhere
         self._source: Optional[BatchSource] = None  # the step-indexed batch source, for taken-over micro-batches
         self._failed = False
-        self.update = CommittedUpdate(lambda: self.lightning_module.trainer.global_step)
-        self.state = TrainerState(lambda: self.lightning_module, lambda: self.optimizers, self.update, guard)
-        self.commit = StepCommit(comm, events, status, self.state, self.update, lambda: self.lightning_module,
+        self.update = CommittedUpdate(lambda: self._module.trainer.global_step)
+        self.state = TrainerState(lambda: self._module, lambda: self.optimizers, self.update, guard)
+        self.commit = StepCommit(comm, events, status, self.state, self.update, lambda: self._module,
                                  bucket_bytes=int(bucket_mb * 2**20), guard=guard, takeover=takeover,
                                  recover=recover, on_commit=on_commit)
 
@@ -106,8 +107,15 @@ class ResilientStrategy(ParallelStrategy):
         return self.comm.logical_rank
 
     @property
+    def _module(self) -> pl.LightningModule:
+        """The module under training: Lightning attaches it before any hook that asks for it."""
+        module = self.lightning_module
+        assert module is not None
+        return module
+
+    @property
     def dp_size(self) -> int:
-        return self.comm.layout.dp
+        return self.comm.joined.dp
 
     @property
     def is_global_zero(self) -> bool:
@@ -138,7 +146,9 @@ class ResilientStrategy(ParallelStrategy):
                     raise
                 newer_than = layout.gen
         self.status.logical_rank = self.comm.logical_rank  # a spare learns its rank here
-        rank_zero_only.rank = self.comm.logical_rank  # Lightning's rank-zero prints follow the logical rank
+        # Lightning's rank-zero prints follow the logical rank; the rank is an attribute set on the function at run
+        # time, which its overloaded stub does not declare
+        rank_zero_only.rank = self.comm.logical_rank  # type: ignore[attr-defined]
         self.events.emit("group_formed", gen=layout.gen, members=len(layout.members), joining=self.joining)
 
     @property
@@ -153,7 +163,7 @@ class ResilientStrategy(ParallelStrategy):
         for opt in self.optimizers:
             self.update.gate(opt)
         if not self.joining:  # replicas start identical whatever the module's init did (as DDP does)
-            for p in self.lightning_module.state_dict().values():
+            for p in self._module.state_dict().values():
                 if isinstance(p, Tensor):
                     self.comm.broadcast(p.data, src=0)
             if self.update.replication is not None:  # a replica of the initial shard too: nothing is unprotected
@@ -165,18 +175,19 @@ class ResilientStrategy(ParallelStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"parallel.zero=1 supports a module with one optimizer; configure_optimizers() returned "
                              f"{len(self.optimizers)}: use one optimizer or parallel.zero=0")
-        zero = ZeroOne(self.lightning_module, self.optimizers[0], self.dp_size)
+        zero = ZeroOne(self._module, self.optimizers[0], self.dp_size)
         zero.shard_for(self.logical_rank)
         # Lightning clips the gradients of the optimizer's parameters (main_params); the norm must stay the whole
         # gradient's (every rank holds it after the full all-reduce), summed in the same order as unsharded.
-        self.precision_plugin.main_params = lambda optimizer: zero.unsharded
+        # The plugin is whichever one Lightning chose for the precision, so this one method is replaced on it.
+        self.precision_plugin.main_params = lambda optimizer: iter(zero.unsharded)  # type: ignore[method-assign]
         self.update.zero = zero
         if self._shard_replication is not None:
             self.update.replication = self._shard_replication(zero)
 
     # -- per-step seeding and the committed, failure-aware reduction ----------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        step = self.lightning_module.trainer.global_step
+        step = self._module.trainer.global_step
         seed_step(derive_seed(self.seed, step, self.logical_rank, 1), self.root_device)
         self.commit.begin(args[0] if args else kwargs.get("batch"))
         if self.status.latest_gen > self.comm.gen and self._recover is not None and not self.joining:
@@ -224,7 +235,7 @@ class ResilientStrategy(ParallelStrategy):
                 "cannot give each (step, logical rank) a fixed batch; return a DataLoader over a map-style dataset "
                 "or a runner.data.StepLoader from train_dataloader()."
             )
-        trainer = self.lightning_module.trainer
+        trainer = self._module.trainer
         collate = getattr(dataloader, "collate_fn", None) or torch.utils.data.default_collate
         source = IndexedDatasetSource(dataset, self.micro_batch, self.dp_size, collate)
         self._source = source

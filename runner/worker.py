@@ -27,7 +27,7 @@ from runner import protocol
 from runner.checksum import param_checksum
 from runner.comm import Comm, RunAborted, RunFailedError
 from runner.config.validate import all_faults, dp_size
-from runner.data import MemmapTokens, SyntheticTokens
+from runner.data import BatchSource, MemmapTokens, SyntheticTokens
 from runner.events import EventLog, JsonLines
 from runner.faults.comm_faults import FaultInjectingComm
 from runner.lightning_module import GPTModule, StepDataModule
@@ -67,7 +67,8 @@ def main(spec: WorkerSpec, cfg_dict: dict) -> None:
     code = run_reporting(spec, OmegaConf.create(cfg_dict))
     sys.stdout.flush()
     sys.stderr.flush()
-    multiprocessing.util._exit_function()  # release semaphores (tqdm's lock) as a normal exit would
+    # release semaphores (tqdm's lock) as a normal exit would; typeshed leaves this private function out
+    multiprocessing.util._exit_function()  # type: ignore[attr-defined]
     os._exit(code)  # no waiting on logger threads: the controller already has the result
 
 
@@ -182,6 +183,7 @@ def build_module_and_data(cfg: DictConfig, micro_batch: int):
     if cfg.model._target_:
         return module, None  # the user's module brings its own train_dataloader()
     m = cfg.model
+    source: BatchSource
     if cfg.data.kind == "memmap":
         source = MemmapTokens(cfg.data.path, cfg.seed, m.seq_len, micro_batch, m.vocab_size)
     else:

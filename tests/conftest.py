@@ -42,7 +42,8 @@ class Run:
         """The run's one recovery; if there were more or none, the failure says what each was and why."""
         recoveries = self.summary["recoveries"]
         assert len(recoveries) == 1, "expected one recovery, got:\n" + "\n".join(
-            [f"  {r['fault']} -> {r['action']} of {r['victims']} at step {r['step']}: {r['reason']}" for r in recoveries]
+            [f"  {r['fault']} -> {r['action']} of {r['victims']} at step {r['step']}: {r['reason']}"
+             for r in recoveries]
             + [f"  {json.dumps(e)}" for e in self.events() if e["kind"] in RECOVERY_TRAIL])
         return recoveries[0]
 

@@ -103,7 +103,8 @@ def test_faults_while_several_buckets_are_in_flight_stay_exact(tmp_path):
     run = run_cli(*small, "fault=transient", "fault.rank=1", "fault.step=8",
                   "+fault.extra=[{kind: kill_rank, rank: 2, step: 16}]", run_dir=tmp_path / "faults")
     s = assert_exact(run, clean.summary, recoveries=2)
-    assert [(r["fault"], r["action"]) for r in s["recoveries"]] == [("transient", "retry"), ("process_crash", "restart_rank")]
+    assert [(r["fault"], r["action"]) for r in s["recoveries"]] == [("transient", "retry"),
+                                                                    ("process_crash", "restart_rank")]
 
 
 def test_losing_every_replica_fails_clearly_and_never_hangs(run_dir):
@@ -157,5 +158,6 @@ def test_slow_link_slows_the_job_without_a_recovery(fault_free, run_dir):
 def test_partition_is_retried_then_the_cut_off_rank_is_isolated_and_replaced(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=partition", "fault.rank=1", "fault.step=10", run_dir=run_dir)
     s = assert_exact(run, fault_free, recoveries=2)
-    assert [(r["fault"], r["action"]) for r in s["recoveries"]] == [("transient", "retry"), ("partition", "restart_rank")]
+    assert [(r["fault"], r["action"]) for r in s["recoveries"]] == [("transient", "retry"),
+                                                                    ("partition", "restart_rank")]
     assert s["recoveries"][1]["victims"] == [1]

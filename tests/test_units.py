@@ -95,7 +95,8 @@ def test_decision_tree_with_deadpool():
     node = decide(ft=["deadpool"], dead=[], lost_nodes=[1], lost_ranks=[2, 3], spares=2, **kw)
     assert (node.action, node.victims) == ("swap_spare", [2, 3])
     assert decide(ft=["deadpool"], dead=[], lost_nodes=[1], lost_ranks=[2, 3], spares=1, **kw).action == "fail"
-    assert decide(ft=["deadpool", "ndb"], dead=[], lost_nodes=[1], lost_ranks=[2, 3], spares=1, **kw).action == "takeover"
+    both = decide(ft=["deadpool", "ndb"], dead=[], lost_nodes=[1], lost_ranks=[2, 3], spares=1, **kw)
+    assert both.action == "takeover"
     assert decide(ft=["deadpool"], dead=[2], lost_nodes=[], lost_ranks=[], spares=2, **kw).action == "restart_rank"
     assert decide(ft=["deadpool"], dead=[], lost_nodes=[], lost_ranks=[], spares=2, **kw).action == "retry"
 

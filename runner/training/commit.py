@@ -49,7 +49,7 @@ class StepCommit:
 
     @property
     def dp_size(self) -> int:
-        return self.comm.layout.dp
+        return self.comm.joined.dp
 
     # -- one step ----------------------------------------------------------------------------------
     def begin(self, batch: Any) -> None:
@@ -73,7 +73,7 @@ class StepCommit:
     def arm(self) -> None:
         """Before the step's own backward: its buckets launch as they fill (not when micro-batches of others
         join after backward)."""
-        if not self.comm.layout.extra_of(self.comm.wid):
+        if not self.comm.joined.extra_of(self.comm.wid):
             self.reducer.arm()
 
     def commit(self, closure: Callable[[], Any], source: Optional[BatchSource]) -> bool:
@@ -84,7 +84,7 @@ class StepCommit:
         t0 = time.perf_counter()
         while True:
             if self.takeover is not None:
-                wanted = self.comm.layout.extra_of(self.comm.wid)
+                wanted = self.comm.joined.extra_of(self.comm.wid)
                 self.takeover.take_over(step, wanted, source, self._grad_params())
             self.status.phase = "reduce"
             try:
@@ -101,7 +101,7 @@ class StepCommit:
                     return False
         divisor = None
         if self.takeover is not None:
-            divisor = self.takeover.divisor(self.dp_size, self.comm.layout.takeovers)
+            divisor = self.takeover.divisor(self.dp_size, self.comm.joined.takeovers)
         self.reducer.write_back(self.dp_size, divisor)
         if self.takeover is not None:
             self.takeover.record_step(time.perf_counter() - self._t_batch)
