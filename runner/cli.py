@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner.config import ConfigError, register_all
-from runner.config.registry import CONF_DIR
+from runner.config.registry import CONF_DIR, user_config_dirs
 from runner.config.validate import validate
 from runner.plan import apply_smoke, make_plan, needs_gpus
 
@@ -24,7 +24,7 @@ EXIT_CONFIG = 2
 EXIT_NEEDS_GPUS = 3
 EXIT_RUN_FAILED = 1
 
-register_all()
+register_all(user_config_dirs(sys.argv[1:]))  # a user's recipes/ beside --config-dir or on hydra.searchpath
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
