@@ -32,6 +32,7 @@ class CommitMetrics(Callback):
         self._t_step = time.perf_counter()
         self._last_gen: int | None = None
         self._unwritten: dict | None = None  # this member's last record, while another member writes
+        self.last: dict | None = None  # the newest committed step's record (the progress bar shows it)
         self.trainer = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -52,6 +53,7 @@ class CommitMetrics(Callback):
         record = {"step": step, "t": time.time(), "loss": loss, "step_time_s": step_time, "reduce_s": reduce_s,
                   "tokens_per_s": tokens / step_time if step_time > 0 else 0.0, "counts": counts,
                   "misplaced": int(extras[-1]), "gen": gen}
+        self.last = record
         if gen != self._last_gen and self._unwritten is not None and self._unwritten["step"] == step - 1:
             self._write_if_missing(self._unwritten)
         writer = next((wid for wid in layout.members if wid not in layout.joiners), layout.members[0])

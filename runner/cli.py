@@ -16,15 +16,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from runner.config import ConfigError, register_all
-from runner.config.registry import CONF_DIR
+from runner.config.registry import CONF_DIR, user_config_dirs
 from runner.config.validate import validate
-from runner.plan import apply_smoke, make_plan, needs_gpus
+from runner.plan import apply_smoke, make_plan, needs_gpus, scaled
 
 EXIT_CONFIG = 2
 EXIT_NEEDS_GPUS = 3
 EXIT_RUN_FAILED = 1
 
-register_all()
+register_all(user_config_dirs(sys.argv[1:]))  # a user's recipes/ beside --config-dir or on hydra.searchpath
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -46,9 +46,10 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         print(plan.render(cfg), flush=True)
         if needs_gpus(cfg, plan):
             print(
-                f"[runner] {cfg.recipe_name} has {plan.params / 1e9:.1f} B parameters and needs {plan.world} GPUs "
-                f"with {plan.bytes_per_rank / 2**30:.0f} GiB each; this host has {plan.gpus_available}. Launch it under "
-                "torchrun or SLURM on a GPU cluster, or add runner.smoke=true to train the same recipe shrunk on CPU.",
+                f"[runner] {cfg.recipe_name} has {scaled(plan.params)} parameters and needs {plan.world} GPUs "
+                f"with {plan.bytes_per_rank / 2**30:.0f} GiB each; this host has {plan.gpus_available}. Launch it "
+                "under torchrun or SLURM on a GPU cluster, or add runner.smoke=true to train the same recipe shrunk "
+                "on CPU.",
                 file=sys.stderr, flush=True,
             )
             return EXIT_NEEDS_GPUS
@@ -75,15 +76,18 @@ def render_summary(s: dict, run_dir: Path) -> str:
     lines += [
         f"  steps        {s['global_step']}  loss {s['initial_loss']} -> {s['final_loss']}",
         f"  throughput   {s['steps_per_s']:.2f} steps/s, {s['tokens_per_s']:.0f} tokens/s, MFU {100 * s['mfu']:.2f}%",
-        f"  wall         {s['wall_s']:.1f}s (training {s['train_s']:.1f}s, ETTR {s['effective_training_time_ratio']:.3f})",
-        f"  samples      committed {s['samples_committed']}, lost {s['samples_lost']}, duplicated {s['samples_duplicated']}",
+        f"  wall         {s['wall_s']:.1f}s (training {s['train_s']:.1f}s, "
+        f"ETTR {s['effective_training_time_ratio']:.3f})",
+        f"  samples      committed {s['samples_committed']}, lost {s['samples_lost']}, "
+        f"duplicated {s['samples_duplicated']}",
         f"  checksum     {s['param_checksum']}",
     ]
     for r in s["recoveries"]:
         lines.append(
             f"  recovery {r['id']}   {r['fault']} of {r['victims']} at step {r['step']} -> {r['action']}: "
             f"RTO {_fmt(r['rto_s'])} (detect {_fmt(r['detect_s'])}, decide {_fmt(r['decide_s'])}, replace "
-            f"{_fmt(r['replace_s'])}, rebuild {_fmt(r['rebuild_s'])}, restore {_fmt(r['restore_s'])}), RPO {r['rpo_steps']} steps"
+            f"{_fmt(r['replace_s'])}, rebuild {_fmt(r['rebuild_s'])}, restore {_fmt(r['restore_s'])}), "
+            f"RPO {r['rpo_steps']} steps"
         )
     for t in s.get("takeovers", []):
         lines.append(

@@ -44,7 +44,7 @@ class Plan:
         gib = f"{self.state_bytes_per_rank / GiB:.1f} GiB states + {self.activation_bytes_per_rank / GiB:.1f} GiB"
         return "\n".join([
             f"plan for recipe {cfg.recipe_name}:",
-            f"  model       {self.params / 1e9:.3f} B parameters, {self.flops_per_token / 1e9:.2f} GFLOP per token "
+            f"  model       {scaled(self.params)} parameters, {scaled(self.flops_per_token, giga='G')}FLOP per token "
             "(training)",
             f"  layout      {p.nodes} node(s) x {p.procs_per_node} rank(s) = {self.world} ranks: dp={self.dp} "
             f"tp={self.tp} pp={self.pp} zero={self.zero}, spares={p.spares}",
@@ -53,6 +53,14 @@ class Plan:
             f"  memory/rank {gib} activations = {self.bytes_per_rank / GiB:.1f} GiB",
             f"  devices     needs {self.world} GPU(s); this host has {self.gpus_available}",
         ])
+
+
+def scaled(value: float, giga: str = "B") -> str:
+    """``value`` with the prefix that fits, three significant digits: 70.6 K, 124 M, 13 B (or 13 G with giga="G")."""
+    for scale, unit in ((1e12, "T"), (1e9, giga), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.3g} "
 
 
 def gpt_config(cfg: DictConfig) -> GPTConfig:

@@ -7,11 +7,13 @@ replacements start in a fraction of a second.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.util
 import os
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from callbacks.fault_injection import FaultTrigger
 from callbacks.heartbeat import Heartbeat
 from callbacks.metrics import CommitMetrics
+from callbacks.progress import StepProgressBar
 from runner import protocol
 from runner.checksum import param_checksum
 from runner.comm import Comm, RunAborted, RunFailedError
@@ -64,12 +67,24 @@ def main(spec: WorkerSpec, cfg_dict: dict) -> None:
     # session (autogroup), a busy host then shares its CPUs per rank rather than per job. Ctrl-C
     # reaches only the controller, which ends the workers itself.
     os.setsid()
+    quiet_console()
     code = run_reporting(spec, OmegaConf.create(cfg_dict))
     sys.stdout.flush()
     sys.stderr.flush()
     # release semaphores (tqdm's lock) as a normal exit would; typeshed leaves this private function out
     multiprocessing.util._exit_function()  # type: ignore[attr-defined]
     os._exit(code)  # no waiting on logger threads: the controller already has the result
+
+
+def quiet_console() -> None:
+    """No start-up banners (GPU/TPU available, Lightning's logger tip, LOCAL_RANK) and no deprecation
+    warnings from any worker: every rank and replacement would print them again. The console is the plan,
+    rank 0's progress bar, the controller's recovery lines and the summary."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                 "lightning.pytorch.accelerators.cuda"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def run_reporting(spec: WorkerSpec, cfg: DictConfig) -> int:
@@ -127,6 +142,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         zero_stage=cfg.parallel.zero, shard_replication=hooks.shard_replication,
     )
     is_rank0 = spec.logical_rank == 0
+    progress_bar = bool(cfg.trainer.progress_bar and is_rank0 and not joining)
     trainer = pl.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=[device.index] if device.type == "cuda" else 1,
@@ -136,9 +152,9 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         gradient_clip_val=cfg.trainer.grad_clip or None,
         logger=build_logger(cfg, run_dir) if is_rank0 else False,  # a replacement of rank 0 resumes the logging
         # techniques' first (flash checkpoints: draining the persister runs while the heartbeat still beats)
-        callbacks=[*hooks.callbacks, heartbeat, faults, metrics],
+        callbacks=[*hooks.callbacks, heartbeat, faults, metrics, *([StepProgressBar(metrics)] if progress_bar else [])],
         enable_checkpointing=False,
-        enable_progress_bar=bool(cfg.trainer.progress_bar and is_rank0 and not joining),
+        enable_progress_bar=progress_bar,
         enable_model_summary=is_rank0 and not joining,
         num_sanity_val_steps=0,
         limit_val_batches=0,

@@ -204,7 +204,7 @@ class TrainerConfig:
     log_every_n_steps: int = 1
     """Experiment-logger cadence (metrics.jsonl gets every committed step regardless)."""
     progress_bar: bool = True
-    """Lightning progress bar on the console (logical rank 0)."""
+    """Progress bar on the console (logical rank 0): committed step, loss and tokens/s."""
 
 
 @dataclass
@@ -275,7 +275,7 @@ class RunnerConfig:
     cpu_max_params: int = 400_000_000
     """Bigger models only print their plan on a host without enough GPUs."""
     console_events: bool = True
-    """Echo controller events on the console."""
+    """One console line per recovery (and per failed run), from the controller's events."""
 
 
 @dataclass

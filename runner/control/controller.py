@@ -10,7 +10,6 @@ the end it writes the summary from the run's record.
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch.distributed import TCPStore
 from runner.agent import LocalFleet
 from runner.config import policy
 from runner.config.validate import ft_names
+from runner.control.console import RecoveryConsole
 from runner.control.context import RunContext
 from runner.control.detection import Detector
 from runner.control.execution import Executor
@@ -55,7 +55,7 @@ class Controller:
         self.actions = build_actions(self.ft, cfg, self.topo, self.run_dir)
         self.record = RunRecord(ft=list(self.ft), dp=self.topo.dp, t_start=time.time())
         self.events = EventLog(self.run_dir / "events.jsonl", rank=lambda: "controller", step=lambda: -1,
-                               echo=self._echo if cfg.runner.console_events else None)
+                               echo=RecoveryConsole(cfg.trainer.progress_bar) if cfg.runner.console_events else None)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -172,11 +172,3 @@ class Controller:
         self.record.status, self.record.error = "failed", reason
         self.store.set("abort", reason)
         self.events.emit("run_failed", error=reason)
-
-    def _echo(self, record: dict) -> None:
-        kind = record["kind"]
-        if kind in ("run_start", "symptom_reported") or (kind == "generation" and record.get("recovery", -1) == -1):
-            return
-        details = {k: v for k, v in record.items() if k not in ("t", "step", "rank", "kind")}
-        print(f"[runner {time.time() - self.record.t_start:7.2f}s] {kind}: {json.dumps(details, default=str)}",
-              flush=True)
