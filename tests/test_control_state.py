@@ -186,6 +186,20 @@ def test_a_configured_kill_is_carried_out_by_the_controller_and_released(tmp_pat
     assert ctl.record.recoveries[0].victims == [1] and fleet.spawned[-1] == (4, 0, "joiner", 1)
 
 
+def test_faults_of_one_step_are_carried_out_together(tmp_path):
+    """Two kills configured for one step are one fault: the first victim to announce waits for the other, so
+    that both exits fall in one decision."""
+    ctl, fleet = _start(tmp_path, "ft=flashrecovery", "fault.kind=kill_rank", "fault.rank=1", "fault.step=3",
+                        "+fault.extra=[{kind: kill_rank, rank: 2, step: 3}]")
+    protocol.set_json(ctl.store, "fault/hit/0", {"wid": 1, "step": 3})
+    _round(ctl)
+    assert fleet.signals == [] and not ctl.store.check(["fault/released/0"])
+    protocol.set_json(ctl.store, "fault/hit/1", {"wid": 2, "step": 3})
+    _round(ctl)
+    assert fleet.signals == [(1, signal.SIGKILL), (2, signal.SIGKILL)]
+    assert ctl.store.get("fault/released/0") == ctl.store.get("fault/released/1") == b"1"
+
+
 def test_no_action_left_fails_the_run_with_the_reason(tmp_path):
     ctl, fleet = _start(tmp_path, "ft=flashrecovery", "ft.flashrecovery.max_restarts=0")
     ctl.queue.put(("exit", 0, -9, time.time()))

@@ -2,9 +2,12 @@
 
 A worker that reaches its fault's trigger writes ``fault/hit/<i>`` and waits; the controller kills or
 stops it (or loses its node, or kills every rank), so the fault comes from outside the victim as a real
-one would, then releases it. Faults that damage snapshot memory do so here too
-(``runner.faults.snapshot_memory``). Faults the worker carries out itself (transient, slow_rank, bitflip,
-slow_link, partition) need nothing here.
+one would, then releases it. Faults configured for the same step (and moment) are one fault: they are
+carried out together once each victim announced (or ``TOGETHER_WITHIN_S`` after the first did), so
+that the controller decides on all their exits at once, however many milliseconds apart the victims
+reached the step. Faults that damage snapshot memory do so here too (``runner.faults.snapshot_memory``).
+Faults the worker carries out itself (transient, slow_rank, bitflip, slow_link, partition) need
+nothing here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from runner.control.records import Worker
 from runner.faults import snapshot_memory
 
 WORKER_CARRIED = ("transient", "slow_rank", "bitflip", "slow_link", "partition", "chaos")
+TOGETHER_WITHIN_S = 2.0  # victims of one step's faults announce within milliseconds; this bounds a missing one
 
 
 class FaultInjector:
@@ -28,21 +32,38 @@ class FaultInjector:
     def __init__(self, cfg, ctx: RunContext, memory_job: Optional[str]) -> None:
         self.ctx, self.memory_job = ctx, memory_job
         self.faults = [f for f in all_faults(cfg) if f.kind != "none"]  # indexed as the workers index them
-        self.hits: dict[int, dict] = {}
+        self.hits: dict[int, dict] = {}  # announced, not yet carried out
+        self.done: set[int] = set()  # carried out
+        self.first_hit_at: dict[tuple, float] = {}  # a group's first announcement (monotonic)
 
     def poll(self) -> None:
-        """Carry out every fault whose victim announced it since the last round, then release the victim."""
+        """Carry out the faults whose victims announced them since the last round, a step's faults together,
+        then release the victims."""
         store = self.ctx.store
         for i, fault in enumerate(self.faults):
-            if i in self.hits or fault.kind in WORKER_CARRIED:
+            if i in self.hits or i in self.done or fault.kind in WORKER_CARRIED:
                 continue
-            key = f"fault/hit/{i}"
-            if not store.check([key]):
+            if store.check([f"fault/hit/{i}"]):
+                self.hits[i] = protocol.get_json(store, f"fault/hit/{i}")
+                self.first_hit_at.setdefault(self._group(i), time.monotonic())
+        for i in sorted(self.hits):
+            group = [j for j in range(len(self.faults)) if self._group(j) == self._group(i) and j not in self.done]
+            waited = time.monotonic() - self.first_hit_at[self._group(i)]
+            if i in self.done or (not all(j in self.hits for j in group) and waited < TOGETHER_WITHIN_S):
                 continue
-            hit = protocol.get_json(store, key)
-            self.hits[i] = hit
-            self.carry_out(i, fault.kind, self.ctx.members.workers[hit["wid"]], fault.node, hit["step"])
-            store.set(f"fault/released/{i}", "1")
+            for j in (j for j in group if j in self.hits):
+                hit = self.hits.pop(j)
+                self.done.add(j)
+                fault = self.faults[j]
+                self.carry_out(j, fault.kind, self.ctx.members.workers[hit["wid"]], fault.node, hit["step"])
+                store.set(f"fault/released/{j}", "1")
+
+    def _group(self, i: int) -> tuple:
+        """Faults carried out together: the controller-carried ones of one step and moment; any other alone."""
+        fault = self.faults[i]
+        if fault.step < 0 or fault.kind in WORKER_CARRIED:
+            return ("alone", i)
+        return ("step", fault.step, fault.during)
 
     def carry_out(self, index: int, kind: str, w: Worker, node: int, at_step: Optional[int] = None) -> None:
         """SIGKILL or SIGSTOP worker ``w``, lose ``node``, or kill every rank (and damage snapshot memory).
