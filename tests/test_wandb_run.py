@@ -210,3 +210,56 @@ def _number(text: str):
     except ValueError:
         return text
     return int(value) if value.is_integer() and "." not in text and "e" not in text else value
+
+
+def test_the_run_logger_follows_the_files_from_where_they_ended(tmp_path):
+    """Lines written before the logger was built (an earlier torchrun attempt) are not logged again; a line
+    still being written waits; a recovery's row comes with the first step its complete generation commits."""
+    from omegaconf import OmegaConf
+
+    from runner.control.records import Recovery, RunRecord
+    from runner.control.run_logger import RunLogger
+    from runner.events import JsonLines
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.rows: list[dict] = []
+            self.alerts: list[tuple[str, str, str]] = []
+
+        def log(self, row: dict) -> None:
+            self.rows.append(row)
+
+        def alert(self, title: str, text: str, level: str) -> None:
+            self.alerts.append((title, text, level))
+
+    def commit(step: int, t: float, gen: int) -> dict:
+        return {"step": step, "t": t, "loss": 1.0 / (step + 1), "step_time_s": 0.1, "tokens_per_s": 10.0,
+                "counts": [1, 1], "misplaced": 0, "gen": gen}
+
+    metrics, events = JsonLines(tmp_path / "metrics.jsonl"), JsonLines(tmp_path / "events.jsonl")
+    metrics.write(commit(0, 99.0, 0))  # an earlier attempt's
+    cfg = OmegaConf.create({"trainer": {"log_every_n_steps": 2}, "logger": {"kind": "csv"}})
+    record = RunRecord(ft=["flashrecovery"], dp=2, t_start=100.0)
+    logger = RunLogger(cfg, tmp_path, record)
+    logger.backend = backend = Recorder()
+    for step in range(4):
+        metrics.write(commit(step, 101.0 + step, 0))
+    events.write({"t": 104.5, "step": -1, "rank": "controller", "kind": "fault_injected", "fault": "kill_rank",
+                  "victims": [1], "at_step": 4, "t_fault": 104.5})
+    os.write(metrics.fd, b'{"step": 4, "t": 106.0, ')  # half a line: step 4, committed after the recovery
+    logger.follow()
+    assert [(r["global_step"], r["wall_time"]) for r in backend.rows] == [(0, 1.0), (2, 3.0), (4, 4.5)]
+    assert backend.rows[-1]["event/kind"] == "fault_injected"
+
+    record.recoveries.append(Recovery(id=0, t_detect=104.6, t_detect_mono=0.0, fault="process_crash", victims=[1],
+                                      action="restart_rank", reason="restart in place", t_decide=104.7,
+                                      t_ready=104.8, full_gen=1))
+    os.write(metrics.fd, b'"loss": 0.2, "step_time_s": 0.1, "tokens_per_s": 10.0, "gen": 1}\n')
+    logger.follow()
+    assert [(r["global_step"], "train/loss" in r) for r in backend.rows[3:]] == [(4, True), (4, False)]
+    recovered = backend.rows[-1]
+    assert recovered["recovery/id"] == 0 and recovered["wall_time"] == 6.0
+    assert recovered["recovery/rto_s"] == pytest.approx(1.5) and recovered["recovery/rpo_steps"] == 0
+    assert backend.alerts[0][:1] == ("recovery 0: restart_rank",) and backend.alerts[0][2] == "WARN"
+    logger.follow()
+    assert len(backend.rows) == 5  # nothing twice
