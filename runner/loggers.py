@@ -20,7 +20,7 @@ STEP_AXIS = "global_step"  # every row has it: the training step the row belongs
 TIME_AXIS = "wall_time"  # and seconds since the controller started
 # every metric family the runner logs is drawn against the step axis (the time axis is in the same rows);
 # event/* (what happened, as text) stays out of the summary, which gets the run's summary.json at the end
-METRIC_FAMILIES = {"train/*": "last", "recovery/*": "last", "event/*": "none"}
+METRIC_FAMILIES: dict[str, Optional[str]] = {"train/*": None, "recovery/*": None, "event/*": "none"}
 
 
 def run_name(cfg: DictConfig) -> str:
