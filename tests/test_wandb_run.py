@@ -141,7 +141,7 @@ def assert_complete(logged: LoggedRun, run: Run, victim: int) -> None:
 
 @pytest.mark.parametrize("victim", [2, 0])
 def test_one_complete_wandb_run_per_job_whichever_rank_dies(tmp_path, victim):
-    run = run_cli(*KILL_RANK, f"fault.rank={victim}", "logger=wandb", run_dir=tmp_path / "run", quiet=False)
+    run = run_cli(*KILL_RANK, f"fault.rank={victim}", run_dir=tmp_path / "run", quiet=False)  # the default logger
     logged = read_wandb_run(run.dir)
     assert_complete(logged, run, victim)
     assert logged.exit_code == 0
