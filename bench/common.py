@@ -12,14 +12,16 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-QUIET = ["logger=none", "trainer.progress_bar=false", "runner.console_events=false"]
+QUIET = ["trainer.progress_bar=false", "runner.console_events=false"]
 
 
-def run_cli(*overrides: str, timeout: float = 900) -> tuple[dict, list[dict], list[dict]]:
-    """One ``python -m runner`` job; returns (summary, metrics, events)."""
+def run_cli(*overrides: str, timeout: float = 900, logger: str = "none") -> tuple[dict, list[dict], list[dict]]:
+    """One ``python -m runner`` job with experiment logger ``logger`` (none unless a bench measures one);
+    returns (summary, metrics, events)."""
     run_dir = Path(tempfile.mkdtemp(prefix="rr-bench-")) / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "runner", *overrides, *QUIET, f"hydra.run.dir={run_dir}"],
+    proc = subprocess.run([sys.executable, "-m", "runner", *overrides, f"logger={logger}", *QUIET,
+                           f"hydra.run.dir={run_dir}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():

@@ -24,19 +24,14 @@ from runner.events import EventLog, JsonLines
 
 
 class CommitMetrics(Callback):
-    def __init__(self, metrics: JsonLines, events: EventLog, comm: Comm, tokens_per_sample: int, micro_batch: int,
-                 log_every_n_steps: int) -> None:
+    def __init__(self, metrics: JsonLines, events: EventLog, comm: Comm, tokens_per_sample: int,
+                 micro_batch: int) -> None:
         self.metrics, self.events, self.comm = metrics, events, comm
         self.tokens_per_sample, self.micro_batch = tokens_per_sample, micro_batch
-        self.log_every = max(1, log_every_n_steps)
         self._t_step = time.perf_counter()
         self._last_gen: int | None = None
         self._unwritten: dict | None = None  # this member's last record, while another member writes
         self.last: dict | None = None  # the newest committed step's record (the progress bar shows it)
-        self.trainer = None
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        self.trainer = trainer
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._t_step = time.perf_counter()
@@ -65,11 +60,6 @@ class CommitMetrics(Callback):
             self.events.emit("step_committed_after_recovery", gen=gen, committed_step=step)
         self._last_gen = gen
         self.metrics.write(record)
-        if self.trainer is not None and self.trainer.logger is not None and step % self.log_every == 0:
-            self.trainer.logger.log_metrics(
-                {"train/loss": loss, "train/step_time_s": step_time, "train/tokens_per_s": record["tokens_per_s"]},
-                step=step,
-            )
 
     def _write_if_missing(self, record: dict, tail_bytes: int = 1 << 16) -> None:
         """Append ``record`` unless metrics.jsonl's tail has its step; the lock makes one holder do it."""

@@ -28,7 +28,7 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     if status == "completed" and len(checksums) != 1:
         status, error = "failed", f"replicas ended with different parameters: {len(checksums)} distinct checksums"
     wall = time.time() - record.t_start
-    recoveries = [_recovery_entry(r, events, metrics) for r in record.recoveries if r.action]
+    recoveries = [recovery_entry(r, events, metrics) for r in record.recoveries if r.action]
     committed = _last_per_step(metrics)
     accounting = _accounting(committed, cfg, record.dp)
     steps_in_metrics = len({m["step"] for m in metrics})
@@ -122,7 +122,10 @@ def _ettr(train_s: float, recoveries: list[dict]) -> float:
     return max(0.0, (train_s - lost) / train_s)
 
 
-def _recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> dict:
+def recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> dict:
+    """One ``recoveries[]`` entry: the phases from the record's times, the injected fault and the groups formed
+    (``events``) and the first step committed after the recovery (``metrics``). The run logger computes the
+    same entry live, as soon as that step is committed."""
     injected = [e for e in events if e["kind"] == "fault_injected" and e.get("t", 0) <= rec.t_detect + 1e-3]
     t_fault = injected[-1].get("t_fault", injected[-1]["t"]) if injected else rec.t_detect
     fault_step = injected[-1].get("at_step", injected[-1]["step"]) if injected else -1

@@ -34,7 +34,6 @@ from runner.data import BatchSource, MemmapTokens, SyntheticTokens
 from runner.events import EventLog, JsonLines
 from runner.faults.comm_faults import FaultInjectingComm
 from runner.lightning_module import GPTModule, StepDataModule
-from runner.loggers import build_logger
 from runner.plan import gpt_config
 from runner.recovery.flashrecovery.rejoin import ReplicaRecovery
 from runner.recovery.hooks import WorkerContext
@@ -131,8 +130,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     comm.want_side_group = hooks.side_group
     joining = spec.role in ("joiner", "spare", "restore")  # none holds the state yet: setup collectives stay local
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, comm,
-                            tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
-                            log_every_n_steps=cfg.trainer.log_every_n_steps)
+                            tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch)
     strategy = ResilientStrategy(
         comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
         recover=recovery, restore_snapshot=hooks.restore_snapshot, on_commit=metrics.on_commit, joining=joining,
@@ -150,7 +148,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         max_steps=cfg.trainer.max_steps,
         precision=cfg.trainer.precision,
         gradient_clip_val=cfg.trainer.grad_clip or None,
-        logger=build_logger(cfg, run_dir) if is_rank0 else False,  # a replacement of rank 0 resumes the logging
+        logger=False,  # the controller owns the job's experiment logger (runner/control/run_logger.py)
         # techniques' first (flash checkpoints: draining the persister runs while the heartbeat still beats)
         callbacks=[*hooks.callbacks, heartbeat, faults, metrics, *([StepProgressBar(metrics)] if progress_bar else [])],
         enable_checkpointing=False,

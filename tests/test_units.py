@@ -68,16 +68,14 @@ def test_decision_tree():
     assert (node.fault, node.action, node.victims) == ("node_loss", "fail", [2, 3])
 
 
-def test_recoveries_go_to_wandb_on_their_own_step_metric():
-    from runner.loggers import recovery_metrics
+def test_a_recovery_is_logged_with_its_rto_phases_and_rpo():
+    from runner.control.run_logger import recovery_row
 
-    summary = {"recoveries": [{"id": 0, "step": 12, "rto_s": 0.2, "detect_s": 0.01, "decide_s": 0.05,
-                               "replace_s": 0.06, "rebuild_s": 0.03, "restore_s": 0.05, "rpo_steps": 0}],
-               "tokens_per_s": 100.0, "steps_per_s": 2.0, "mfu": 0.1, "effective_training_time_ratio": 0.99,
-               "samples_lost": 0, "samples_duplicated": 0}
-    first, totals = recovery_metrics(summary)
-    assert first["recovery/id"] == 0 and first["recovery/rto_s"] == 0.2 and first["recovery/rpo_steps"] == 0
-    assert totals["run/samples_lost"] == 0
+    entry = {"id": 0, "step": 12, "rto_s": 0.2, "detect_s": 0.01, "decide_s": 0.05, "replace_s": 0.06,
+             "rebuild_s": 0.03, "restore_s": 0.05, "survivors_ready_s": None, "rpo_steps": 0}
+    row = recovery_row(entry)
+    assert row["recovery/id"] == 0 and row["recovery/rto_s"] == 0.2 and row["recovery/rpo_steps"] == 0
+    assert row["recovery/restore_s"] == 0.05 and "recovery/survivors_ready_s" not in row
 
 
 def test_decision_tree_with_ndb():
@@ -192,7 +190,7 @@ def test_a_committed_step_without_a_record_is_written_by_a_member_that_holds_it(
     path = tmp_path / "metrics.jsonl"
     comm = SimpleNamespace(wid=5, gen=1, layout=Layout(gen=1, members=[9, 5], logical=[0, 1], dp=2))
     events = SimpleNamespace(emit=lambda kind, **details: None)
-    metrics = CommitMetrics(JsonLines(path), events, comm, tokens_per_sample=1, micro_batch=1, log_every_n_steps=1)
+    metrics = CommitMetrics(JsonLines(path), events, comm, tokens_per_sample=1, micro_batch=1)
     extras = torch.tensor([1.0, 1.0, 2.0, 0.0], dtype=torch.float64)
 
     def steps() -> list[int]:

@@ -140,7 +140,7 @@ class PolicyConfig:
 
 @dataclass
 class LoggerConfig:
-    """Where metrics go besides the run directory's own files; one rank logs."""
+    """Where metrics go besides the run directory's own files; the controller logs (runner/control/run_logger.py)."""
 
     kind: LoggerKind = "wandb"
     """The experiment logger (select with logger=wandb, logger=csv, logger=none)."""

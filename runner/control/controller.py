@@ -29,10 +29,10 @@ from runner.control.execution import Executor
 from runner.control.incidents import Incidents
 from runner.control.membership import Membership
 from runner.control.records import RunRecord
+from runner.control.run_logger import RunLogger
 from runner.events import EventLog
 from runner.faults.chaos_injector import ChaosInjector
 from runner.faults.injector import FaultInjector
-from runner.loggers import log_summary_to_wandb
 from runner.recovery.registry import build_actions
 from runner.summary import write_summary
 from runner.topology import Topology
@@ -56,24 +56,29 @@ class Controller:
         self.record = RunRecord(ft=list(self.ft), dp=self.topo.dp, t_start=time.time())
         self.events = EventLog(self.run_dir / "events.jsonl", rank=lambda: "controller", step=lambda: -1,
                                echo=RecoveryConsole(cfg.trainer.progress_bar) if cfg.runner.console_events else None)
+        self.run_logger = RunLogger(cfg, self.run_dir, self.record)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> dict:
         self.start()
+        self.run_logger.start()
+        summary: Optional[dict] = None
         try:
-            self.launch()
-            self._loop()
-        except KeyboardInterrupt:
-            self._fail("interrupted by the user (Ctrl-C)")
-        finally:
-            self.fleet.shutdown(completed=self.record.status == "completed")
-            for action in self.actions.values():
-                action.on_end(self.ctx)
-            self.events.emit("run_end", status=self.record.status, error=self.record.error)
-        self.record.done = self.members.done_records()
-        summary = write_summary(self.cfg, self.run_dir, self.record)
-        log_summary_to_wandb(self.cfg, self.run_dir, summary)
-        return summary
+            try:
+                self.launch()
+                self._loop()
+            except KeyboardInterrupt:
+                self._fail("interrupted by the user (Ctrl-C)")
+            finally:
+                self.fleet.shutdown(completed=self.record.status == "completed")
+                for action in self.actions.values():
+                    action.on_end(self.ctx)
+                self.events.emit("run_end", status=self.record.status, error=self.record.error)
+            self.record.done = self.members.done_records()
+            summary = write_summary(self.cfg, self.run_dir, self.record)
+            return summary
+        finally:  # the experiment logger is finished in every ending, with the summary when there is one
+            self.run_logger.finish(summary)
 
     def start(self) -> None:
         """Host the store and start the fleet unless the job brought them; build the parts."""

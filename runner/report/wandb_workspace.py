@@ -1,12 +1,13 @@
 """``python -m runner.report.wandb_workspace --entity E --project P``: build and save the project's W&B workspace.
 
 Sections "Recovery" (recovery/rto_s and its phases), "Throughput" (train/tokens_per_s,
-train/step_time_s) and "Loss" (train/loss), with runs grouped by their W&B group, which the runner
-sets to the sweep directory (runner/loggers.py). Training panels are drawn against
-``trainer/global_step`` (the step axis Lightning's W&B logger defines) and recovery panels against
-``recovery/id`` (the one the runner defines for them). Needs the optional ``wandb-workspaces``
-package (``pip install "resilient-runner[workspace]"``) and a logged-in, online W&B; otherwise it
-explains what is missing and exits 2.
+train/step_time_s, and the step reached against wall time) and "Loss" (train/loss), with runs grouped
+by their W&B group, which the runner sets to the sweep directory relative to the working directory
+(runner/loggers.py). Every panel is drawn against the axes the runner's W&B run defines
+(runner/control/run_logger.py): ``global_step``, the training step of a row (a recovery's row sits
+at the step its recovered world committed first), and ``wall_time``, seconds since the job started.
+Needs the optional ``wandb-workspaces`` package (``pip install "resilient-runner[workspace]"``) and a
+logged-in, online W&B; otherwise it explains what is missing and exits 2.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import argparse
 import os
 import sys
 
+from runner.loggers import STEP_AXIS, TIME_AXIS
 from runner.report.collect import PHASES
 
 EXIT_UNAVAILABLE = 2
 RECOVERY_KEYS = ["recovery/rto_s", *(f"recovery/{p}" for p in PHASES)]
-TRAIN_STEP = "trainer/global_step"  # Lightning's WandbLogger logs every metric against it
-RECOVERY_STEP = "recovery/id"  # runner.loggers defines recovery/* against it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,14 +55,17 @@ def build(ws, wr, entity: str, project: str, name: str):
         ws.Section(name="Recovery", is_open=True, panels=[
             wr.BarPlot(title="RTO per run (s)", metrics=["recovery/rto_s"], orientation="h"),
             wr.BarPlot(title="RTO phases per run (s)", metrics=RECOVERY_KEYS[1:], orientation="h"),
-            wr.LinePlot(title="RTO and phases per recovery (s)", x=RECOVERY_STEP, y=RECOVERY_KEYS),
+            wr.LinePlot(title="RTO and phases per recovery, at the step training resumed (s)", x=STEP_AXIS,
+                        y=RECOVERY_KEYS),
         ]),
         ws.Section(name="Throughput", is_open=True, panels=[
-            wr.LinePlot(title="tokens/s", x=TRAIN_STEP, y=["train/tokens_per_s"], title_y="tokens/s"),
-            wr.LinePlot(title="step time (s)", x=TRAIN_STEP, y=["train/step_time_s"], title_y="s"),
+            wr.LinePlot(title="tokens/s", x=STEP_AXIS, y=["train/tokens_per_s"], title_y="tokens/s"),
+            wr.LinePlot(title="step time (s)", x=STEP_AXIS, y=["train/step_time_s"], title_y="s"),
+            wr.LinePlot(title="progress (recoveries are flats)", x=TIME_AXIS, y=[STEP_AXIS], title_x="wall time (s)",
+                        title_y="step"),
         ]),
         ws.Section(name="Loss", is_open=True, panels=[
-            wr.LinePlot(title="training loss", x=TRAIN_STEP, y=["train/loss"], title_y="loss"),
+            wr.LinePlot(title="training loss", x=STEP_AXIS, y=["train/loss"], title_y="loss"),
         ]),
     ]
     return ws.Workspace(entity=entity, project=project, name=name, sections=sections,
