@@ -161,7 +161,10 @@ def _run_rank0(cfg: DictConfig, env: RankEnv, run_dir: Path, namespace: str, rol
     thread.start()
     _train(cfg, env, run_dir, namespace, role, store)
     thread.join(timeout=cfg.launcher.run_timeout_s)
-    log.end(result.get("status", "failed"), result.get("error", "the controller did not finish"), step_reached())
+    if result:
+        log.end(result["status"], result.get("error", ""), step_reached())
+    else:
+        log.end("failed", "the controller did not finish", step_reached())
     if host is not None:
         host.close()
     if not env.agent_store:  # rank 0 hosts the store: keep it up while the others leave (they do at once)
