@@ -7,8 +7,10 @@ attempt id from a counter in the job's store (which outlives a restart: torchrun
 every other rank asks rank 0 for it: it draws a ticket from a second counter and waits until rank 0
 answers that ticket. A ticket is drawn after the previous attempt's processes are gone (torchrun
 stops every worker before the next rendezvous), so only the current rank 0 can answer it; no rank
-can read a stale attempt id. The job's run directory is fixed by the first attempt's rank 0, so
-that a restart (whose Hydra picks a new timestamped directory) continues in the same one.
+can read a stale attempt id. Under SLURM rank 0 hosts the store, so a requeued job starts with a
+fresh one: its attempt ids then count on from ``SLURM_RESTART_COUNT``. The job's run directory is
+fixed by the first attempt's rank 0, so that a restart (whose Hydra picks a new timestamped
+directory) continues in the same one (under SLURM: pass the same ``hydra.run.dir`` to a requeue).
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ class AttemptHost:
     for as long as the attempt runs (``close`` ends them). ``store``: a connection of its own, since a
     thread answers on it while the rank uses its other connections."""
 
-    def __init__(self, store: Store, job_id: str, run_dir: str) -> None:
+    def __init__(self, store: Store, job_id: str, run_dir: str, earlier: int = 0) -> None:
         self.keys = JobKeys(job_id)
         self.store = store
-        self.attempt = store.add(self.keys.attempts, 1)
+        self.attempt = earlier + store.add(self.keys.attempts, 1)
         self.run_dir = store.compare_set(self.keys.run_dir, "", run_dir).decode()
         self._closed = threading.Event()
         self._answered = 0

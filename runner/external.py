@@ -49,6 +49,7 @@ class RankEnv:
     agent_store: bool  # the launcher already hosts the store
     job_id: str
     restarted: bool  # the launcher says this process is a restart (on this host at least)
+    earlier_attempts: int  # attempts the job's store cannot remember: SLURM's requeues each bring a fresh one
 
 
 def rank_env(kind: str) -> RankEnv:
@@ -56,14 +57,15 @@ def rank_env(kind: str) -> RankEnv:
     if kind == "torchrun":
         return RankEnv(int(e["RANK"]), int(e["WORLD_SIZE"]), int(e["LOCAL_RANK"]), int(e.get("GROUP_RANK", 0)),
                        e["MASTER_ADDR"], int(e["MASTER_PORT"]), e.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                       e.get("TORCHELASTIC_RUN_ID", "job"), int(e.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0)
+                       e.get("TORCHELASTIC_RUN_ID", "job"), int(e.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0, 0)
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in e]
     if missing:
         raise ConfigError(f"Under SLURM set {' and '.join(missing)} (e.g. the first node's hostname and a free port) "
                           "in the batch script: rank 0 hosts the job's store there.")
+    requeues = int(e.get("SLURM_RESTART_COUNT", 0))
     return RankEnv(int(e["SLURM_PROCID"]), int(e["SLURM_NTASKS"]), int(e.get("SLURM_LOCALID", 0)),
                    int(e.get("SLURM_NODEID", 0)), e["MASTER_ADDR"], int(e["MASTER_PORT"]), False,
-                   e.get("SLURM_JOB_ID", "job"), int(e.get("SLURM_RESTART_COUNT", 0)) > 0)
+                   e.get("SLURM_JOB_ID", "job"), requeues > 0, requeues)
 
 
 class ExternalFleet:
@@ -116,7 +118,7 @@ def run_rank(cfg: DictConfig, run_dir: Path, kind: str) -> dict | None:
     base = connect(master=env.rank == 0 and not env.agent_store)
     host: Optional[AttemptHost] = None
     if env.rank == 0:
-        host = AttemptHost(connect(), env.job_id, str(run_dir))
+        host = AttemptHost(connect(), env.job_id, str(run_dir), env.earlier_attempts)
         attempt, job_dir = host.attempt, host.run_dir
     else:
         attempt, job_dir = join_attempt(base, env.job_id, cfg.launcher.start_timeout_s)
