@@ -157,7 +157,12 @@ def _run_rank0(cfg: DictConfig, env: RankEnv, run_dir: Path, namespace: str, rol
         members = getattr(controller, "members", None)  # built once the controller started
         return max((w.hb_step for w in members.workers.values()), default=-1) if members else -1
 
-    PromptTermination(lambda: log.end("failed", "terminated by the launcher (SIGTERM)", step_reached())).install()
+    def on_term() -> None:  # the controller's reason when it ended the attempt before the launcher stopped it
+        record = controller.record
+        error = record.error if record.status == "failed" else "terminated by the launcher (SIGTERM)"
+        log.end("failed", error, step_reached())
+
+    PromptTermination(on_term).install()
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(controller.run()), name="controller", daemon=True)
     thread.start()
