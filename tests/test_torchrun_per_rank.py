@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -149,6 +150,45 @@ def test_what_per_rank_cannot_do_is_refused_before_anything_starts(keys, kind, r
         check_mode(_cfg(**keys), kind)
     check_mode(_cfg(**{"fault.kind": "kill_rank", "fault.rank": 1}), "torchrun")  # a rank of rank 0's host
     check_mode(_cfg(**{"launcher.mode": "per_rank"}), "torchrun")
+
+
+# -- the attempt id and the attempts' accounting, in process --------------------------------------------------
+def test_a_rank_never_reads_an_earlier_attempts_id():
+    from runner.attempt import AttemptHost, join_attempt
+
+    def client():
+        return TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    first = AttemptHost(client(), "job", "/runs/first")
+    assert join_attempt(client(), "job", 10) == (1, "/runs/first")
+    first.close()  # the launcher stopped every process of attempt 1
+    ticket_before_rank0 = client()  # a rank of attempt 2 that starts before its rank 0 does
+    answer: list = []
+    waiter = threading.Thread(target=lambda: answer.append(join_attempt(ticket_before_rank0, "job", 10)))
+    waiter.start()
+    second = AttemptHost(client(), "job", "/runs/second-hydra-dir")
+    waiter.join()
+    second.close()
+    assert answer == [(2, "/runs/first")]  # the new attempt, in the job's one run directory
+
+
+def test_each_failed_attempt_is_a_launcher_restart_in_the_summary():
+    from runner.control.records import Attempt
+    from runner.summary import _attempt_entries, _launcher_restarts
+
+    attempts = [Attempt(1, 100.0, 110.0, "failed", "process_crash of [3]", 12),
+                Attempt(2, 120.0),  # its rank 0 was lost: no end record
+                Attempt(3, 160.0)]
+    metrics = [{"step": s, "t": 100.0 + s} for s in range(12)]  # attempt 1: steps 0..11
+    metrics += [{"step": s, "t": 122.0 + s} for s in range(10, 15)]  # attempt 2 resumed at 10, reached 14
+    metrics += [{"step": s, "t": 165.0 + s} for s in range(0, 20)]  # attempt 3: from step 0 (no snapshot)
+    first, second = _launcher_restarts(attempts, metrics)
+    assert (first["step"], first["rpo_steps"], first["rto_s"]) == (12, 2, 132.0 - 110.0)  # to the commit of step 10
+    assert (second["step"], second["rpo_steps"], second["t_fault"]) == (15, 15, 160.0)
+    assert "lost" in second["reason"]
+    entries = _attempt_entries(attempts, "completed", "", 20)
+    assert [e["status"] for e in entries] == ["failed", "unrecorded", "completed"]
 
 
 # -- two hosts, one rank of host 1 killed, resumed from flash checkpoints ------------------------------------
