@@ -154,6 +154,7 @@ def _launcher_restarts(attempts: list[Attempt], metrics: list[dict]) -> list[dic
             "action": "launcher_restart",
             "reason": prev.error or "the attempt ended without a record of why (its rank 0 was lost)",
             "rpo_steps": max(0, step - after[0]["step"]) if after and step >= 0 else None,
+            "resumed_step": after[0]["step"] if after else None,  # 0: from scratch (no common flash checkpoint)
             "rto_s": (t_commit - t_end) if t_commit else None,
             "detect_s": None, "decide_s": None, "replace_s": None, "rebuild_s": None, "restore_s": None,
             "survivors_ready_s": None,

@@ -185,7 +185,7 @@ def test_each_failed_attempt_is_a_launcher_restart_in_the_summary():
     metrics += [{"step": s, "t": 165.0 + s} for s in range(0, 20)]  # attempt 3: from step 0 (no snapshot)
     first, second = _launcher_restarts(attempts, metrics)
     assert (first["step"], first["rpo_steps"], first["rto_s"]) == (12, 2, 132.0 - 110.0)  # to the commit of step 10
-    assert (second["step"], second["rpo_steps"], second["t_fault"]) == (15, 15, 160.0)
+    assert (second["step"], second["rpo_steps"], second["t_fault"], second["resumed_step"]) == (15, 15, 160.0, 0)
     assert "lost" in second["reason"]
     entries = _attempt_entries(attempts, "completed", "", 20)
     assert [e["status"] for e in entries] == ["failed", "unrecorded", "completed"]
@@ -278,7 +278,7 @@ def test_kill_rank_kills_a_rank_of_rank_0s_host_and_the_restart_completes(make_j
     assert [e["victims"] for e in injected] == [[1]]  # carried out once per job, not again in the restart
     assert [a["status"] for a in s["attempts"]] == ["failed", "completed"]
     (restart,) = [r for r in s["recoveries"] if r["action"] == "launcher_restart"]
-    assert restart["step"] == 5 and restart["rpo_steps"] == 5  # no flash checkpoint: from step 0 again
+    assert restart["step"] == 5 and restart["rpo_steps"] == 5 and restart["resumed_step"] == 0  # no flash_ckpt
     assert s["status"] == "completed" and s["param_checksum"] == fault_free
 
 
