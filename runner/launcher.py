@@ -1,4 +1,10 @@
-"""Start the job: on one host, a controller with simulated nodes; under torchrun/SLURM, one rank."""
+"""Start the job: on one host, a controller with simulated nodes; under torchrun/SLURM, one rank.
+
+``launcher.mode`` says what a process the external launcher started is: ``per_rank`` (one rank; the
+default for now) or ``per_host`` (a host's node agent, not available yet). Under ``per_rank`` the
+controller runs in rank 0 and can signal only the ranks of its own host: faults it would have to
+carry out on any other rank are refused here, before anything starts.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from runner.config import ConfigError
+from runner.config.validate import all_faults
 from runner.control.controller import Controller
+
+CONTROLLER_CARRIED = ("kill_rank", "hang_rank")  # rank faults the controller carries out by signalling the victim
+NO_PER_RANK = ("kill_node", "kill_all", "wipe_shm", "corrupt_snapshot", "chaos")  # need a process on every host
 
 
 def external_launcher() -> str | None:
@@ -23,6 +33,7 @@ def external_launcher() -> str | None:
 def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     """Returns the summary, or None on a rank of an external job other than rank 0."""
     kind = cfg.launcher.kind if cfg.launcher.kind != "auto" else (external_launcher() or "local")
+    check_mode(cfg, kind)
     if kind != "local":
         from runner.external import run_rank
 
@@ -30,6 +41,29 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     refuse_used_dir(Path(run_dir))
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return Controller(cfg, run_dir).run()
+
+
+def check_mode(cfg: DictConfig, kind: str) -> None:
+    """``launcher.mode`` fits the launcher, and under ``per_rank`` every configured fault can be carried out."""
+    mode = cfg.launcher.mode
+    if kind == "local":
+        if mode != "auto":
+            raise ConfigError(f"launcher.mode={mode} applies under torchrun or SLURM; with launcher=local (one host, "
+                              "simulated nodes) leave launcher.mode=auto.")
+        return
+    if mode == "per_host":
+        raise ConfigError("launcher.mode=per_host (one node agent per host) is not available yet; use "
+                          "launcher.mode=per_rank (or auto): each process is one rank and the launcher restarts them.")
+    ppn = cfg.parallel.procs_per_node
+    for f in all_faults(cfg):
+        if f.kind in NO_PER_RANK:
+            raise ConfigError(f"fault={f.kind} cannot be carried out under {kind} with launcher.mode=per_rank: the "
+                              "controller (a thread of rank 0) can signal only the ranks of its own host; use the "
+                              "local launcher to simulate it.")
+        if f.kind in CONTROLLER_CARRIED and not 0 < f.rank < ppn:
+            raise ConfigError(f"fault={f.kind} fault.rank={f.rank} cannot be carried out under {kind} with "
+                              f"launcher.mode=per_rank: the controller runs in rank 0 and can signal only the other "
+                              f"ranks of its own host (ranks 1..{ppn - 1} with parallel.procs_per_node={ppn}).")
 
 
 def refuse_used_dir(run_dir: Path) -> None:

@@ -2,7 +2,8 @@
 
 Built at the end from the run's record (``RunRecord``: how it ended, its recoveries, the workers'
 done records), events.jsonl and metrics.jsonl, so a recovery's phases come from timestamps recorded
-where they happened.
+where they happened. Under torchrun/SLURM the record also lists the job's earlier attempts
+(``runner/attempt_log.py``): each failed one is a recovery by the launcher's restart.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from runner.control.records import Recovery, RunRecord
+from runner.control.records import Attempt, Recovery, RunRecord
 from runner.events import read_jsonl
 from runner.loggers import run_name
 from runner.model import mfu
@@ -27,13 +28,15 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     status, error = record.status, record.error
     if status == "completed" and len(checksums) != 1:
         status, error = "failed", f"replicas ended with different parameters: {len(checksums)} distinct checksums"
-    wall = time.time() - record.t_start
-    recoveries = [recovery_entry(r, events, metrics) for r in record.recoveries if r.action]
+    wall = time.time() - (record.attempts[0].t_start if record.attempts else record.t_start)
+    recoveries = _launcher_restarts(record.attempts, metrics)
+    recoveries += [recovery_entry(r, events, metrics) for r in record.recoveries if r.action]
     committed = _last_per_step(metrics)
     accounting = _accounting(committed, cfg, record.dp)
     steps_in_metrics = len({m["step"] for m in metrics})
     train_s = _train_seconds(metrics)
     tokens_per_s = accounting["tokens_committed"] / train_s if train_s > 0 else 0.0
+    global_step = max((d["global_step"] for d in done.values()), default=steps_in_metrics)
     summary = {
         "status": status,
         **({"error": error} if status == "failed" else {}),
@@ -43,7 +46,7 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
         "fault": cfg.fault.kind,
         "world_size": record.dp,
         "nodes": cfg.parallel.nodes,
-        "global_step": max((d["global_step"] for d in done.values()), default=steps_in_metrics),
+        "global_step": global_step,
         "initial_loss": metrics[0]["loss"] if metrics else None,
         "final_loss": metrics[-1]["loss"] if metrics else None,
         "tokens_per_s": tokens_per_s,
@@ -53,6 +56,7 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
         "train_s": train_s,
         "param_checksum": checksums[0] if len(checksums) == 1 else None,
         "recoveries": recoveries,
+        **({"attempts": _attempt_entries(record.attempts, status, error, global_step)} if record.attempts else {}),
         "takeovers": [{"wid": wid, **d["takeover"]} for wid, d in done.items() if "takeover" in d],
         **_replication(done),
         "sdc_recomputed_steps": [e["step"] for e in events if e["kind"] == "sdc_detected"],
@@ -120,6 +124,45 @@ def _ettr(train_s: float, recoveries: list[dict]) -> float:
         return 0.0
     lost = sum(r["rto_s"] or 0.0 for r in recoveries)
     return max(0.0, (train_s - lost) / train_s)
+
+
+def _attempt_entries(attempts: list[Attempt], status: str, error: str, step: int) -> list[dict]:
+    """Every attempt of the job, the last one (this one) ending now as the summary says."""
+    entries = [{"attempt": a.attempt, "t_start": a.t_start, "t_end": a.t_end, "status": a.status or "unrecorded",
+                "error": a.error, "step": a.step} for a in attempts]
+    entries[-1].update(t_end=time.time(), status=status, error=error if status == "failed" else "", step=step)
+    return entries
+
+
+def _launcher_restarts(attempts: list[Attempt], metrics: list[dict]) -> list[dict]:
+    """A recovery per failed attempt: the launcher restarted every rank. Its fault is the attempt's end;
+    the work lost runs from the step it reached back to the step the next attempt resumed from (0 without
+    a flash checkpoint); its RTO runs to the next attempt's first commit."""
+    entries: list[dict] = []
+    for prev, nxt in zip(attempts, attempts[1:]):
+        t_end = prev.t_end if prev.t_end is not None else nxt.t_start
+        step = prev.step
+        if step < 0:  # no record of its end: the steps committed while it ran
+            step = max((m["step"] + 1 for m in metrics if prev.t_start <= m["t"] <= t_end), default=-1)
+        after = [m for m in metrics if m["t"] >= nxt.t_start]
+        t_commit = after[0]["t"] if after else None
+        entries.append({
+            "id": prev.attempt,
+            "fault": "attempt_failed",
+            "victims": [],
+            "step": step,
+            "action": "launcher_restart",
+            "reason": prev.error or "the attempt ended without a record of why (its rank 0 was lost)",
+            "rpo_steps": max(0, step - after[0]["step"]) if after and step >= 0 else None,
+            "resumed_step": after[0]["step"] if after else None,  # 0: from scratch (no common flash checkpoint)
+            "rto_s": (t_commit - t_end) if t_commit else None,
+            "detect_s": None, "decide_s": None, "replace_s": None, "rebuild_s": None, "restore_s": None,
+            "survivors_ready_s": None,
+            "t_fault": t_end,
+            "t_detect": None, "t_decide": None, "t_replacement_ready": nxt.t_start, "t_group_formed": None,
+            "t_first_commit": t_commit,
+        })
+    return entries
 
 
 def recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> dict:

@@ -24,6 +24,7 @@ FaultMoment = Annotated[str, Literal["step", "recovery", "replication", "after_r
 LoggerKind = Annotated[str, Literal["wandb", "csv", "none"]]
 WandbMode = Annotated[str, Literal["offline", "online", "disabled"]]
 LauncherKind = Annotated[str, Literal["auto", "local", "torchrun", "slurm"]]
+LauncherMode = Annotated[str, Literal["auto", "per_host", "per_rank"]]
 DataKind = Annotated[str, Literal["synthetic", "memmap"]]
 Device = Annotated[str, Literal["auto", "cpu", "cuda"]]
 
@@ -158,6 +159,9 @@ class LauncherConfig:
 
     kind: LauncherKind = "auto"
     """auto = simulate the cluster locally unless torchrun or SLURM is detected (then run as one rank of it)."""
+    mode: LauncherMode = "auto"
+    """Under torchrun/SLURM, what one launched process is: per_rank = one rank (the launcher owns restarts);
+    per_host = a host's node agent (not available yet); auto = per_rank. Must be auto under launcher=local."""
     start_timeout_s: float = 120.0
     """A worker's first heartbeat must come within this; also the initial rendezvous."""
     collective_timeout_s: float = 30.0

@@ -54,6 +54,19 @@ class Recovery:
 
 
 @dataclass
+class Attempt:
+    """One launch of a torchrun/SLURM job's ranks (``runner/attempt_log.py``): the launcher restarts them
+    after a failure, and the summary accounts for every attempt."""
+
+    attempt: int
+    t_start: float
+    t_end: Optional[float] = None  # None: still running, or it ended without a record (rank 0 was lost)
+    status: str = ""  # completed | failed | "" (no record of its end)
+    error: str = ""
+    step: int = -1  # the furthest step a rank of it reached (-1: unknown)
+
+
+@dataclass
 class RunRecord:
     """The run as the summary sees it: how it ended, its recoveries and the workers' done records."""
 
@@ -64,3 +77,4 @@ class RunRecord:
     error: str = ""
     recoveries: list[Recovery] = field(default_factory=list)
     done: dict[int, dict] = field(default_factory=dict)  # wid -> its done record, for each rank's last worker
+    attempts: list[Attempt] = field(default_factory=list)  # torchrun/SLURM: the job's earlier attempts, oldest first

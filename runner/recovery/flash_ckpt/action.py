@@ -4,7 +4,8 @@ The run's snapshots live in shared memory under one job id (``flash_job_id``). A
 left and starts every logical rank again with role ``restore``; ranks of a lost node start on its
 partner node (which holds their memory copies), or on the first node still up
 (``Topology.restart_place``). Each node agent runs a persister that writes snapshots to disk, and the
-fork server loads the copy kernels ahead. When every worker is gone the snapshots are removed.
+fork server loads the copy kernels ahead. When every worker is gone the snapshots are removed (under
+torchrun/SLURM only once the run completed: the launcher's restart of a failed attempt resumes from them).
 """
 
 from __future__ import annotations
@@ -75,4 +76,6 @@ class RestartAll(RecoveryAction):
             members.spawn(lrank, node, local, role="restore", first_gen=members.gen + 1)
 
     def on_end(self, ctx) -> None:
-        ctx.events.emit("snapshots_removed", segments=len(cleanup(self.job)))  # no restart can need them now
+        # no restart can need them now, unless the launcher owns the processes and restarts a failed attempt
+        if ctx.fleet.can_spawn or ctx.members.all_done():
+            ctx.events.emit("snapshots_removed", segments=len(cleanup(self.job)))
