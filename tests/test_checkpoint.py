@@ -28,7 +28,8 @@ TINY = ("+recipe=gpt_tiny", "trainer.min_lr=3e-3")  # 2 ranks, logger=none (QUIE
 
 @pytest.fixture(scope="module")
 def first30(tmp_path_factory) -> Run:
-    return run_cli(*TINY, "trainer.max_steps=30", run_dir=tmp_path_factory.mktemp("first30") / "run")
+    return run_cli(*TINY, "trainer.max_steps=30", "checkpoint.every_n_steps=10",
+                   run_dir=tmp_path_factory.mktemp("first30") / "run")
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +37,11 @@ def straight60(tmp_path_factory) -> Run:
     return run_cli(*TINY, "trainer.max_steps=60", run_dir=tmp_path_factory.mktemp("straight60") / "run")
 
 
-def test_a_run_ends_with_a_lightning_checkpoint(first30):
+def test_a_run_ends_with_a_lightning_checkpoint_written_also_every_n_steps(first30):
     assert first30.returncode == 0, first30.output[-3000:]
     path = first30.dir / "checkpoints" / "last.ckpt"
     assert path.is_file()
-    assert [e["at_step"] for e in first30.events("checkpoint_saved")] == [30]
+    assert [e["at_step"] for e in first30.events("checkpoint_saved")] == [10, 20, 30]
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     assert {"state_dict", "optimizer_states", "lr_schedulers", "epoch", "global_step", "hyper_parameters",
             "loops", "resilient_runner"} <= set(ckpt)
