@@ -159,3 +159,20 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, deadline: f
             return
         time.sleep(0.05)
     raise AssertionError(f"no step {step} in {metrics} in time")
+
+
+class _NotPlain:
+    """An object torch.load(weights_only=True) refuses."""
+
+
+@pytest.mark.parametrize("content, expected", [
+    ({"state_dict": {}}, "lacks optimizer_states, lr_schedulers, loops, global_step"),
+    ({"state_dict": {}, "hyper_parameters": _NotPlain()}, "Unsupported global"),
+])
+def test_a_checkpoint_lightning_cannot_resume_is_refused_with_the_reason(tmp_path, content, expected):
+    from runner.checkpoint.resume import resume_checkpoint
+    from runner.config import ConfigError
+
+    torch.save(content, tmp_path / "x.ckpt")
+    with pytest.raises(ConfigError, match=expected):
+        resume_checkpoint(str(tmp_path / "x.ckpt"), tmp_path / "run", max_steps=60)

@@ -8,6 +8,7 @@ new run dir.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -34,6 +35,11 @@ def resume_checkpoint(target: str, run_dir: Path, max_steps: int) -> Path:
                           "another one.")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:  # readable, but holds objects beyond tensors and plain containers
+        raise ConfigError(f"runner.resume={target}: {path} holds objects that torch.load(weights_only=True) refuses "
+                          f"({_culprit(err)}), which Lightning's "
+                          "restore in the workers would refuse too: save hyper-parameters in plain types (numbers, "
+                          "strings, lists, dicts) and write the checkpoint again.") from None
     except Exception as err:
         raise ConfigError(f"runner.resume={target}: {path} is not a readable checkpoint ({type(err).__name__}: "
                           f"{str(err).splitlines()[0] if str(err) else ''}). It is truncated or corrupt: resume from "
@@ -49,3 +55,9 @@ def resume_checkpoint(target: str, run_dir: Path, max_steps: int) -> Path:
                           f"trainer.max_steps={max_steps}, so there is nothing left to train: set trainer.max_steps "
                           f"above {step} to continue it.")
     return path
+
+
+def _culprit(err: Exception) -> str:
+    """The line of torch's weights_only message that names the refused object."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return next((line for line in lines if "Unsupported global" in line), lines[0] if lines else type(err).__name__)
