@@ -1,7 +1,8 @@
 """Worker heartbeats, sent from a daemon thread so the training step never waits for them.
 
 Payload: sequence number, step, phase and RSS. The thread also reads the newest generation number,
-so a planned change (a repaired rank rejoining) is noticed at the next step at no cost to it. The
+so a planned change (a repaired rank rejoining) is noticed at the next step at no cost to it, and
+whether the controller asked the run to stop (``protocol.STOP``). The
 controller declares a worker dead after ``misses`` silent intervals (SIGSTOP, a wedged process)
 and hung when the step stops advancing while heartbeats still arrive. If the store itself is gone
 (the controller died), the worker exits: no orphan keeps running.
@@ -62,6 +63,8 @@ class Heartbeat(Callback):
                 store.set(key, json.dumps(payload))
                 if self.status.latest_gen >= 0 or store.check(["gen"]):  # planned membership changes reach
                     self.status.latest_gen = int(store.get("gen"))  # the trainer without a per-step cost
+                if not self.status.stop_requested and store.check([protocol.STOP]):
+                    self.status.stop_requested = True
                 last_ok = time.monotonic()
             except Exception:
                 if time.monotonic() - last_ok > self.orphan_after_s:

@@ -23,6 +23,7 @@ from runner.plan import apply_smoke, make_plan, needs_gpus, scaled
 EXIT_CONFIG = 2
 EXIT_NEEDS_GPUS = 3
 EXIT_RUN_FAILED = 1
+EXIT_STOPPED = 75  # SIGINT/SIGTERM: checkpointed and stopped (EX_TEMPFAIL: requeue and resume)
 
 register_all(user_config_dirs(sys.argv[1:]))  # a user's recipes/ beside --config-dir or on hydra.searchpath
 
@@ -36,7 +37,8 @@ def main(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> int:
-    """Run one job; returns the process exit code (0 completed, 1 failed, 2 bad config, 3 needs GPUs)."""
+    """Run one job; returns the process exit code (0 completed, 1 failed, 2 bad config, 3 needs GPUs, 75 stopped
+    by SIGINT/SIGTERM after a checkpoint)."""
     try:
         validate(cfg, for_training=False)
         if cfg.runner.smoke:
@@ -63,7 +65,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
     if summary is None:  # a rank other than 0 of a torchrun/SLURM job: rank 0 reports
         return 0
     print(render_summary(summary, run_dir), flush=True)
-    return 0 if summary["status"] == "completed" else EXIT_RUN_FAILED
+    return {"completed": 0, "stopped": EXIT_STOPPED}.get(summary["status"], EXIT_RUN_FAILED)
 
 
 def render_summary(s: dict, run_dir: Path) -> str:

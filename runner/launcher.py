@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from runner.checkpoint.resume import resume_checkpoint
 from runner.config import ConfigError
 from runner.config.validate import all_faults
 from runner.control.controller import Controller
@@ -34,6 +35,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     """Returns the summary, or None on a rank of an external job other than rank 0."""
     kind = cfg.launcher.kind if cfg.launcher.kind != "auto" else (external_launcher() or "local")
     check_mode(cfg, kind)
+    if cfg.runner.resume:  # the workers get the checked file's absolute path
+        cfg.runner.resume = str(resume_checkpoint(cfg.runner.resume, Path(run_dir), cfg.trainer.max_steps))
     if kind != "local":
         from runner.external import run_rank
 

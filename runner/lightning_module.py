@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -13,13 +15,25 @@ from runner.strategy import ResilientStrategy
 
 
 class GPTModule(pl.LightningModule):
-    def __init__(self, model_cfg: GPTConfig, lr: float, min_lr: float, warmup_steps: int, max_steps: int,
-                 weight_decay: float, betas: tuple[float, float]) -> None:
+    """``runner.model.GPT`` with AdamW and a warm-up + cosine schedule.
+
+    Its constructor arguments are saved as hyper-parameters in plain types (the shape as a dict), so
+    ``GPTModule.load_from_checkpoint(path)`` rebuilds it from a checkpoint alone, with
+    ``torch.load(weights_only=True)``.
+    """
+
+    def __init__(self, model_cfg: GPTConfig | dict[str, Any], lr: float, min_lr: float, warmup_steps: int,
+                 max_steps: int, weight_decay: float, betas: tuple[float, float]) -> None:
         super().__init__()
+        if isinstance(model_cfg, dict):  # from a checkpoint's hyper-parameters
+            model_cfg = GPTConfig(**model_cfg)
+        beta1, beta2 = betas
+        self.save_hyperparameters({"model_cfg": asdict(model_cfg), "lr": lr, "min_lr": min_lr,
+                                   "warmup_steps": warmup_steps, "max_steps": max_steps,
+                                   "weight_decay": weight_decay, "betas": (beta1, beta2)})
         self.model_cfg = model_cfg
         self.model = GPT(model_cfg)
         self.lr, self.min_lr, self.warmup_steps, self.max_steps = lr, min_lr, warmup_steps, max_steps
-        beta1, beta2 = betas
         self.weight_decay, self.betas = weight_decay, (beta1, beta2)
         self.tokens_per_sample = model_cfg.seq_len
         self.flops_per_token = flops_per_token(model_cfg)

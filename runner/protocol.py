@@ -12,6 +12,7 @@ Keys (all under the job's store, or a namespace of it under torchrun):
   fault/released/<i>  the controller carried fault i out
   done/<wid>          a worker finished training (JSON: step, checksum, logical rank); counter done_count
   abort               the run is over (controller to all): the reason
+  stop                checkpoint at the next committed step and stop (controller to all, on SIGINT/SIGTERM)
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, TCPStore
+
+STOP = "stop"
 
 
 @dataclass

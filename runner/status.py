@@ -18,3 +18,4 @@ class WorkerStatus:
     step: int = 0
     phase: str = "starting"  # starting | rendezvous | compute | takeover | reduce | recovering | finishing | done
     latest_gen: int = -1  # newest generation the controller published (read by the heartbeat thread)
+    stop_requested: bool = False  # the controller asked for a checkpoint and a stop (read by the heartbeat thread)

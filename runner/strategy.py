@@ -16,7 +16,7 @@ update of a committed step ``runner.training.update``, state handed between repl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -25,6 +25,8 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
+from runner.checkpoint import RUNNER_KEY
+from runner.checkpoint.zero_state import shard_of_full_state
 from runner.comm import CollectiveFailure, Comm
 from runner.data import BatchSource, IndexedDatasetSource, StepLoader, derive_seed, seed_step
 from runner.environment import RunnerEnvironment
@@ -221,7 +223,19 @@ class ResilientStrategy(ParallelStrategy):
             if self.update.zero is not None:  # a snapshot's other shards may be one update old: all ranks sync
                 self.update.zero.stale = True
             return ckpt
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        ckpt = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # runner.resume, a user's file
+        self.state.adopt_guard_history(ckpt)
+        if self.logical_rank == 0:
+            self.events.emit("resumed", path=str(checkpoint_path), at_step=int(ckpt.get("global_step", 0)))
+        return ckpt
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Under ZeRO-1 a checkpoint file's unsharded optimizer state is cut to this rank's shard."""
+        zero = self.update.zero
+        if zero is not None and checkpoint.get(RUNNER_KEY, {}).get("optimizer") == "unsharded":
+            shard = shard_of_full_state(zero, self.logical_rank, checkpoint["optimizer_states"][0])
+            checkpoint = {**checkpoint, "optimizer_states": [shard]}
+        super().load_optimizer_state_dict(checkpoint)
 
     # -- data: every loader follows the (seed, step, logical rank) contract ---------------------
     def process_dataloader(self, dataloader: object) -> object:

@@ -32,8 +32,11 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     recoveries = _launcher_restarts(record.attempts, metrics)
     recoveries += [recovery_entry(r, events, metrics) for r in record.recoveries if r.action]
     committed = _last_per_step(metrics)
-    accounting = _accounting(committed, cfg, record.dp)
     steps_in_metrics = len({m["step"] for m in metrics})
+    # a resumed run accounts from its checkpoint's step, a stopped one up to the step it stopped at
+    first = next((e["at_step"] for e in events if e["kind"] == "resumed"), 0)
+    last = max((d["global_step"] for d in done.values()), default=0) if status == "stopped" else cfg.trainer.max_steps
+    accounting = _accounting(committed, cfg, record.dp, range(first, last))
     train_s = _train_seconds(metrics)
     tokens_per_s = accounting["tokens_committed"] / train_s if train_s > 0 else 0.0
     global_step = max((d["global_step"] for d in done.values()), default=steps_in_metrics)
@@ -75,8 +78,8 @@ def _last_per_step(metrics: list[dict]) -> list[dict]:
     return [last[step] for step in sorted(last)]
 
 
-def _accounting(metrics: list[dict], cfg, dp: int) -> dict:
-    """Token accounting from the per-step counts that rode along each committed reduction."""
+def _accounting(metrics: list[dict], cfg, dp: int, steps: range) -> dict:
+    """Token accounting from the per-step counts that rode along each committed reduction; ``steps``: the run's."""
     micro = cfg.trainer.global_batch_size // dp
     seen: dict[tuple[int, int], int] = {}
     misplaced = 0
@@ -84,7 +87,7 @@ def _accounting(metrics: list[dict], cfg, dp: int) -> dict:
         misplaced += m.get("misplaced", 0)
         for rank, count in enumerate(m["counts"]):
             seen[(m["step"], rank)] = seen.get((m["step"], rank), 0) + count
-    expected = {(s, r) for s in range(cfg.trainer.max_steps) for r in range(dp)}
+    expected = {(s, r) for s in steps for r in range(dp)}
     present = {k for k, c in seen.items() if c > 0}
     duplicated = sum(c - 1 for c in seen.values() if c > 1)
     return {

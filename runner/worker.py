@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from callbacks.fault_injection import FaultTrigger
 from callbacks.heartbeat import Heartbeat
+from callbacks.lightning_checkpoint import LightningCheckpoint
 from callbacks.metrics import CommitMetrics
 from callbacks.progress import StepProgressBar
 from runner import protocol
@@ -139,6 +140,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
         zero_stage=cfg.parallel.zero, shard_replication=hooks.shard_replication,
     )
+    checkpoint = LightningCheckpoint(run_dir, cfg.checkpoint.every_n_steps, cfg.seed, events)
     is_rank0 = spec.logical_rank == 0
     progress_bar = bool(cfg.trainer.progress_bar and is_rank0 and not joining)
     trainer = pl.Trainer(
@@ -150,7 +152,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         gradient_clip_val=cfg.trainer.grad_clip or None,
         logger=False,  # the controller owns the job's experiment logger (runner/control/run_logger.py)
         # techniques' first (flash checkpoints: draining the persister runs while the heartbeat still beats)
-        callbacks=[*hooks.callbacks, heartbeat, faults, metrics, *([StepProgressBar(metrics)] if progress_bar else [])],
+        callbacks=[*hooks.callbacks, heartbeat, faults, metrics, checkpoint,
+                   *([StepProgressBar(metrics)] if progress_bar else [])],
         enable_checkpointing=False,
         enable_progress_bar=progress_bar,
         enable_model_summary=is_rank0 and not joining,
@@ -160,7 +163,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         default_root_dir=str(run_dir),
     )
-    ckpt_path = {"joiner": PEER_CKPT, "spare": PEER_CKPT, "restore": SNAPSHOT_CKPT}.get(spec.role)
+    # an initial rank of a resumed run starts from the checkpoint file (runner.resume, checked by the launcher)
+    ckpt_path = {"joiner": PEER_CKPT, "spare": PEER_CKPT, "restore": SNAPSHOT_CKPT}.get(spec.role, cfg.runner.resume)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     status.phase = "done"
     final = {"global_step": trainer.global_step, "checksum": param_checksum(module),

@@ -265,6 +265,14 @@ class DataConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """The run's Lightning checkpoint, ``<run dir>/checkpoints/last.ckpt``, written at the end of every run."""
+
+    every_n_steps: int = 0
+    """Also write it every n committed steps; 0 = only at the end (and when a SIGINT/SIGTERM stops the run)."""
+
+
+@dataclass
 class RunnerConfig:
     """Run-level switches."""
 
@@ -280,6 +288,9 @@ class RunnerConfig:
     """Bigger models only print their plan on a host without enough GPUs."""
     console_events: bool = True
     """One console line per recovery (and per failed run), from the controller's events."""
+    resume: Optional[str] = None
+    """A run dir or a .ckpt file: continue that run's checkpoint (checkpoints/last.ckpt) in this new run dir up to
+    trainer.max_steps; null = start from scratch."""
 
 
 @dataclass
@@ -302,6 +313,8 @@ class RootConfig:
     """Process start and timeouts."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Optimisation."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """The run's Lightning checkpoint."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model."""
     data: DataConfig = field(default_factory=DataConfig)

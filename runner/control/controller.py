@@ -30,6 +30,7 @@ from runner.control.incidents import Incidents
 from runner.control.membership import Membership
 from runner.control.records import RunRecord
 from runner.control.run_logger import RunLogger
+from runner.control.stop import StopOnSignal
 from runner.events import EventLog
 from runner.faults.chaos_injector import ChaosInjector
 from runner.faults.injector import FaultInjector
@@ -63,18 +64,25 @@ class Controller:
         self.start()
         self.run_logger.start()
         summary: Optional[dict] = None
+        stop = StopOnSignal(self.store, self.events)
         try:
             try:
-                self.launch()
-                self._loop()
+                with stop:
+                    self.launch()
+                    self._loop()
             except KeyboardInterrupt:
                 self._fail("interrupted by the user (Ctrl-C)")
             finally:
-                self.fleet.shutdown(completed=self.record.status == "completed")
+                if self.record.status == "completed" and stop.stopped_early(self.members.done_records(),
+                                                                            self.cfg.trainer.max_steps):
+                    self.record.status = "stopped"  # at the step SIGINT/SIGTERM asked for, with a checkpoint
+                self.fleet.shutdown(completed=self.record.status in ("completed", "stopped"))
                 for action in self.actions.values():
                     action.on_end(self.ctx)
                 self.events.emit("run_end", status=self.record.status, error=self.record.error)
             self.record.done = self.members.done_records()
+            if stop.requested is not None:
+                print(stop.last_line(self.run_dir), flush=True)
             summary = write_summary(self.cfg, self.run_dir, self.record)
             return summary
         finally:  # the experiment logger is finished in every ending, with the summary when there is one

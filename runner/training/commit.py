@@ -6,6 +6,8 @@ collective hands over to the run's recovery (regroup, reconcile, state to newcom
 same step is retried; a reduction the corruption guard rejects is recomputed from the same batch and
 seed. Once committed, the sums become means in ``.grad``, and ``on_commit`` learns the step's
 accounting (one count per logical rank whose micro-batch went in, the loss sum, misplaced batches).
+The accounting also carries whether any member was asked to stop, so that every member learns it at
+the same committed step (``stop_agreed``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class StepCommit:
         self._batch_sample: Optional[Tensor] = None
         self._batch_loss: Optional[float] = None
         self._t_batch = 0.0
+        self.stop_agreed = False  # a member was asked to stop (protocol.STOP) by the last committed step
 
     @property
     def dp_size(self) -> int:
@@ -105,6 +108,7 @@ class StepCommit:
         self.reducer.write_back(self.dp_size, divisor)
         if self.takeover is not None:
             self.takeover.record_step(time.perf_counter() - self._t_batch)
+        self.stop_agreed = bool(extras[self.dp_size] > 0)
         self.status.step = step + 1
         self.status.phase = "compute"
         if self.on_commit is not None:
@@ -146,14 +150,15 @@ class StepCommit:
     @property
     def reducer(self) -> GradReducer:
         if self._reducer is None:
-            self._reducer = GradReducer(self.comm, self._module(), self.bucket_bytes, self.dp_size + 2,
+            self._reducer = GradReducer(self.comm, self._module(), self.bucket_bytes, self.dp_size + 3,
                                         self._accounting)
         return self._reducer
 
     def _accounting(self) -> Tensor:
-        """One count per logical rank whose micro-batch went in, the loss sum, misplaced batches."""
+        """One count per logical rank whose micro-batch went in, the stop flag, the loss sum, misplaced batches."""
         step = self._module().trainer.global_step
-        extras = torch.zeros(self.dp_size + 2, dtype=torch.float64)
+        extras = torch.zeros(self.dp_size + 3, dtype=torch.float64)
+        extras[self.dp_size] = float(self.status.stop_requested)
         sample_step, sample_rank = (step, self.comm.logical_rank)
         if self._batch_sample is not None:
             sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())

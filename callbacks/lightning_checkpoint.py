@@ -1,0 +1,95 @@
+"""The run's Lightning checkpoint: when to write ``<run dir>/checkpoints/last.ckpt``, and what goes in it.
+
+Due at the run's last step, every ``checkpoint.every_n_steps`` committed steps, and at the committed
+step where the members agreed to stop (``StepCommit.stop_agreed``, after a SIGINT/SIGTERM to the
+controller), after which the fit ends. One replica writes it: the member at process-group rank 0 of
+the current generation (logical rank 0 unless a neighbour covers it), from a CPU copy, in a
+background thread (``runner.checkpoint.writer``).
+
+The file is what ``trainer.save_checkpoint`` writes (state_dict, optimizer_states, lr_schedulers,
+loops, epoch, global_step, hyper_parameters) plus the corruption guard's history and our extras
+under ``RUNNER_KEY`` (the data position, which is the committed step, and the seed: data and RNG
+are functions of (seed, step, logical rank), so these two restore both). Under ZeRO-1 every member
+first brings its parameters up to date and the optimizer shards are gathered, so the file holds the
+whole optimizer state, as one unsharded optimizer would (``runner.checkpoint.zero_state``). A fault
+during that gather is recovered from like any other and the checkpoint of that step is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from lightning.pytorch.callbacks import Callback
+
+from runner.checkpoint import RUNNER_KEY, last_checkpoint
+from runner.checkpoint.writer import CheckpointWriter, cpu_copy
+from runner.checkpoint.zero_state import gather_full_state
+from runner.comm import CollectiveFailure
+from runner.events import EventLog
+from runner.strategy import ResilientStrategy
+
+log = logging.getLogger(__name__)
+
+
+class LightningCheckpoint(Callback):
+    def __init__(self, run_dir: str | Path, every_n_steps: int, seed: int, events: EventLog) -> None:
+        self.path = last_checkpoint(run_dir)
+        self.every_n_steps, self.seed, self.events = every_n_steps, seed, events
+        self._writer: Optional[CheckpointWriter] = None
+        self._saved_step = -1
+        self._stopping = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, ResilientStrategy)  # the writer and the gather are the runner's
+        step = trainer.global_step
+        stop = strategy.commit.stop_agreed
+        every = self.every_n_steps > 0 and step % self.every_n_steps == 0
+        if (stop or every or step >= trainer.max_steps) and step != self._saved_step:
+            self._save(trainer, strategy, step)
+        if stop and not self._stopping:
+            self._stopping = True
+            trainer.should_stop = True
+            if strategy.comm.rank == 0:
+                self.events.emit("stop_agreed")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._writer is not None:  # the last write is on disk before the worker reports done
+            self._writer.close()
+            self._writer = None
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._writer is not None:  # the fit failed: let a write in flight finish, and say if it did not
+            try:
+                self._writer.close()
+            except Exception as err:
+                log.warning("checkpoint: the write in flight failed: %s", err)
+            self._writer = None
+
+    def _save(self, trainer, strategy: ResilientStrategy, step: int) -> None:
+        full_optimizer = None
+        zero = strategy.update.zero
+        if zero is not None:
+            strategy.commit.sync_params()  # the other owners' parameters of this step's update
+            try:
+                full_optimizer = gather_full_state(zero, strategy.logical_rank, strategy.comm)
+            except CollectiveFailure as err:
+                strategy.commit.recover_from(err)
+                if strategy.comm.rank == 0:
+                    self.events.emit("checkpoint_skipped", at_step=step, reason=f"a fault during the gather: {err}")
+                return
+        self._saved_step = step
+        if strategy.comm.rank != 0:
+            return
+        ckpt = strategy.state.dump_state()
+        if full_optimizer is not None:
+            ckpt["optimizer_states"] = [full_optimizer]
+        ckpt[RUNNER_KEY] = {"data_step": step, "seed": self.seed, "dp": strategy.dp_size, "optimizer": "unsharded"}
+        if self._writer is None:
+            self._writer = CheckpointWriter(self.path, self._written)
+        self._writer.submit(step, cpu_copy(ckpt))
+
+    def _written(self, step: int, path: Path, seconds: float) -> None:
+        self.events.emit("checkpoint_saved", at_step=step, path=str(path), seconds=seconds)

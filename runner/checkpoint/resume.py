@@ -1,0 +1,63 @@
+"""``runner.resume``: find and check the checkpoint a run continues from, in the launching process.
+
+A missing, unreadable or finished checkpoint is a ``ConfigError`` (exit 2) before any worker starts.
+The check reads the file memory-mapped, so a large checkpoint costs little here; the workers read it
+again through Lightning (``Trainer.fit(ckpt_path=...)``). The resumed run writes only into its own
+new run dir.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import torch
+
+from runner.checkpoint import last_checkpoint
+from runner.config import ConfigError
+
+REQUIRED = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
+
+
+def resume_checkpoint(target: str, run_dir: Path, max_steps: int) -> Path:
+    """The checkpoint file ``runner.resume=target`` names (a run dir's checkpoints/last.ckpt, or a file)."""
+    given = Path(target).expanduser().resolve()
+    path = given if given.is_file() else last_checkpoint(given)
+    why = "There is nothing to continue from: give a run dir that holds checkpoints/last.ckpt or a .ckpt file."
+    if not given.exists():
+        raise ConfigError(f"runner.resume={target}: no such file or directory. {why}")
+    if not path.is_file():
+        raise ConfigError(f"runner.resume={target}: {path} does not exist (the run was stopped before its first "
+                          f"checkpoint, or the directory is not a run dir). {why}")
+    if path.parent.parent == Path(run_dir).resolve():
+        raise ConfigError(f"runner.resume={target} is this run's own directory; a resumed run writes into a new run "
+                          "dir and never into the old run's files: leave hydra.run.dir at its default or choose "
+                          "another one.")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:  # readable, but holds objects beyond tensors and plain containers
+        raise ConfigError(f"runner.resume={target}: {path} holds objects that torch.load(weights_only=True) refuses "
+                          f"({_culprit(err)}), which Lightning's "
+                          "restore in the workers would refuse too: save hyper-parameters in plain types (numbers, "
+                          "strings, lists, dicts) and write the checkpoint again.") from None
+    except Exception as err:
+        raise ConfigError(f"runner.resume={target}: {path} is not a readable checkpoint ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''}). It is truncated or corrupt: resume from "
+                          "another copy, or start the run again without runner.resume.") from None
+    missing = [k for k in REQUIRED if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise ConfigError(f"runner.resume={target}: {path} lacks {', '.join(missing)}, so it is not a training "
+                          "checkpoint Lightning can resume (a weights-only file?): give a checkpoint written by "
+                          "trainer.save_checkpoint or by this runner.")
+    step = int(ckpt["global_step"])
+    if step >= max_steps:
+        raise ConfigError(f"runner.resume={target}: the checkpoint is at step {step} and "
+                          f"trainer.max_steps={max_steps}, so there is nothing left to train: set trainer.max_steps "
+                          f"above {step} to continue it.")
+    return path
+
+
+def _culprit(err: Exception) -> str:
+    """The line of torch's weights_only message that names the refused object."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return next((line for line in lines if "Unsupported global" in line), lines[0] if lines else type(err).__name__)

@@ -1,0 +1,57 @@
+"""ZeRO-1 optimizer state in a checkpoint: every owner's shard gathered into the state of one unsharded
+optimizer, and a rank's shard cut out of such a state again.
+
+Under ZeRO-1 each rank's optimizer holds only the parameters it owns (``runner.zero``). The checkpoint
+holds what an unsharded optimizer's ``state_dict()`` would: parameters numbered in the optimizer's own
+order, group after group. It therefore loads into a plain optimizer (a single-process
+``Trainer.fit(ckpt_path=...)``) as well as back into ZeRO-1 shards, for any DP size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from runner.comm import Comm
+from runner.training.transfer import from_bytes, to_bytes
+from runner.zero import ShardPlan, ZeroOne
+
+
+def _unsharded_position(plan: ShardPlan) -> dict[int, int]:
+    """Parameter index (into ``ZeroOne.params``) -> its number in an unsharded optimizer's state_dict."""
+    return {i: n for n, i in enumerate(i for group in plan.groups for i in group)}
+
+
+def own_state_by_param(zero: ZeroOne, rank: int) -> dict[int, Any]:
+    """This rank's optimizer state, keyed by parameter index instead of the shard's own numbering."""
+    state = zero.optimizer.state_dict()["state"]
+    return {i: state[k] for k, i in enumerate(zero.plan.flat_shard(rank)) if k in state}
+
+
+def gather_full_state(zero: ZeroOne, rank: int, comm: Comm) -> dict:
+    """All-gather every member's shard (collectives of the current group: every member calls this at the same
+    step) and assemble the unsharded optimizer's state_dict."""
+    data = to_bytes(own_state_by_param(zero, rank)).to(comm.device)
+    sizes = comm.allgather(torch.tensor([data.numel()], dtype=torch.int64, device=comm.device))
+    width = max(int(s[0]) for s in sizes)
+    padded = torch.zeros(width, dtype=torch.uint8, device=comm.device)
+    padded[: data.numel()] = data
+    shards = [from_bytes(flat[: int(size[0])]) for flat, size in zip(comm.allgather(padded), sizes)]
+    position = _unsharded_position(zero.plan)
+    groups = zero.optimizer.state_dict()["param_groups"]
+    return {"state": {position[i]: s for shard in shards for i, s in shard.items()},
+            "param_groups": [{**g, "params": [position[i] for i in indices]}
+                             for g, indices in zip(groups, zero.plan.groups)]}
+
+
+def shard_of_full_state(zero: ZeroOne, rank: int, full: dict) -> dict:
+    """The state_dict ``rank``'s sharded optimizer loads, from an unsharded optimizer's state_dict."""
+    position = _unsharded_position(zero.plan)
+    own = zero.plan.flat_shard(rank)
+    state = {k: full["state"][position[i]] for k, i in enumerate(own) if position[i] in full["state"]}
+    groups, first = [], 0
+    for g, indices in zip(full["param_groups"], zero.plan.shard(rank)):
+        groups.append({**g, "params": list(range(first, first + len(indices)))})
+        first += len(indices)
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,178 @@
+"""The run's Lightning checkpoint: written at the end, loadable by Lightning, resumed bit-identically,
+written when SIGTERM stops a run, and a bad resume target refused before any worker starts.
+
+The runs keep the learning rate constant after warm-up (``trainer.min_lr`` = ``trainer.lr``): the cosine
+schedule's horizon is ``trainer.max_steps``, so only then is a 30-step run the first half of a 60-step one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.checksum import param_checksum
+from runner.lightning_module import GPTModule
+from tests.conftest import QUIET, ROOT, Run, assert_nothing_left, run_cli
+
+TINY = ("+recipe=gpt_tiny", "trainer.min_lr=3e-3")  # 2 ranks, logger=none (QUIET); LR constant after warm-up
+
+
+@pytest.fixture(scope="module")
+def first30(tmp_path_factory) -> Run:
+    return run_cli(*TINY, "trainer.max_steps=30", "checkpoint.every_n_steps=10",
+                   run_dir=tmp_path_factory.mktemp("first30") / "run")
+
+
+@pytest.fixture(scope="module")
+def straight60(tmp_path_factory) -> Run:
+    return run_cli(*TINY, "trainer.max_steps=60", run_dir=tmp_path_factory.mktemp("straight60") / "run")
+
+
+def test_a_run_ends_with_a_lightning_checkpoint_written_also_every_n_steps(first30):
+    assert first30.returncode == 0, first30.output[-3000:]
+    path = first30.dir / "checkpoints" / "last.ckpt"
+    assert path.is_file()
+    assert [e["at_step"] for e in first30.events("checkpoint_saved")] == [10, 20, 30]
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    assert {"state_dict", "optimizer_states", "lr_schedulers", "epoch", "global_step", "hyper_parameters",
+            "loops", "resilient_runner"} <= set(ckpt)
+    assert ckpt["global_step"] == 30 and ckpt["resilient_runner"]["data_step"] == 30
+    assert not list(path.parent.glob(".*tmp*")), "a temporary file was left beside the checkpoint"
+
+
+def test_load_from_checkpoint_rebuilds_the_trained_module(first30):
+    module = GPTModule.load_from_checkpoint(first30.dir / "checkpoints" / "last.ckpt", map_location="cpu")
+    assert param_checksum(module) == first30.summary["param_checksum"]
+
+
+def test_plain_lightning_resumes_the_checkpoint_in_one_process(first30, tmp_path):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from runner.config.schema import GPTConfig
+    from runner.data import SyntheticTokens
+
+    source = SyntheticTokens(1234, 256, 64, 4)
+    batches = [source.batch(step, 0) for step in range(4)]
+    path = first30.dir / "checkpoints" / "last.ckpt"
+    module = GPTModule(GPTConfig(), lr=3e-3, min_lr=3e-3, warmup_steps=5, max_steps=32, weight_decay=0.1,
+                       betas=(0.9, 0.95))  # gpt_tiny's shape and trainer
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=32, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader(batches, batch_size=None), ckpt_path=path)
+    assert trainer.global_step == 32
+    assert trainer.optimizers[0].state_dict()["state"][0]["step"] == 32  # AdamW's state came from the file
+
+
+def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(first30, straight60, tmp_path):
+    assert straight60.returncode == 0, straight60.output[-3000:]
+    resumed = run_cli(*TINY, "trainer.max_steps=60", f"runner.resume={first30.dir}", run_dir=tmp_path / "run")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    s = resumed.summary
+    assert s["param_checksum"] == straight60.summary["param_checksum"]
+    assert s["global_step"] == 60 and s["samples_lost"] == 0 and s["samples_committed"] == 30 * 8
+    assert [e["at_step"] for e in resumed.events("resumed")] == [30]
+    assert min(m["step"] for m in resumed.metrics()) == 30
+
+
+def test_zero1_resume_gathers_and_reshards_the_optimizer_state(tmp_path):
+    zero = (*TINY, "parallel.zero=1")
+    straight = run_cli(*zero, "trainer.max_steps=60", run_dir=tmp_path / "straight")
+    first = run_cli(*zero, "trainer.max_steps=30", run_dir=tmp_path / "first")
+    assert straight.returncode == 0 and first.returncode == 0, (straight.output + first.output)[-3000:]
+    ckpt = torch.load(first.dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    n_params = sum(1 for _ in GPTModule.load_from_checkpoint(first.dir / "checkpoints" / "last.ckpt").parameters())
+    assert len(ckpt["optimizer_states"][0]["state"]) == n_params  # every shard's state, gathered
+    resumed = run_cli(*zero, "trainer.max_steps=60", f"runner.resume={first.dir / 'checkpoints' / 'last.ckpt'}",
+                      run_dir=tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert resumed.summary["param_checksum"] == straight.summary["param_checksum"]
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_the_run_resumes_from_there(straight60, tmp_path):
+    stopped = _run_until(tmp_path / "stopped", step=10, sig=signal.SIGTERM, overrides=[*TINY, "trainer.max_steps=5000"])
+    assert stopped.returncode == 75, stopped.output[-3000:]
+    assert "Traceback" not in stopped.output
+    lines = [line for line in stopped.output.splitlines() if line.startswith("checkpoint saved: ")]
+    assert lines == [f"checkpoint saved: {stopped.dir / 'checkpoints' / 'last.ckpt'} "
+                     f"(step {stopped.summary['global_step']}); resume with runner.resume={stopped.dir}"]
+    s = stopped.summary
+    assert s["status"] == "stopped" and 10 <= s["global_step"] < 60 and s["samples_lost"] == 0
+    assert [e["at_step"] for e in stopped.events("checkpoint_saved")] == [s["global_step"]]
+    resumed = run_cli(*TINY, "trainer.max_steps=60", f"runner.resume={stopped.dir}", run_dir=tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert resumed.summary["param_checksum"] == straight60.summary["param_checksum"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "finished"])
+def test_a_bad_resume_target_is_refused_before_any_worker_starts(first30, tmp_path, damage):
+    good = first30.dir / "checkpoints" / "last.ckpt"
+    target, max_steps, expected = {
+        "truncated": (tmp_path / "bad.ckpt", 60, "not a readable checkpoint"),
+        "missing": (tmp_path / "nowhere", 60, "no such file or directory"),
+        "finished": (first30.dir, 30, "nothing left to train"),
+    }[damage]
+    if damage == "truncated":
+        target.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    before = {p: p.stat().st_mtime_ns for p in first30.dir.rglob("*")}
+    run = run_cli(*TINY, f"trainer.max_steps={max_steps}", f"runner.resume={target}", run_dir=tmp_path / "run",
+                  timeout=60)
+    assert run.returncode == 2 and expected in run.output, run.output[-3000:]
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # no worker, no controller
+    assert {p: p.stat().st_mtime_ns for p in first30.dir.rglob("*")} == before
+
+
+def _run_until(run_dir: Path, *, step: int, sig: int, overrides: list[str], timeout: float = 240) -> Run:
+    """The CLI in the background; ``sig`` to it once metrics.jsonl holds ``step``; its outputs once it ended."""
+    token = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "RR_TEST_TOKEN": token}
+    args = [sys.executable, "-m", "runner", *overrides, f"hydra.run.dir={run_dir}", *QUIET]
+    with subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            _wait_for_step(run_dir / "metrics.jsonl", step, proc, deadline=time.monotonic() + timeout)
+            proc.send_signal(sig)
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    run = Run(subprocess.CompletedProcess(args, proc.returncode, out, err), run_dir)
+    assert_nothing_left(token, run)
+    return run
+
+
+def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, deadline: float) -> None:
+    """Poll the file until a committed step >= ``step`` is in it (the run must still be going)."""
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it was signalled"
+        if metrics.exists() and any(json.loads(line)["step"] >= step
+                                    for line in metrics.read_text().splitlines() if line.strip()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} in {metrics} in time")
+
+
+class _NotPlain:
+    """An object torch.load(weights_only=True) refuses."""
+
+
+@pytest.mark.parametrize("content, expected", [
+    ({"state_dict": {}}, "lacks optimizer_states, lr_schedulers, loops, global_step"),
+    ({"state_dict": {}, "hyper_parameters": _NotPlain()}, "Unsupported global"),
+])
+def test_a_checkpoint_lightning_cannot_resume_is_refused_with_the_reason(tmp_path, content, expected):
+    from runner.checkpoint.resume import resume_checkpoint
+    from runner.config import ConfigError
+
+    torch.save(content, tmp_path / "x.ckpt")
+    with pytest.raises(ConfigError, match=expected):
+        resume_checkpoint(str(tmp_path / "x.ckpt"), tmp_path / "run", max_steps=60)
