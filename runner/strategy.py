@@ -165,6 +165,22 @@ class ResilientStrategy(ParallelStrategy):
         rank_zero_only.rank = self.comm.logical_rank  # type: ignore[attr-defined]
         self.events.emit("group_formed", gen=layout.gen, members=len(layout.members), joining=self.joining)
 
+    def connect(self, model: pl.LightningModule) -> None:
+        """Before Lightning's own checks: what the committed step cannot do with manual optimization, said in
+        the runner's config keys."""
+        super().connect(model)
+        if model.automatic_optimization:
+            return
+        manual = (f"{type(model).__name__} steps its optimizer itself (automatic_optimization=False), and the "
+                  "runner commits exactly that step")
+        if self.accumulate > 1:
+            raise ValueError(f"trainer.accumulate_grad_batches={self.accumulate} needs automatic optimization: "
+                             f"{manual}; accumulate in its training_step or set trainer.accumulate_grad_batches=1.")
+        if model.trainer.gradient_clip_val:
+            raise ValueError(f"trainer.grad_clip={model.trainer.gradient_clip_val} needs automatic optimization: "
+                             f"{manual}; set trainer.grad_clip=0 (and clip in its training_step with "
+                             "self.clip_gradients if it needs to).")
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """ZeRO-1: a replacement restores after setup(), so its optimizer is already sharded when its shard comes."""
@@ -174,12 +190,7 @@ class ResilientStrategy(ParallelStrategy):
         super().setup(trainer)
         if self.zero_stage:
             self._shard_optimizer()
-        module = self._module
-        if not module.automatic_optimization and self.accumulate > 1:
-            raise ValueError(f"trainer.accumulate_grad_batches={self.accumulate} needs automatic optimization; "
-                             f"{type(module).__name__} steps its optimizer itself (automatic_optimization=False): "
-                             "accumulate in its training_step or set trainer.accumulate_grad_batches=1.")
-        self.validation.check(trainer, module)
+        self.validation.check(trainer, self._module)
         for opt in self.optimizers:
             self.update.gate(opt)
         if not self.joining:  # replicas start identical whatever the module's init did (as DDP does)

@@ -83,7 +83,7 @@ class StepValidation:
 
     @staticmethod
     def _loader_hook(trainer: pl.Trainer, module: pl.LightningModule) -> Optional[Any]:
-        datamodule = trainer.datamodule
+        datamodule = getattr(trainer, "datamodule", None)  # a property the stubs do not declare
         if datamodule is not None and is_overridden("val_dataloader", datamodule):
             return datamodule.val_dataloader
         if is_overridden("val_dataloader", module):
