@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from runner.config import ConfigError
@@ -70,6 +71,19 @@ def test_a_validation_step_without_an_interval_is_reported_at_start(run_dir):
     assert run.summary["status"] == "completed"
     warned = [line for line in run.output.splitlines() if "validation_step is not run" in line]
     assert len(warned) == 1 and "trainer.val_check_interval" in warned[0]
+
+
+def test_memmap_data_validates_on_its_separate_held_out_file(tmp_path):
+    rng = np.random.default_rng(0)
+    train, held_out = tmp_path / "train.bin", tmp_path / "val.bin"
+    rng.integers(0, 256, 20_000, dtype=np.uint16).tofile(train)
+    rng.integers(0, 256, 5_000, dtype=np.uint16).tofile(held_out)
+    data = ["data.kind=memmap", f"data.path={train}", f"data.val_path={held_out}"]
+    run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=7", *data, "trainer.val_check_interval=3",
+                  "trainer.limit_val_batches=2", run_dir=tmp_path / "run")
+    assert run.summary["status"] == "completed", run.output[-3000:]
+    losses = val_losses(run)
+    assert sorted(losses) == [3, 6] and all(math.isfinite(v) for v in losses.values())
 
 
 @pytest.mark.parametrize(
