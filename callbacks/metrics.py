@@ -8,6 +8,8 @@ is still joining (it does not hold the steps before). A step can be committed wi
 the writer died between committing and writing, or it was a laggard that adopted the step from a
 peer. So every member keeps its last record, and at its first commit in a new generation writes
 that record if the file lacks it (under a file lock: once), so the accounting sees every step.
+A step that carried a validation (``runner.training.validation``) has ``val/loss`` in its record,
+the mean over every DP rank's validation batches, and the logger gets it at that step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 
 from runner.comm import Comm
 from runner.events import EventLog, JsonLines
+from runner.training.commit import LOSS_SUM, MISPLACED, VAL_BATCHES, VAL_LOSS_SUM
 
 
 class CommitMetrics(Callback):
@@ -42,12 +45,15 @@ class CommitMetrics(Callback):
         dp = layout.dp
         counts = [int(c) for c in extras[:dp].tolist()]
         contributors = max(1, sum(counts))
-        loss = float(extras[-2]) / contributors
+        loss = float(extras[LOSS_SUM]) / contributors
         step_time = time.perf_counter() - self._t_step
         tokens = sum(counts) * self.micro_batch * self.tokens_per_sample
         record = {"step": step, "t": time.time(), "loss": loss, "step_time_s": step_time, "reduce_s": reduce_s,
                   "tokens_per_s": tokens / step_time if step_time > 0 else 0.0, "counts": counts,
-                  "misplaced": int(extras[-1]), "gen": gen}
+                  "misplaced": int(extras[MISPLACED]), "gen": gen}
+        val_batches = int(extras[VAL_BATCHES])
+        if val_batches:
+            record["val/loss"] = float(extras[VAL_LOSS_SUM]) / val_batches
         self.last = record
         if gen != self._last_gen and self._unwritten is not None and self._unwritten["step"] == step - 1:
             self._write_if_missing(self._unwritten)

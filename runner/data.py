@@ -2,7 +2,11 @@
 
 Any process can therefore produce exactly the batch another rank would have seen (a replacement,
 an NDB neighbour), and the loader's position is derived from completed optimizer steps rather than
-from a count of fetched batches (Lightning fetches ahead).
+from a count of fetched batches (Lightning fetches ahead). With gradient accumulation one step's batch
+is served as its ``MicroBatches``: micro-batch ``m`` of ``(step, rank)`` is a fixed slice of that batch,
+so a (step, micro) pair names it and a recovery rolls back to a step boundary exactly. The held-out
+split that validation reads (``HeldOutSplit``) is a fixed sequence of batches drawn from a seed stream
+of its own (synthetic data) or from a separate token file (memmap).
 """
 
 from __future__ import annotations
@@ -33,8 +37,30 @@ def seed_step(seed: int, device: torch.device) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+HELD_OUT = 0x7E57  # seed-stream tag of the held-out batches (4-part seeds: never a training batch's 3-part one)
+
+
 class BatchSource(Protocol):
     def batch(self, step: int, logical_rank: int) -> Any: ...
+
+
+class MicroBatches(list):
+    """The micro-batches of one optimizer step on one rank, in micro order (gradient accumulation)."""
+
+
+class HeldOutSplit:
+    """The first ``size`` held-out batches of a source with ``held_out(i)``: what validation reads."""
+
+    def __init__(self, source: Any, size: int) -> None:
+        self.source, self.size = source, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> Any:
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        return self.source.held_out(i)
 
 
 class SyntheticTokens:
@@ -50,18 +76,31 @@ class SyntheticTokens:
         self.successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=g)
 
     def batch(self, step: int, logical_rank: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(derive_seed(self.seed, step, logical_rank))
+        return _token_batch(self._sequences(derive_seed(self.seed, step, logical_rank)), step, logical_rank)
+
+    def held_out(self, i: int) -> dict[str, torch.Tensor]:
+        """Held-out batch ``i``: the same chain, sequences from a seed stream no training batch draws from."""
+        return _token_batch(self._sequences(derive_seed(self.seed, HELD_OUT, i, 0)), i, -1)
+
+    def micro_batches(self, step: int, logical_rank: int, k: int) -> MicroBatches:
+        return split_token_batch(self.batch(step, logical_rank), k)
+
+    def _sequences(self, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
         n, t = self.micro_batch, self.seq_len + 1
         choice = torch.randint(0, self.successors.shape[1], (n, t), generator=g)
         seq = torch.empty(n, t, dtype=torch.long)
         seq[:, 0] = torch.randint(0, self.vocab, (n,), generator=g)
         for i in range(1, t):
             seq[:, i] = self.successors[seq[:, i - 1], choice[:, i]]
-        return _token_batch(seq, step, logical_rank)
+        return seq
 
 
 class MemmapTokens:
-    """Random windows of a nanoGPT-style uint16 token file, positions drawn from (seed, step, rank)."""
+    """Random windows of a nanoGPT-style uint16 token file, positions drawn from (seed, step, rank).
+
+    Validation reads a separate file (``data.val_path``, nanoGPT's val.bin) through a second instance's
+    ``held_out``: carving a tail off the training file would change which windows training draws."""
 
     def __init__(self, path: str, seed: int, seq_len: int, micro_batch: int, vocab_size: int) -> None:
         if not Path(path).is_file():
@@ -74,10 +113,20 @@ class MemmapTokens:
         self.seed, self.seq_len, self.micro_batch = seed, seq_len, micro_batch
 
     def batch(self, step: int, logical_rank: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(derive_seed(self.seed, step, logical_rank))
+        return _token_batch(self._windows(derive_seed(self.seed, step, logical_rank)), step, logical_rank)
+
+    def held_out(self, i: int) -> dict[str, torch.Tensor]:
+        """Held-out batch ``i``: windows of this file at positions from the held-out seed stream."""
+        return _token_batch(self._windows(derive_seed(self.seed, HELD_OUT, i, 0)), i, -1)
+
+    def micro_batches(self, step: int, logical_rank: int, k: int) -> MicroBatches:
+        return split_token_batch(self.batch(step, logical_rank), k)
+
+    def _windows(self, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.micro_batch,), generator=g)
         rows = [torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype(np.int64)) for s in starts.tolist()]
-        return _token_batch(torch.stack(rows), step, logical_rank)
+        return torch.stack(rows)
 
 
 class IndexedDatasetSource:
@@ -87,9 +136,23 @@ class IndexedDatasetSource:
         self.dataset, self.micro_batch, self.dp_size, self.collate = dataset, micro_batch, dp_size, collate
 
     def batch(self, step: int, logical_rank: int) -> Any:
-        base = (step * self.dp_size + logical_rank) * self.micro_batch
+        return self.collate(self._rows(step, logical_rank, 0, self.micro_batch))
+
+    def micro_batches(self, step: int, logical_rank: int, k: int) -> MicroBatches:
+        """The rows of ``batch(step, logical_rank)`` in ``k`` equal slices, each collated on its own."""
+        size = self.micro_batch // k
+        return MicroBatches(self.collate(self._rows(step, logical_rank, m * size, size)) for m in range(k))
+
+    def _rows(self, step: int, logical_rank: int, first: int, count: int) -> list:
+        base = (step * self.dp_size + logical_rank) * self.micro_batch + first
         n = len(self.dataset)
-        return self.collate([self.dataset[(base + i) % n] for i in range(self.micro_batch)])
+        return [self.dataset[(base + i) % n] for i in range(count)]
+
+
+def split_token_batch(batch: dict[str, torch.Tensor], k: int) -> MicroBatches:
+    """A token batch's rows in ``k`` equal micro-batches; each keeps the batch's (step, rank) sample id."""
+    return MicroBatches({"idx": idx, "targets": targets, "sample": batch["sample"]}
+                        for idx, targets in zip(batch["idx"].chunk(k), batch["targets"].chunk(k)))
 
 
 def _token_batch(seq: torch.Tensor, step: int, logical_rank: int) -> dict[str, torch.Tensor]:
@@ -101,14 +164,19 @@ class StepLoader:
     """An endless iterable whose position is read from the trainer each time iteration starts.
 
     ``start_step`` returns the number of committed optimizer steps and ``logical_rank`` the rank
-    this process currently computes; both are asked at ``iter()`` time, after any restore.
+    this process currently computes; both are asked at ``iter()`` time, after any restore. With
+    ``accumulate`` > 1 (the strategy sets it) each step's item is the step's ``MicroBatches``.
     """
 
     def __init__(self, source: BatchSource, start_step: Callable[[], int], logical_rank: Callable[[], int]) -> None:
         self.source, self.start_step, self.logical_rank = source, start_step, logical_rank
+        self.accumulate = 1
 
     def __iter__(self) -> Iterator[Any]:
         step = self.start_step()
         while True:
-            yield self.source.batch(step, self.logical_rank())
+            if self.accumulate > 1:
+                yield self.source.micro_batches(step, self.logical_rank(), self.accumulate)  # type: ignore[attr-defined]
+            else:
+                yield self.source.batch(step, self.logical_rank())
             step += 1

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
 
-from runner.data import BatchSource, StepLoader
+from runner.data import BatchSource, HeldOutSplit, StepLoader
 from runner.model import GPT, GPTConfig, flops_per_token
 from runner.strategy import ResilientStrategy
 
@@ -41,6 +41,9 @@ class GPTModule(pl.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self.model.loss(batch["idx"], batch["targets"])
 
+    def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.model.loss(batch["idx"], batch["targets"])
+
     def configure_optimizers(self):
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
@@ -61,11 +64,12 @@ class GPTModule(pl.LightningModule):
 
 
 class StepDataModule(pl.LightningDataModule):
-    """Serves a step-indexed source at the trainer's committed position for the current logical rank."""
+    """Serves a step-indexed source at the trainer's committed position for the current logical rank, and
+    its held-out split (when validation is on) to the runner's validation."""
 
-    def __init__(self, source: BatchSource) -> None:
+    def __init__(self, source: BatchSource, held_out: Optional[HeldOutSplit] = None) -> None:
         super().__init__()
-        self.source = source
+        self.source, self.held_out = source, held_out
 
     def train_dataloader(self) -> StepLoader:
         trainer = self.trainer
@@ -73,3 +77,8 @@ class StepDataModule(pl.LightningDataModule):
         strategy = trainer.strategy
         assert isinstance(strategy, ResilientStrategy)  # which logical rank's samples to serve
         return StepLoader(self.source, lambda: trainer.global_step, lambda: strategy.logical_rank)
+
+    def val_dataloader(self) -> HeldOutSplit:
+        if self.held_out is None:
+            raise ValueError("validation of the built-in data was not set up (trainer.val_check_interval=0)")
+        return self.held_out

@@ -11,6 +11,13 @@ This module is the glue to Lightning (what Lightning calls: group set-up, per-st
 contract, Lightning's own collectives). The committed-step protocol is ``runner.training.commit``, the
 update of a committed step ``runner.training.update``, state handed between replicas
 ``runner.training.transfer``; a recovery sees only ``runner.training.state.ReplicaState``.
+
+Gradient accumulation is done here, not by Lightning: Lightning sees one batch per optimizer step (the
+step's ``MicroBatches``) and the strategy runs the other micro-batches' forward and backward inside the
+step's closure, the reducer armed before the last backward, so a step stays the unit that is committed,
+retried and handed to a replacement. Validation (``runner.training.validation``) runs at the start of
+the steps it is due at and rides in their reduction. With manual optimization (the module calls
+``optimizer.step()`` itself) the step's loss is taken at ``manual_backward``, before the commit.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from torch import Tensor
 from runner.checkpoint import RUNNER_KEY
 from runner.checkpoint.zero_state import shard_of_full_state
 from runner.comm import CollectiveFailure, Comm
-from runner.data import BatchSource, IndexedDatasetSource, StepLoader, derive_seed, seed_step
+from runner.data import BatchSource, IndexedDatasetSource, MicroBatches, StepLoader, derive_seed, seed_step
 from runner.environment import RunnerEnvironment
 from runner.events import EventLog
 from runner.recovery.hooks import MicroBatchTakeover, UpdateReplication
@@ -38,6 +45,7 @@ from runner.training.commit import OnCommit, Recover, StepCommit
 from runner.training.state import ReplicaState
 from runner.training.transfer import TrainerState, from_bytes, to_bytes
 from runner.training.update import CommittedUpdate
+from runner.training.validation import StepValidation
 from runner.zero import ZeroOne
 
 # Lightning restores a checkpoint at the right moment of fit() (before or after setup, loops included) when
@@ -71,6 +79,8 @@ class ResilientStrategy(ParallelStrategy):
         start_timeout_s: float = 120.0,
         zero_stage: int = 0,
         shard_replication: ShardReplicationFactory | None = None,
+        accumulate: int = 1,
+        validation: StepValidation | None = None,
     ) -> None:
         super().__init__(
             accelerator=None,
@@ -92,6 +102,10 @@ class ResilientStrategy(ParallelStrategy):
         self.zero_stage = zero_stage
         self._shard_replication = shard_replication  # a technique copies each updated shard elsewhere
         self._source: Optional[BatchSource] = None  # the step-indexed batch source, for taken-over micro-batches
+        self.accumulate = accumulate  # micro-batches per optimizer step on each rank
+        self.validation = validation or StepValidation(0, 0)
+        self._micros: MicroBatches = MicroBatches()  # the current step's micro-batches (accumulation)
+        self._batch_idx = 0
         self._failed = False
         self.update = CommittedUpdate(lambda: self._module.trainer.global_step)
         self.state = TrainerState(lambda: self._module, lambda: self.optimizers, self.update, guard)
@@ -153,6 +167,22 @@ class ResilientStrategy(ParallelStrategy):
         rank_zero_only.rank = self.comm.logical_rank  # type: ignore[attr-defined]
         self.events.emit("group_formed", gen=layout.gen, members=len(layout.members), joining=self.joining)
 
+    def connect(self, model: pl.LightningModule) -> None:
+        """Before Lightning's own checks: what the committed step cannot do with manual optimization, said in
+        the runner's config keys."""
+        super().connect(model)
+        if model.automatic_optimization:
+            return
+        manual = (f"{type(model).__name__} steps its optimizer itself (automatic_optimization=False), and the "
+                  "runner commits exactly that step")
+        if self.accumulate > 1:
+            raise ValueError(f"trainer.accumulate_grad_batches={self.accumulate} needs automatic optimization: "
+                             f"{manual}; accumulate in its training_step or set trainer.accumulate_grad_batches=1.")
+        if model.trainer.gradient_clip_val:
+            raise ValueError(f"trainer.grad_clip={model.trainer.gradient_clip_val} needs automatic optimization: "
+                             f"{manual}; set trainer.grad_clip=0 (and clip in its training_step with "
+                             "self.clip_gradients if it needs to).")
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """ZeRO-1: a replacement restores after setup(), so its optimizer is already sharded when its shard comes."""
@@ -162,6 +192,7 @@ class ResilientStrategy(ParallelStrategy):
         super().setup(trainer)
         if self.zero_stage:
             self._shard_optimizer()
+        self.validation.check(trainer, self._module)
         for opt in self.optimizers:
             self.update.gate(opt)
         if not self.joining:  # replicas start identical whatever the module's init did (as DDP does)
@@ -189,27 +220,69 @@ class ResilientStrategy(ParallelStrategy):
 
     # -- per-step seeding and the committed, failure-aware reduction ----------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        step = self._module.trainer.global_step
+        module = self._module
+        step = module.trainer.global_step
+        batch = args[0] if args else kwargs.get("batch")
+        self._micros = batch if isinstance(batch, MicroBatches) else MicroBatches()
         seed_step(derive_seed(self.seed, step, self.logical_rank, 1), self.root_device)
-        self.commit.begin(args[0] if args else kwargs.get("batch"))
+        self.commit.begin(self._micros[0] if self._micros else batch)
         if self.status.latest_gen > self.comm.gen and self._recover is not None and not self.joining:
             self.commit.regroup()
         if self.update.zero is not None and self.update.zero.stale:
             self.commit.sync_params()
+        if self.validation.due(step):
+            self.status.phase = "validate"
+            self.commit.record_validation(*self.validation.run(module.trainer, module, self.logical_rank, self.dp_size))
+            seed_step(derive_seed(self.seed, step, self.logical_rank, 1), self.root_device)
         self.status.phase = "compute"
+        if self._micros:  # the first micro-batch through Lightning's closure, the others in optimizer_step
+            self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+            out = super().training_step(self._micros[0], self._batch_idx)
+            self.commit.record_loss(out, 0, len(self._micros))
+            return _scaled(out, 1 / len(self._micros))
         out = super().training_step(*args, **kwargs)
-        self.commit.record_loss(out)
+        if module.automatic_optimization:
+            self.commit.record_loss(out)
+        elif module.trainer.global_step != step + 1:
+            raise RuntimeError(f"{type(module).__name__}.training_step stepped its optimizer "
+                               f"{module.trainer.global_step - step} times at step {step}; with manual optimization "
+                               "the runner commits one optimizer.step() per training_step: call it exactly once.")
         return out
 
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._module.automatic_optimization:  # manual_backward: the step's loss, before it is committed
+            self.commit.record_loss(closure_loss)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def local_gradients(arm: bool) -> Any:
+            """This rank's gradients of the step; armed, the reducer launches buckets during the last backward."""
+            if arm and self.accumulate == 1:
+                self.commit.arm()
+            loss = closure()  # training_step (the first micro-batch when accumulating), zero_grad, backward
+            last = len(self._micros) - 1
+            for micro in range(1, last + 1):
+                if arm and micro == last:
+                    self.commit.arm()
+                self._accumulate_micro(micro, optimizer)
+            return loss
+
         def reduced_closure() -> Any:
-            self.commit.arm()
-            loss = closure()
-            if self.commit.commit(closure, self._source):
+            loss = local_gradients(arm=True)
+            if self.commit.commit(lambda: local_gradients(arm=False), self._source):
                 self.joining = False
             return loss
 
         return super().optimizer_step(optimizer, reduced_closure, model, **kwargs)
+
+    def _accumulate_micro(self, micro: int, optimizer: Any) -> None:
+        """Forward and backward of the step's micro-batch ``micro`` (> 0), seeded by (step, micro)."""
+        step = self._module.trainer.global_step
+        seed_step(derive_seed(self.seed, step, self.logical_rank, 1, micro), self.root_device)
+        out = super().training_step(self._micros[micro], self._batch_idx)
+        self.commit.record_loss(out, micro, len(self._micros))
+        loss = _scaled(out, 1 / len(self._micros))
+        self.backward(loss["loss"] if isinstance(loss, dict) else loss, optimizer)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if checkpoint_path == PEER_CKPT:
@@ -241,6 +314,11 @@ class ResilientStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         if isinstance(dataloader, StepLoader):
             self._source = dataloader.source
+            if self.accumulate > 1 and not hasattr(dataloader.source, "micro_batches"):
+                raise TypeError(f"trainer.accumulate_grad_batches={self.accumulate}: the StepLoader's source "
+                                f"{type(dataloader.source).__name__} has no micro_batches(step, rank, k); add one "
+                                "(the step's batch in k slices) or set trainer.accumulate_grad_batches=1.")
+            dataloader.accumulate = self.accumulate
             return dataloader
         dataset = getattr(dataloader, "dataset", None)
         if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
@@ -253,7 +331,9 @@ class ResilientStrategy(ParallelStrategy):
         collate = getattr(dataloader, "collate_fn", None) or torch.utils.data.default_collate
         source = IndexedDatasetSource(dataset, self.micro_batch, self.dp_size, collate)
         self._source = source
-        return StepLoader(source, lambda: trainer.global_step, lambda: self.logical_rank)
+        loader = StepLoader(source, lambda: trainer.global_step, lambda: self.logical_rank)
+        loader.accumulate = self.accumulate
+        return loader
 
     # -- Lightning's own collectives (logging, barriers) ---------------------------------------
     def barrier(self, name: Optional[str] = None) -> None:
@@ -306,3 +386,10 @@ class ResilientStrategy(ParallelStrategy):
             self.update.replication.close()
         super().teardown()
         self.comm.abort()
+
+
+def _scaled(out: Any, factor: float) -> Any:
+    """A training_step's output with its loss times ``factor`` (a micro-batch's share of the step's mean)."""
+    if isinstance(out, dict):
+        return {**out, "loss": out["loss"] * factor}
+    return out * factor

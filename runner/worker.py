@@ -31,7 +31,7 @@ from runner import protocol
 from runner.checksum import param_checksum
 from runner.comm import Comm, RunAborted, RunFailedError
 from runner.config.validate import all_faults, dp_size
-from runner.data import BatchSource, MemmapTokens, SyntheticTokens
+from runner.data import BatchSource, HeldOutSplit, MemmapTokens, SyntheticTokens
 from runner.events import EventLog, JsonLines
 from runner.faults.comm_faults import FaultInjectingComm
 from runner.lightning_module import GPTModule, StepDataModule
@@ -42,6 +42,7 @@ from runner.recovery.sdc import GradientGuard
 from runner.recovery.worker_registry import combine, technique_workers
 from runner.status import WorkerStatus
 from runner.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy
+from runner.training.validation import StepValidation, warn_unscheduled
 
 EXIT_ABORTED = 3  # the controller ended the run
 EXIT_FAILED = 4  # recovery impossible
@@ -130,6 +131,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     hooks = combine(techniques, module)
     comm.want_side_group = hooks.side_group
     joining = spec.role in ("joiner", "spare", "restore")  # none holds the state yet: setup collectives stay local
+    if cfg.model._target_ and spec.logical_rank == 0 and not joining:
+        warn_unscheduled(module, cfg.trainer.val_check_interval)
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, comm,
                             tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch)
     strategy = ResilientStrategy(
@@ -139,6 +142,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
         start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
         zero_stage=cfg.parallel.zero, shard_replication=hooks.shard_replication,
+        accumulate=cfg.trainer.accumulate_grad_batches,
+        validation=StepValidation(cfg.trainer.val_check_interval, cfg.trainer.limit_val_batches),
     )
     checkpoint = LightningCheckpoint(run_dir, cfg.checkpoint.every_n_steps, cfg.seed, events)
     is_rank0 = spec.logical_rank == 0
@@ -158,7 +163,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         enable_progress_bar=progress_bar,
         enable_model_summary=is_rank0 and not joining,
         num_sanity_val_steps=0,
-        limit_val_batches=0,
+        limit_val_batches=0,  # the strategy validates inside the committed-step protocol (runner.training.validation)
         use_distributed_sampler=False,
         log_every_n_steps=cfg.trainer.log_every_n_steps,
         default_root_dir=str(run_dir),
@@ -202,11 +207,17 @@ def build_module_and_data(cfg: DictConfig, micro_batch: int):
         return module, None  # the user's module brings its own train_dataloader()
     m = cfg.model
     source: BatchSource
+    held_out = None
     if cfg.data.kind == "memmap":
         source = MemmapTokens(cfg.data.path, cfg.seed, m.seq_len, micro_batch, m.vocab_size)
+        if cfg.trainer.val_check_interval:
+            val = MemmapTokens(cfg.data.val_path, cfg.seed, m.seq_len, micro_batch, m.vocab_size)
+            held_out = HeldOutSplit(val, cfg.trainer.limit_val_batches)
     else:
         source = SyntheticTokens(cfg.seed, m.vocab_size, m.seq_len, micro_batch)
-    return module, StepDataModule(source)
+        if cfg.trainer.val_check_interval:
+            held_out = HeldOutSplit(source, cfg.trainer.limit_val_batches)
+    return module, StepDataModule(source, held_out)
 
 
 def _threads(cfg: DictConfig, ranks: int) -> int:

@@ -209,6 +209,14 @@ class TrainerConfig:
     """Experiment-logger cadence (metrics.jsonl gets every committed step regardless)."""
     progress_bar: bool = True
     """Progress bar on the console (logical rank 0): committed step, loss and tokens/s."""
+    val_check_interval: int = 0
+    """Validate every N committed steps (val/loss in metrics.jsonl and the logger), sharded over the DP ranks;
+    0 = never."""
+    limit_val_batches: int = 0
+    """Validation batches per validation over all DP ranks; 0 = the whole val_dataloader() of your module or
+    DataModule (the built-in data's held-out split has no end: set it)."""
+    accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step on each rank (global_batch_size stays the samples per step)."""
 
 
 @dataclass
@@ -260,6 +268,8 @@ class DataConfig:
     """Built-in GPT data: synthetic (a seeded sparse Markov chain, learnable) or memmap (data.path)."""
     path: Optional[str] = None
     """memmap only: a nanoGPT-style uint16 token .bin file (ids < model.vocab_size)."""
+    val_path: Optional[str] = None
+    """memmap with validation: the held-out token .bin file (nanoGPT's val.bin) that validation reads."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for _target_ (add them with +data.kwargs.NAME=...)."""
 

@@ -129,6 +129,11 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         )
     elif gbs % dp:
         out.append(f"trainer.global_batch_size={gbs} must be divisible by the data-parallel size {dp}.")
+    elif cfg.trainer.accumulate_grad_batches >= 1 and gbs % (dp * cfg.trainer.accumulate_grad_batches):
+        k = cfg.trainer.accumulate_grad_batches
+        out.append(f"trainer.global_batch_size={gbs} must be divisible by the data-parallel size {dp} x "
+                   f"trainer.accumulate_grad_batches={k}: each rank's {gbs // dp} samples per step are split into "
+                   f"{k} equal micro-batches.")
     if for_training:
         if p.dp_group_size:
             out.append(f"parallel.dp_group_size={p.dp_group_size}: DP replica groups are not available yet; set it "
@@ -257,6 +262,26 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
                    f"trainer.sdc_window ({cfg.trainer.sdc_window}) >= 1.")
     if cfg.trainer.max_steps < 1:
         out.append(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1.")
+    return out + _loop_problems(cfg)
+
+
+def _loop_problems(cfg: DictConfig) -> list[str]:
+    """Validation and gradient accumulation."""
+    t, d = cfg.trainer, cfg.data
+    out: list[str] = []
+    if t.accumulate_grad_batches < 1:
+        out.append(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} must be >= 1 (1 = no accumulation).")
+    if t.val_check_interval < 0 or t.limit_val_batches < 0:
+        out.append(f"trainer.val_check_interval ({t.val_check_interval}) and trainer.limit_val_batches "
+                   f"({t.limit_val_batches}) must be >= 0.")
+    if t.val_check_interval <= 0 or cfg.model._target_ or d._target_:
+        return out
+    if t.limit_val_batches == 0:  # the built-in data
+        out.append(f"trainer.val_check_interval={t.val_check_interval} with the built-in data: set "
+                   "trainer.limit_val_batches (validation batches over all DP ranks; its held-out split has no end).")
+    if d.kind == "memmap" and not (d.val_path and os.path.isfile(d.val_path)):
+        out.append(f"trainer.val_check_interval={t.val_check_interval} with data.kind=memmap reads data.val_path, but "
+                   f"data.val_path={d.val_path} is not a file: point it at a held-out uint16 token .bin file.")
     return out
 
 
@@ -332,13 +357,19 @@ def ignored_key_problems(cfg: DictConfig) -> list[str]:
     if own_data:
         out += [f"data.{key}={_show(d[key])} is ignored: with "
                 f"{'data._target_' if d._target_ else 'model._target_'} set the built-in data is not used; drop it."
-                for key in _changed(d, DataConfig) if key in ("kind", "path")]
+                for key in _changed(d, DataConfig) if key in ("kind", "path", "val_path")]
     elif d.kind == "memmap" and not (d.path and os.path.isfile(d.path)):
         out.append(f"data.kind=memmap reads data.path, but data.path={d.path} is not a file: point it at a "
                    "nanoGPT-style uint16 token .bin file.")
     elif d.kind != "memmap" and d.path is not None:
         out.append(f"data.path={d.path} is ignored with data.kind={d.kind}: add data.kind=memmap to train on that "
                    "file, or drop data.path.")
+    if not own_data and d.val_path is not None and (d.kind != "memmap" or cfg.trainer.val_check_interval <= 0):
+        out.append(f"data.val_path={d.val_path} is read only by validation of data.kind=memmap: set "
+                   "trainer.val_check_interval and data.kind=memmap, or drop data.val_path.")
+    if cfg.trainer.val_check_interval <= 0 and cfg.trainer.limit_val_batches != 0:
+        out.append(f"trainer.limit_val_batches={cfg.trainer.limit_val_batches} is ignored without validation: set "
+                   "trainer.val_check_interval=N, or drop limit_val_batches.")
     for group in ("model", "data"):
         if cfg[group].kwargs and not cfg[group]._target_:
             out.append(f"{group}.kwargs are passed to {group}._target_, which is not set: set it or drop the kwargs.")

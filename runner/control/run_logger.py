@@ -113,6 +113,8 @@ class RunLogger:
         if m["step"] % self.log_every == 0:
             self._log(m["step"], m["t"], {"train/loss": m["loss"], "train/tokens_per_s": m["tokens_per_s"],
                                           "train/step_time_s": m["step_time_s"]})
+        if "val/loss" in m:  # a validation step is logged whatever log_every_n_steps says
+            self._log(m["step"], m["t"], {"val/loss": m["val/loss"]})
         self._log_recoveries()  # a recovery closed by this commit is logged in its place among the rows
 
     def _on_event(self, e: dict) -> None:

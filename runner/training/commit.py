@@ -5,9 +5,9 @@ covers, then all-reduces the gradients with the step's accounting (``GradReducer
 collective hands over to the run's recovery (regroup, reconcile, state to newcomers) and the very
 same step is retried; a reduction the corruption guard rejects is recomputed from the same batch and
 seed. Once committed, the sums become means in ``.grad``, and ``on_commit`` learns the step's
-accounting (one count per logical rank whose micro-batch went in, the loss sum, misplaced batches).
-The accounting also carries whether any member was asked to stop, so that every member learns it at
-the same committed step (``stop_agreed``).
+accounting (one count per logical rank whose micro-batch went in, whether any member was asked to stop,
+the validation loss sum and batch count when the step carries a validation, the loss sum, misplaced
+batches). The stop flag lets every member learn a stop at the same committed step (``stop_agreed``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from runner.training.update import CommittedUpdate
 
 Recover = Callable[[ReplicaState, str], Optional[dict]]  # the run's recovery: (this replica's state, why)
 OnCommit = Callable[[int, Tensor, float], None]  # (step, accounting, seconds from reduce to commit)
+# the accounting vector after the one count per logical rank: these entries, indexed from its end
+VAL_LOSS_SUM, VAL_BATCHES, LOSS_SUM, MISPLACED = -4, -3, -2, -1
 
 
 class StepCommit:
@@ -47,6 +49,7 @@ class StepCommit:
         self._reducer: Optional[GradReducer] = None  # built at the first step, once the module is set up
         self._batch_sample: Optional[Tensor] = None
         self._batch_loss: Optional[float] = None
+        self._validation = (0.0, 0)  # this rank's validation loss sum and batch count for the current step
         self._t_batch = 0.0
         self.stop_agreed = False  # a member was asked to stop (protocol.STOP) by the last committed step
 
@@ -58,6 +61,8 @@ class StepCommit:
     def begin(self, batch: Any) -> None:
         """A new step's batch: its sample id (for the accounting) and a clean slate."""
         self._batch_sample = batch.get("sample") if isinstance(batch, dict) else None
+        self._validation = (0.0, 0)
+        self._batch_loss = None
         if self.takeover is not None:
             self.takeover.reset()
         self._t_batch = time.perf_counter()
@@ -69,9 +74,18 @@ class StepCommit:
         assert self.recover is not None
         self.recover(self.state, "planned")
 
-    def record_loss(self, out: Any) -> None:
+    def record_loss(self, out: Any, micro: int = 0, micros: int = 1) -> None:
+        """The step's loss: with accumulation, the mean of its ``micros`` micro-batches' losses."""
         loss = out["loss"] if isinstance(out, dict) else out
-        self._batch_loss = float(loss.detach()) if isinstance(loss, Tensor) else None
+        value = float(loss.detach()) / micros if isinstance(loss, Tensor) else None
+        if micro == 0 or self._batch_loss is None or value is None:
+            self._batch_loss = value
+        else:
+            self._batch_loss += value
+
+    def record_validation(self, loss_sum: float, batches: int) -> None:
+        """This rank's share of a validation, carried by the step's reduction (however often it is retried)."""
+        self._validation = (loss_sum, batches)
 
     def arm(self) -> None:
         """Before the step's own backward: its buckets launch as they fill (not when micro-batches of others
@@ -148,25 +162,32 @@ class StepCommit:
 
     # -- the reduction and its accounting --------------------------------------------------------
     @property
+    def _extras_size(self) -> int:
+        """The counts per logical rank, the stop flag, and the four sums from ``VAL_LOSS_SUM`` to the end."""
+        return self.dp_size + 1 - VAL_LOSS_SUM
+
+    @property
     def reducer(self) -> GradReducer:
         if self._reducer is None:
-            self._reducer = GradReducer(self.comm, self._module(), self.bucket_bytes, self.dp_size + 3,
+            self._reducer = GradReducer(self.comm, self._module(), self.bucket_bytes, self._extras_size,
                                         self._accounting)
         return self._reducer
 
     def _accounting(self) -> Tensor:
-        """One count per logical rank whose micro-batch went in, the stop flag, the loss sum, misplaced batches."""
+        """One count per logical rank whose micro-batch went in, the stop flag (at ``dp_size``), then (from
+        ``VAL_LOSS_SUM`` on) the validation loss sum and batches, the loss sum, misplaced batches."""
         step = self._module().trainer.global_step
-        extras = torch.zeros(self.dp_size + 3, dtype=torch.float64)
+        extras = torch.zeros(self._extras_size, dtype=torch.float64)
         extras[self.dp_size] = float(self.status.stop_requested)
         sample_step, sample_rank = (step, self.comm.logical_rank)
         if self._batch_sample is not None:
             sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())
         extras[sample_rank] += 1
-        extras[-2] = self._batch_loss if self._batch_loss is not None else float("nan")
-        extras[-1] = float(sample_step != step)
+        extras[VAL_LOSS_SUM], extras[VAL_BATCHES] = self._validation
+        extras[LOSS_SUM] = self._batch_loss if self._batch_loss is not None else float("nan")
+        extras[MISPLACED] = float(sample_step != step)
         for loss, (extra_step, extra_rank) in self.takeover.contributions() if self.takeover is not None else ():
             extras[extra_rank] += 1
-            extras[-2] += loss
-            extras[-1] += float(extra_step != step)
+            extras[LOSS_SUM] += loss
+            extras[MISPLACED] += float(extra_step != step)
         return extras

@@ -1,0 +1,61 @@
+"""Tiny user Lightning modules the validation and training-loop tests train through ``model._target_``."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def _regression(rows: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 8, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * torch.randn(rows, 1, generator=g))
+
+
+class RegressionData(pl.LightningDataModule):
+    """Map-style training rows and a held-out set of 5 validation batches of 8."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_regression(256, 0), batch_size=8)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(_regression(40, 1), batch_size=8)
+
+
+class ValidatedRegressor(pl.LightningModule):
+    """A user's module with a validation_step that logs as usual and returns the batch's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class ManualRegressor(ValidatedRegressor):
+    """The same training with manual optimization: one optimizer step per training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
