@@ -101,9 +101,13 @@ def make_plan(cfg: DictConfig) -> Plan:
 
 
 def memory_problem(cfg: DictConfig, plan: Plan) -> Optional[str]:
-    """One paragraph when a rank needs more than ``runner.gpu_memory_gib``, naming the smallest change that fits."""
+    """One paragraph when a rank needs more than ``runner.gpu_memory_gib``, naming the smallest change that fits.
+
+    Only for a run on GPUs: one that uses this host's, or one too big for CPU training (it prints the
+    plan for a GPU cluster); a run that trains on CPU here has no GPU memory to fit."""
     limit = cfg.runner.gpu_memory_gib
-    if plan.bytes_per_rank <= limit * GiB:
+    on_gpus = cfg.runner.device != "cpu" and (plan.gpus_available > 0 or needs_gpus(cfg, plan))
+    if not on_gpus or plan.bytes_per_rank <= limit * GiB:
         return None
     lay = plan.layout
     head = (f"The plan needs {plan.bytes_per_rank / GiB:.1f} GiB per GPU at tp={lay.tp} pp={lay.pp} "

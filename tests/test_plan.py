@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from runner.config import ConfigError
 from runner.config.validate import validate
@@ -48,6 +49,15 @@ def test_an_over_full_layout_is_refused_with_the_smallest_change_that_fits(overr
     fixed = _compose(*overrides, *change.split())
     validate(fixed, for_training=False)
     assert memory_problem(fixed, make_plan(fixed)) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU host gpt_small trains on its GPUs")
+def test_a_run_that_trains_on_cpu_here_has_no_gpu_memory_to_fit():
+    cfg = _compose("+recipe=gpt_small", "runner.gpu_memory_gib=1")
+    plan = make_plan(cfg)
+    assert plan.bytes_per_rank > GiB and memory_problem(cfg, plan) is None
+    on_cpu = _compose("+recipe=gpt13b", "parallel.tp=1", "runner.device=cpu")
+    assert memory_problem(on_cpu, make_plan(on_cpu)) is None
 
 
 def test_no_layout_that_fits_says_what_else_to_change():
