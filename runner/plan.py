@@ -114,8 +114,9 @@ def memory_problem(cfg: DictConfig, plan: Plan) -> Optional[str]:
             f"zero={lay.zero}, more than runner.gpu_memory_gib={limit:g}.")
     found = fitting_change(cfg)
     if found is None:
-        return (f"{head} No tp, pp and zero of these {plan.world} ranks fits: add nodes, lower "
-                "trainer.global_batch_size or model.seq_len, or raise runner.gpu_memory_gib if the GPUs have more.")
+        return (f"{head} No tp, pp and zero of these {plan.world} ranks fits (tp at most parallel.procs_per_node="
+                f"{cfg.parallel.procs_per_node}): shorten model.seq_len, use a smaller model, or raise "
+                "runner.gpu_memory_gib if the GPUs have more.")
     change, fitted = found
     return (f"{head} The smallest change that fits: set {change} ({fitted.bytes_per_rank / GiB:.1f} GiB per GPU); "
             "or raise runner.gpu_memory_gib if the GPUs have more.")
