@@ -44,10 +44,13 @@ def median_spread(values: list[float]) -> str:
     return f"median {statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f}, n={len(values)})"
 
 
-def throughput_args(doc: str, steps: int = 80, rounds: int = 3) -> argparse.Namespace:
-    """--ranks, --steps and --rounds of the interleaved steps/s comparisons."""
+def throughput_args(doc: str, steps: int = 80, rounds: int = 3, realistic_steps: int = 0) -> argparse.Namespace:
+    """--ranks, --steps and --rounds of the interleaved steps/s comparisons (and --realistic-steps when a
+    bench has a second, heavier workload)."""
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--rounds", type=int, default=rounds)
+    if realistic_steps:
+        ap.add_argument("--realistic-steps", type=int, default=realistic_steps)
     return ap.parse_args()

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from runner.config import ConfigError, register_all
 from runner.config.registry import CONF_DIR, user_config_dirs
 from runner.config.validate import validate
-from runner.plan import apply_smoke, make_plan, needs_gpus, scaled
+from runner.plan import apply_smoke, make_plan, memory_problem, needs_gpus, scaled
 
 EXIT_CONFIG = 2
 EXIT_NEEDS_GPUS = 3
@@ -46,6 +46,9 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
                 print(f"[runner] smoke: {change}", flush=True)
         plan = make_plan(cfg)
         print(plan.render(cfg), flush=True)
+        too_big = memory_problem(cfg, plan)
+        if too_big:
+            raise ConfigError(too_big)
         if needs_gpus(cfg, plan):
             print(
                 f"[runner] {cfg.recipe_name} has {scaled(plan.params)} parameters and needs {plan.world} GPUs "
@@ -55,6 +58,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
                 file=sys.stderr, flush=True,
             )
             return EXIT_NEEDS_GPUS
+        cfg.parallel.spares = plan.spares  # a default spare node, in the config the workers get
         validate(cfg, for_training=True)
         from runner.launcher import launch  # heavy imports only once the config is known to be good
 

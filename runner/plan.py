@@ -1,56 +1,71 @@
-"""The training plan: parameters, memory per rank and layout, computed from the config alone.
+"""The training plan: parameters, layout, batch and memory per rank, computed from the config alone.
 
-Printed before every run, and instead of the run when the host lacks the GPUs a recipe needs.
-Memory model (bytes per parameter): fp32 weights 4 + fp32 gradients 4 + AdamW moments 8, the
-moments divided over the data-parallel group under ZeRO-1, everything divided by tp*pp;
-activations per layer and sample follow Korthikanti et al. (2022): seq*d*(34 + 5*heads*seq/d)
-bytes in 16-bit. Models above runner.cpu_max_params are planned for GPUs with one sample per
-micro-step and full recomputation (only layer inputs kept); smaller ones as the runner trains them.
+Printed before every run, and instead of the run when the host lacks the GPUs a recipe needs. The
+plan is a promise: a layout whose rank needs more than ``runner.gpu_memory_gib`` is refused, with the
+smallest change of tp, pp and zero that fits (``fitting_change``). Memory per rank is itemised by
+``runner.memory``. Models above runner.cpu_max_params are planned for GPUs with one sample per
+micro-batch (the per-rank batch as that many micro-batches); smaller ones as the runner trains them,
+the per-rank batch in one forward.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig, open_dict
 
-from runner.config.validate import dp_size, world_size, zero_problems
+from runner.config.validate import (
+    TRAINED_PP,
+    TRAINED_TP,
+    dp_size,
+    ft_names,
+    layout_problems,
+    world_size,
+    zero_problems,
+)
+from runner.memory import GiB, Layout, RankMemory, precision_of, rank_memory
 from runner.model import GPTConfig, count_params, flops_per_token
-
-GiB = 2**30
+from runner.topology import spare_count
 
 
 @dataclass
 class Plan:
     params: int
     world: int
-    dp: int
-    tp: int
-    pp: int
-    zero: int
-    micro_batch: int
-    state_bytes_per_rank: float
-    activation_bytes_per_rank: float
+    layout: Layout
+    precision: str
+    memory: RankMemory
     flops_per_token: float
     gpus_available: int
+    spares: int
+    spares_by_default: bool  # parallel.spares unset and ft has deadpool: one spare node
 
     @property
     def bytes_per_rank(self) -> float:
-        return self.state_bytes_per_rank + self.activation_bytes_per_rank
+        return self.memory.total
 
     def render(self, cfg: DictConfig) -> str:
-        p = cfg.parallel
-        gib = f"{self.state_bytes_per_rank / GiB:.1f} GiB states + {self.activation_bytes_per_rank / GiB:.1f} GiB"
+        p, lay, mem = cfg.parallel, self.layout, self.memory
+        spares = f"spares={self.spares}"
+        if self.spares_by_default:
+            spares += " (one spare node by default for ft=deadpool; parallel.spares=0 for none)"
+        where = "" if lay.pp == 1 else f", pipeline stage {mem.stage} of {lay.pp}"
         return "\n".join([
             f"plan for recipe {cfg.recipe_name}:",
             f"  model       {scaled(self.params)} parameters, {scaled(self.flops_per_token, giga='G')}FLOP per token "
             "(training)",
-            f"  layout      {p.nodes} node(s) x {p.procs_per_node} rank(s) = {self.world} ranks: dp={self.dp} "
-            f"tp={self.tp} pp={self.pp} zero={self.zero}, spares={p.spares}",
-            f"  batch       {cfg.trainer.global_batch_size} samples/step = {self.micro_batch} per rank x {self.dp} "
-            f"ranks, seq {cfg.model.seq_len}",
-            f"  memory/rank {gib} activations = {self.bytes_per_rank / GiB:.1f} GiB",
+            f"  layout      {p.nodes} node(s) x {p.procs_per_node} rank(s) = {self.world} ranks: dp={lay.dp} "
+            f"tp={lay.tp} pp={lay.pp} zero={lay.zero}, {spares}",
+            f"  batch       {cfg.trainer.global_batch_size} samples/step = {lay.micro_batch * lay.micro_batches} per "
+            f"rank x {lay.dp} replicas, as {lay.micro_batches} micro-batch(es) of {lay.micro_batch}, seq "
+            f"{cfg.model.seq_len}",
+            f"  memory/rank {self.bytes_per_rank / GiB:.{1 if self.bytes_per_rank >= GiB else 3}f} GiB of "
+            f"runner.gpu_memory_gib={cfg.runner.gpu_memory_gib:g}"
+            f" ({self.precision}{where}):",
+            *(f"              {line}" for line in mem.items()),
             f"  devices     needs {self.world} GPU(s); this host has {self.gpus_available}",
         ])
 
@@ -73,17 +88,68 @@ def make_plan(cfg: DictConfig) -> Plan:
     dp = dp_size(cfg)
     gpt = gpt_config(cfg)
     n = count_params(gpt)
-    shard = p.tp * p.pp
-    moments = 8 * n / shard / (dp if p.zero >= 1 else 1)
-    states = (8 * n) / shard + moments
-    micro = max(1, cfg.trainer.global_batch_size // dp)
-    per_layer = gpt.seq_len * gpt.d_model * (34 + 5 * gpt.n_head * gpt.seq_len / gpt.d_model)
-    if n > cfg.runner.cpu_max_params:  # GPU scale: one sample at a time, layers recomputed in backward
-        activations = (2 * gpt.seq_len * gpt.d_model * gpt.n_layer + per_layer) / shard
-    else:  # what this runner does today: the whole micro-batch, every activation kept
-        activations = micro * per_layer * gpt.n_layer / shard
+    per_rank = max(1, cfg.trainer.global_batch_size // dp)
+    if n > cfg.runner.cpu_max_params:  # GPU scale: one sample per micro-batch
+        micro_batch, micro_batches = 1, per_rank
+    else:  # as this runner trains it: the per-rank batch in one forward
+        micro_batch, micro_batches = per_rank, 1
+    layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches, "deadpool" in ft_names(cfg))
+    name, precision = precision_of(cfg.trainer.precision)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return Plan(n, world_size(cfg), dp, p.tp, p.pp, p.zero, micro, states, activations, flops_per_token(gpt), gpus)
+    return Plan(n, world_size(cfg), layout, precision.describe(name), rank_memory(gpt, precision, layout),
+                flops_per_token(gpt), gpus, spare_count(cfg), p.spares is None and spare_count(cfg) > 0)
+
+
+def memory_problem(cfg: DictConfig, plan: Plan) -> Optional[str]:
+    """One paragraph when a rank needs more than ``runner.gpu_memory_gib``, naming the smallest change that fits.
+
+    Only for a run on GPUs: one that uses this host's, or one too big for CPU training (it prints the
+    plan for a GPU cluster); a run that trains on CPU here has no GPU memory to fit."""
+    limit = cfg.runner.gpu_memory_gib
+    on_gpus = cfg.runner.device != "cpu" and (plan.gpus_available > 0 or needs_gpus(cfg, plan))
+    if not on_gpus or plan.bytes_per_rank <= limit * GiB:
+        return None
+    lay = plan.layout
+    head = (f"The plan needs {plan.bytes_per_rank / GiB:.1f} GiB per GPU at tp={lay.tp} pp={lay.pp} "
+            f"zero={lay.zero}, more than runner.gpu_memory_gib={limit:g}.")
+    found = fitting_change(cfg)
+    if found is None:
+        return (f"{head} No tp, pp and zero of these {plan.world} ranks fits (tp at most parallel.procs_per_node="
+                f"{cfg.parallel.procs_per_node}): shorten model.seq_len, use a smaller model, or raise "
+                "runner.gpu_memory_gib if the GPUs have more.")
+    change, fitted = found
+    return (f"{head} The smallest change that fits: set {change} ({fitted.bytes_per_rank / GiB:.1f} GiB per GPU); "
+            "or raise runner.gpu_memory_gib if the GPUs have more.")
+
+
+def fitting_change(cfg: DictConfig) -> Optional[tuple[str, Plan]]:
+    """The first layout that fits, as the overrides that make it, and its plan.
+
+    Candidates only add sharding: tp, pp and zero at least the config's, tp dividing procs_per_node
+    (a tensor-parallel group stays inside a node) and every layout rule holding (``layout_problems``,
+    and ``zero_problems`` for zero=1 with the config's ft). They are tried by the model-parallel degree
+    tp*pp, smallest first (the most data parallelism); at equal degree tp before pp (larger tp first:
+    it also divides the activations, which pipeline stages do not); at each (tp, pp) the config's zero
+    before zero=1. So ZeRO-1 alone comes before any larger tp, and tp=4 before tp=2 pp=2.
+    """
+    p = cfg.parallel
+    tps = [t for t in range(p.tp, p.procs_per_node + 1) if p.procs_per_node % t == 0]
+    pps = [q for q in range(p.pp, cfg.model.n_layer + 1) if cfg.model.n_layer % q == 0]
+    zeros = sorted({int(p.zero), 1})
+    order = sorted(((t, q, z) for t in tps for q in pps for z in zeros), key=lambda c: (c[0] * c[1], -c[0], c[2]))
+    for tp, pp, zero in order:
+        if (tp, pp, zero) == (p.tp, p.pp, p.zero) or world_size(cfg) % (tp * pp):
+            continue
+        trial = copy.deepcopy(cfg)
+        with open_dict(trial):
+            trial.parallel.update(tp=tp, pp=pp, zero=zero)
+        if layout_problems(trial, for_training=False) or (zero and zero_problems(trial)):
+            continue
+        plan = make_plan(trial)
+        if plan.bytes_per_rank <= cfg.runner.gpu_memory_gib * GiB:
+            change = [f"parallel.{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("zero", zero)) if v != p[k]]
+            return " ".join(change), plan
+    return None
 
 
 def needs_gpus(cfg: DictConfig, plan: Plan) -> bool:
@@ -92,7 +158,8 @@ def needs_gpus(cfg: DictConfig, plan: Plan) -> bool:
 
 
 def apply_smoke(cfg: DictConfig) -> list[str]:
-    """Shrink the model (and, above runner.smoke_max_ranks, the layout) so the recipe trains on CPU."""
+    """Shrink the model (and, above runner.smoke_max_ranks, the layout; tp and pp to what training runs) so
+    the recipe trains on CPU with its ft mix."""
     changes = []
     p, limit = cfg.parallel, cfg.runner.smoke_max_ranks
     with open_dict(cfg):
@@ -109,6 +176,14 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
             per = max(1, limit // nodes)
             changes.append(f"layout {p.nodes}x{p.procs_per_node} -> {nodes}x{per} (runner.smoke_max_ranks={limit})")
             p.nodes, p.procs_per_node = nodes, per
+        tp = max(t for t in range(1, min(p.tp, TRAINED_TP) + 1) if cfg.model.n_head % t == 0 == p.procs_per_node % t)
+        pp = max(q for q in range(1, min(p.pp, TRAINED_PP) + 1)
+                 if cfg.model.n_layer % q == 0 == world_size(cfg) // tp % q)
+        shrunk = [f"parallel.{k} {p[k]} -> {v}" for k, v in (("tp", tp), ("pp", pp)) if p[k] != v]
+        if shrunk:
+            changes.append(f"{', '.join(shrunk)} (training runs tp <= {TRAINED_TP} and pp <= {TRAINED_PP}: the "
+                           "tensor and pipeline parallel layers are not wired into training yet)")
+            p.tp, p.pp = tp, pp
         if p.zero and zero_problems(cfg):
             changes.append(f"parallel.zero {p.zero} -> 0 (not usable with ft={list(cfg.ft.keys())} on this layout)")
             p.zero = 0

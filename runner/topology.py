@@ -26,6 +26,15 @@ NeighbourPolicy = Literal["ring_next", "ring_prev"]
 DIMENSIONS = ("tp", "pp", "dp")
 
 
+def spare_count(cfg) -> int:
+    """``parallel.spares``, or when it is null (the default) one spare node, ``procs_per_node`` spares, if ``ft``
+    has deadpool (the one technique that uses spares), else none."""
+    spares = cfg.parallel.get("spares")
+    if spares is not None:
+        return int(spares)
+    return int(cfg.parallel.procs_per_node) if "deadpool" in (cfg.get("ft") or {}) else 0
+
+
 @dataclass(frozen=True)
 class Topology:
     """``nodes`` job nodes of ``procs_per_node`` ranks each, and ``spares`` hot-spare processes that
@@ -69,7 +78,7 @@ class Topology:
         """The topology a run's config asks for (``parallel.nodes``, ``procs_per_node``, ``spares``, and the
         layout degrees ``tp`` and ``pp`` where the config has them)."""
         p = cfg.parallel
-        return cls(int(p.nodes), int(p.procs_per_node), int(p.get("spares", 0) or 0),
+        return cls(int(p.nodes), int(p.procs_per_node), spare_count(cfg),
                    tp=int(p.get("tp", 1) or 1), pp=int(p.get("pp", 1) or 1))
 
     # -- sizes ------------------------------------------------------------------------------------

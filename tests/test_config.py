@@ -68,7 +68,7 @@ def test_recipe_override_of_parallel_group_is_honoured():
         (["fault=partition", "fault.duration_s=-5"], "duration_s"),
         (["ft=flashrecovery", "ft.flashrecovery.max_restarts=-1"], "max_restarts"),
         (["ft=deadpool", "parallel.spares=1", "ft.deadpool.crash_action=teleport"], "crash_action"),
-        (["ft=deadpool"], "parallel.spares=0"),
+        (["ft=deadpool", "parallel.spares=0"], "parallel.spares=0"),  # unset, it is one spare node
         (["ft=ndb", "ft.ndb.rank_ratio=3"], "rank_ratio"),
         (["+ft.flashrecovery.bogus=1", "ft=flashrecovery"], "ft.flashrecovery"),
         (["parallel.zero=2"], "parallel.zero=2"),

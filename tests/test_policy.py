@@ -39,7 +39,7 @@ def test_policy_rows_are_checked(overrides, expected):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["ft=deadpool"], "parallel.spares=0 and nothing after it"),
+        (["ft=deadpool", "parallel.spares=0"], "parallel.spares=0 and nothing after it"),
         (["ft=flashrecovery", "parallel.nodes=2", "fault=kill_node"], "fault (kill_node of node 1 at step 20)"),
         (["ft=flashrecovery", "fault=kill_all"], "add ft=flash_ckpt"),
         (["ft=flashrecovery", "fault=kill_rank", "fault.rank=0", "fault.step=5",

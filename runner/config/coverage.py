@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config import policy
 from runner.decision import Decision, decide, restart_owner
+from runner.topology import spare_count
 
 STOP_EVERY_RANK = ("kill_all", "wipe_shm", "corrupt_snapshot")
 
@@ -39,7 +40,7 @@ def mix_problems(cfg: DictConfig, ft: list[str], faults: list[DictConfig], dp: i
     out = policy.row_problems(cfg, ft)
     if out:
         return out  # the replay would only repeat the rows' problems
-    if "deadpool" in ft and not cfg.parallel.spares and not policy.table(cfg, ft)["node_loss_no_spare"]:
+    if "deadpool" in ft and not spare_count(cfg) and not policy.table(cfg, ft)["node_loss_no_spare"]:
         out.append("ft=deadpool swaps failed ranks for hot spares, but parallel.spares=0 and nothing after it in ft "
                    "handles a lost node: set parallel.spares >= 1 (or add ft=ndb or ft=flash_ckpt).")
     if cfg.policy.reject_unhandled:
@@ -79,7 +80,7 @@ def _unhandled_faults(cfg: DictConfig, ft: list[str], faults: list[DictConfig], 
 
 def _fresh(cfg: DictConfig, ft: list[str]) -> _Job:
     owner = restart_owner(ft)
-    return _Job(spares=cfg.parallel.spares, restarts=cfg.ft[owner].max_restarts if owner else 0,
+    return _Job(spares=spare_count(cfg), restarts=cfg.ft[owner].max_restarts if owner else 0,
                 full_restarts=cfg.ft.flash_ckpt.max_restarts if "flash_ckpt" in ft else 0)
 
 

@@ -52,8 +52,9 @@ class ParallelConfig:
     """Pipeline-parallel degree: planning only, training requires 1."""
     dp_group_size: int = 0
     """Ranks per data-parallel replica group; 0 = all DP ranks form one group (training requires 0 for now)."""
-    spares: int = 0
-    """Hot spares on nodes of their own, which only DeadPool uses (needs ft=deadpool)."""
+    spares: Optional[int] = None
+    """Hot spares on nodes of their own, which only DeadPool uses (needs ft=deadpool); null = one spare node
+    (procs_per_node spares) when ft has deadpool, else none."""
     zero: ZeroStage = 0
     """0 = replicated optimizer state, 1 = ZeRO-1 (optimizer state sharded over the DP ranks)."""
     backend: Backend = "auto"
@@ -296,6 +297,8 @@ class RunnerConfig:
     """Hardware peak FLOP/s of one rank, for MFU; the recipes set the GPU's bf16 peak."""
     cpu_max_params: int = 400_000_000
     """Bigger models only print their plan on a host without enough GPUs."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU; a layout whose plan needs more per rank is refused, naming the smallest change that fits."""
     console_events: bool = True
     """One console line per recovery (and per failed run), from the controller's events."""
     resume: Optional[str] = None

@@ -32,7 +32,9 @@ from runner.config.schema import (
     RootConfig,
     choices,
 )
+from runner.topology import spare_count
 
+TRAINED_TP = TRAINED_PP = 1  # the degrees training runs: the tensor and pipeline parallel layers are not wired yet
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
                "wipe_shm", "corrupt_snapshot")
 _TIMED = tuple(k for k in choices(FaultKind) or () if k not in ("none", "chaos"))  # injected at a step or time
@@ -76,7 +78,7 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
     schema = schema_problems(cfg)
     if schema:  # the rules below read the keys the schema declares, with values in range
         raise ConfigError("Invalid configuration: " + " ".join(problems + schema))
-    problems += _layout_problems(cfg, for_training)
+    problems += layout_problems(cfg, for_training)
     problems += _ft_problems(cfg)
     problems += _misc_problems(cfg)
     problems += ignored_key_problems(cfg)
@@ -87,7 +89,8 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
         raise ConfigError("Invalid configuration: " + " ".join(problems))
 
 
-def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
+def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
+    """The layout rules (also for a candidate layout ``runner.plan`` tries)."""
     p = cfg.parallel
     out: list[str] = []
     if p.nodes < 1 or p.procs_per_node < 1:
@@ -109,7 +112,7 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         out.append(
             f"parallel.dp_group_size={p.dp_group_size} must be 0 (one group) or divide the data-parallel size {dp}."
         )
-    if p.spares < 0:
+    if spare_count(cfg) < 0:
         out.append(f"parallel.spares={p.spares} is negative; use 0 or more hot spares.")
     if p.backend == "nccl" and cfg.runner.device == "cpu":
         out.append("parallel.backend=nccl needs GPUs: use runner.device=cuda (or auto on a GPU host), or backend=gloo.")
@@ -139,12 +142,12 @@ def _layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
             out.append(f"parallel.dp_group_size={p.dp_group_size}: DP replica groups are not available yet; set it "
                        "to 0 (a recipe's plan may still show it).")
         out += zero_problems(cfg)
-        if p.spares and "deadpool" not in ft_names(cfg):
+        if spare_count(cfg) and "deadpool" not in ft_names(cfg):
             out.append(f"parallel.spares={p.spares} starts hot spares that only DeadPool uses: add ft=deadpool or set "
                        "parallel.spares=0.")
-    if for_training and (p.tp > 1 or p.pp > 1):
-        out.append(f"Training with tp={p.tp}/pp={p.pp} is not supported yet (only planning is); set parallel.tp=1 "
-                   "parallel.pp=1.")
+    if for_training and (p.tp > TRAINED_TP or p.pp > TRAINED_PP):
+        out.append(f"Training with tp={p.tp}/pp={p.pp} is not supported yet (only planning is); set "
+                   f"parallel.tp={TRAINED_TP} parallel.pp={TRAINED_PP}.")
     return out
 
 

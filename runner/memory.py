@@ -1,0 +1,164 @@
+"""Memory per rank of a training layout, itemised, from the model's shape alone (``runner.plan`` prints and checks it).
+
+What each ``trainer.precision`` keeps is what the training path does with it (Lightning's precision
+plugins, the optimizer built in ``runner.lightning_module``):
+
+- ``32-true``: fp32 weights, gradients and AdamW moments; fp32 activations.
+- ``bf16-mixed`` / ``16-mixed``: autocast over fp32 weights: fp32 weights, gradients and moments, and
+  16-bit activations. The fp32 weights are the optimizer's own, so there is no separate master copy
+  (Megatron's distributed optimizer would keep bf16 weights and gradients beside fp32 masters; the
+  training path does not do that, so the plan does not count it that way).
+- ``bf16-true`` / ``16-true``: 16-bit weights, gradients and moments (AdamW keeps its state in the
+  parameter's dtype). ``64-true``: fp64 throughout. Any other string is counted as ``32-true``.
+
+ZeRO-1 (``runner.zero``) shards only the Adam moments over the data-parallel ranks: gradients are
+all-reduced in full and every rank keeps whole weights. Tensor parallelism (``runner.parallel.tensor``)
+splits the attention and FFN matrices; embeddings, norms, the row-parallel biases and the head stay
+replicated, and there is no sequence parallelism. Pipeline stage ``s`` (``runner.parallel.pipeline``)
+holds blocks ``[s*L/pp, (s+1)*L/pp)``, stage 0 the embeddings, the last stage the final norm and (when
+it is not stage 0) a copy of the tied head; 1F1B keeps up to ``pp - s`` micro-batches' activations.
+
+Activations of one block for a micro-batch of b samples follow Korthikanti et al. (2022), tensor
+parallel without sequence parallelism: ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes at 16 bits (twice that
+at 32); with full recomputation a block keeps only its input (``2*s*b*h``) and one block's activations
+exist at a time. The last stage adds the fp32 logits of the loss, ``4*s*b*V``. DeadPool with ZeRO-1
+(``runner.recovery.deadpool.replicator``) keeps a packed copy of the rank's own shard (weights and
+moments), two replica slots of its partner's shard, and the partner's last gradients for a replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from math import ceil
+
+from runner.config.schema import GPTConfig
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of what one ``trainer.precision`` keeps."""
+
+    weights: int
+    grads: int
+    master: int  # a separate fp32 copy of the weights for the optimizer; 0 when the weights are its own
+    moments: int  # both AdamW moments together
+    activations: int
+
+    def describe(self, name: str) -> str:
+        kind = {4: "fp32", 2: "16-bit", 8: "fp64"}
+        return (f"{name}: {kind[self.weights]} weights and gradients, {kind[self.moments // 2]} Adam moments, "
+                f"{'no separate master weights' if not self.master else 'fp32 master weights'}, "
+                f"{kind[self.activations]} activations")
+
+
+PRECISIONS = {
+    "32-true": Precision(4, 4, 0, 8, 4),
+    "bf16-mixed": Precision(4, 4, 0, 8, 2),
+    "16-mixed": Precision(4, 4, 0, 8, 2),
+    "bf16-true": Precision(2, 2, 0, 4, 2),
+    "16-true": Precision(2, 2, 0, 4, 2),
+    "64-true": Precision(8, 8, 0, 16, 8),
+}
+ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "64": "64-true"}
+
+
+def precision_of(name: str) -> tuple[str, Precision]:
+    """The canonical name and byte sizes of a Lightning precision string (unknown ones as 32-true)."""
+    canonical = ALIASES.get(str(name), str(name))
+    if canonical in PRECISIONS:
+        return canonical, PRECISIONS[canonical]
+    return f"{name} (counted as 32-true)", PRECISIONS["32-true"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The degrees the memory of a rank depends on."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    micro_batch: int  # samples in one forward
+    micro_batches: int  # forwards per step and rank
+    deadpool: bool  # ft has deadpool (with zero=1 it replicates every shard)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank needs, by item; ``activations`` as trained (no recomputation), ``recomputed`` for
+    comparison only."""
+
+    stage: int
+    params: float
+    grads: float
+    master: float
+    moments: float
+    activations: float
+    recomputed: float
+    pipeline: float
+    replicas: float
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.master + self.moments + self.activations + self.pipeline
+                + self.replicas)
+
+    def items(self) -> list[str]:
+        """Two lines: the training state, then what the forward and backward hold (in GiB, or MiB when small)."""
+        unit, size = ("GiB", GiB) if self.total >= GiB else ("MiB", 2**20)
+        g = {f.name: getattr(self, f.name) / size for f in fields(self) if f.name != "stage"}
+        return [f"parameters {g['params']:.1f} + gradients {g['grads']:.1f} + master weights {g['master']:.1f} + "
+                f"Adam moments {g['moments']:.1f} {unit}",
+                f"+ activations {g['activations']:.1f} ({g['recomputed']:.1f} with full recomputation, which training "
+                f"does not do) + pipeline buffers {g['pipeline']:.1f} + DeadPool shard replicas {g['replicas']:.1f} "
+                f"{unit}"]
+
+
+def stage_params(gpt: GPTConfig, tp: int, pp: int, stage: int) -> float:
+    """Parameters one rank of pipeline stage ``stage`` holds (summed over stages at tp=1 it is ``count_params``
+    plus the head's copy on the last stage)."""
+    d, h, b = gpt.d_model, gpt.ffn_mult * gpt.d_model, int(gpt.bias)
+    ln = 2 * d if gpt.bias else d
+    split = 4 * d * d + 3 * d * b + 2 * d * h + h * b  # qkv, attention proj and FFN weights, qkv and fc biases
+    whole = 2 * d * b + 2 * ln  # the row-parallel biases and the two norms
+    blocks = ceil(gpt.n_layer / pp) * (split / tp + whole)
+    first = gpt.vocab_size * d + gpt.seq_len * d if stage == 0 else 0
+    last = ln + (gpt.vocab_size * d if pp > 1 else 0) if stage == pp - 1 else 0
+    return blocks + first + last
+
+
+def block_activations(gpt: GPTConfig, tp: int, micro_batch: int) -> float:
+    """Korthikanti et al.'s bytes of one block's activations at 16 bits, tensor parallel without sequence
+    parallelism."""
+    s, h, a = gpt.seq_len, gpt.d_model, gpt.n_head
+    return s * micro_batch * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+
+
+def stage_memory(gpt: GPTConfig, precision: Precision, layout: Layout, stage: int) -> RankMemory:
+    lay = layout
+    n = stage_params(gpt, lay.tp, lay.pp, stage)
+    scale = precision.activations / 2  # the formula counts 16-bit elements
+    blocks = ceil(gpt.n_layer / lay.pp)
+    one_block = block_activations(gpt, lay.tp, lay.micro_batch) * scale
+    boundary = gpt.seq_len * lay.micro_batch * gpt.d_model * precision.activations  # a block's input or output
+    logits = 4 * gpt.seq_len * lay.micro_batch * gpt.vocab_size if stage == lay.pp - 1 else 0
+    in_flight = min(lay.pp - stage, lay.micro_batches)
+    sends = (stage < lay.pp - 1) + (stage > 0)  # activations forward, gradients back: held until the step ends
+    pipeline = (in_flight - 1) * blocks * one_block + sends * lay.micro_batches * boundary if lay.pp > 1 else 0
+    moments = n * precision.moments / (lay.dp if lay.zero else 1)
+    replicas = 0.0
+    if lay.deadpool and lay.zero:
+        shard = n / lay.dp
+        replicas = 3 * shard * (precision.weights + precision.moments) + shard * precision.grads
+    return RankMemory(
+        stage=stage, params=n * precision.weights, grads=n * precision.grads, master=n * precision.master,
+        moments=moments, activations=blocks * one_block + logits, recomputed=blocks * boundary + one_block + logits,
+        pipeline=pipeline, replicas=replicas,
+    )
+
+
+def rank_memory(gpt: GPTConfig, precision: Precision, layout: Layout) -> RankMemory:
+    """The memory of the rank that needs the most (the first or the last pipeline stage)."""
+    return max((stage_memory(gpt, precision, layout, s) for s in range(layout.pp)), key=lambda m: m.total)
