@@ -18,14 +18,14 @@ import secrets
 from pathlib import Path
 from typing import Optional
 
-from runner.config import ConfigError
-
 SECRET_ENV = "RESILIENT_RUNNER_SECRET"
 
 
 def job_secret(secret_file: Optional[str], pop_env: bool = False) -> Optional[bytes]:
     """The job's secret from ``RESILIENT_RUNNER_SECRET``, else from ``secret_file``; None if neither is set.
     ``pop_env``: remove it from this process's environment, so that no child inherits it."""
+    from runner.config import ConfigError  # here: an agent process does not load the config machinery
+
     value = os.environ.pop(SECRET_ENV, None) if pop_env else os.environ.get(SECRET_ENV)
     if value is None and secret_file:
         try:

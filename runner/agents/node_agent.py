@@ -6,9 +6,9 @@ heartbeat. Then it carries out the controller's commands (start a worker from it
 which preloads the worker's imports; signal one; shut down), each verified against the job's secret
 (``runner.agents.auth``): a command with a bad or missing MAC is logged (``command_refused``) and not
 carried out. Every worker exit is reported the moment it happens. It owns its host's flash-checkpoint
-persister. Its fork server and every process that forks die with it (``runner.agents.spawned``), so
-killing an agent is a real host loss. When the controller's store goes away, it kills its workers and
-exits non-zero.
+persister. It dies with its launcher, and its fork server and every process that forks die with it
+(``runner.agents.spawned``), so killing an agent is a real host loss. When the controller's store goes
+away, it kills its workers and exits non-zero.
 
 ``python -m runner.agents --store HOST:PORT --node N --run-dir DIR [--gpus 0,1] [--secret-file F]``; the
 secret comes from ``RESILIENT_RUNNER_SECRET`` (removed from the environment at once) or ``--secret-file``.
@@ -35,11 +35,12 @@ from typing import Optional
 from torch.distributed import DistError
 
 from runner import protocol
-from runner.agents import auth, spawned  # spawned: this agent dies with its launcher
+from runner.agents import auth, spawned
 from runner.events import EventLog
 from runner.recovery.flash_ckpt.persister import NodePersist, NodePersisterHandle, start_node_persister
 
 CONNECT_TIMEOUT_S = 60.0
+FORKSERVER_BINDING = "runner.agents.bind_forkserver"  # imported by the fork server only (it binds what imports it)
 
 
 class WorkerWatch:
@@ -158,7 +159,7 @@ class NodeAgent:
         self.cfg_dict = agent_cfg["config"]
         self.interval_s = float(self.cfg_dict["heartbeat"]["interval_s"])
         self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload([spawned.__name__] + agent_cfg["preload"])
+        self.ctx.set_forkserver_preload([FORKSERVER_BINDING] + agent_cfg["preload"])
         forkserver.ensure_running()  # from the main thread, which lives as long as the agent
         persist = agent_cfg["persist"]
         if persist is not None:
@@ -263,6 +264,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--gpus", help="indices of the visible GPUs this host's workers use (default: all)")
     parser.add_argument("--secret-file", help=f"file holding the job's secret when {auth.SECRET_ENV} is not set")
     args = parser.parse_args(argv)
+    spawned.die_with_parent()  # a host's agent goes with its launcher
     secret = auth.job_secret(args.secret_file, pop_env=True)
     if secret is None:
         sys.exit(f"node agent {args.node}: no job secret: set {auth.SECRET_ENV} or pass --secret-file")
