@@ -23,6 +23,7 @@ from pathlib import Path
 from queue import Queue
 from typing import Optional
 
+import psutil
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed import DistError, DistStoreError
 
@@ -121,10 +122,14 @@ class AgentFleet:
         with agent.lock:
             victims = [wid for wid in agent.workers if wid not in agent.reported]
             agent.lost = True
+        try:
+            host = [p.pid for p in psutil.Process(agent.proc.pid).children(recursive=True)]  # fork server and below
+        except psutil.NoSuchProcess:
+            host = []  # the agent was gone already, and its processes with it
         agent.proc.kill()
         agent.proc.wait()
         deadline = time.monotonic() + 5
-        while any(_running(agent.workers[wid]) for wid in victims) and time.monotonic() < deadline:
+        while any(_running(pid) for pid in host) and time.monotonic() < deadline:
             time.sleep(0.005)
         self._end_exits(agent)
         return victims
@@ -218,7 +223,7 @@ class AgentFleet:
 
 
 def _running(pid: int) -> bool:
-    """The process exists and is no zombie (a dead worker whose parent died is reaped by init, or not)."""
+    """The process exists and is no zombie (a dead process whose parent died is reaped by init, or not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
