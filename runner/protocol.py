@@ -16,7 +16,7 @@ Keys (all under the job's store, or a namespace of it under torchrun):
 Node agents (runner.agents; one process per host, reached only through the store):
   agents/config       the digest of the config file the agents run, signed by the controller (runner.agents.auth)
   agent/<n>           node n's agent registered (JSON: node, pid, host); agent/<n>/refused: why it would not start
-  agent/<n>/hb        the agent's heartbeat counter
+  agent/<n>/hb        the agent's heartbeat: when it last beat (time.time() on its host)
   agent/<n>/cmds, agent/<n>/cmd/<i>   counter and the i-th command to the agent (signed JSON)
   agent/<n>/ack/<i>   the agent carried out command i (a spawn's: the worker's pid)
   agent/<n>/exits, agent/<n>/exit/<k>  counter and the k-th worker exit the agent saw (JSON: wid, code, t);

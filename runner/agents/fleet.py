@@ -135,12 +135,13 @@ class AgentFleet:
         return victims
 
     def node_beats(self) -> dict[int, float]:
-        """When each agent's heartbeat was last seen to change (monotonic)."""
+        """When each agent last beat (monotonic), by the time the beat carries: a beat read late (the agent's
+        last one, read after its host died) proves life only until it was written."""
         values = self.store.multi_get([protocol.agent_key(a.node, "hb") for a in self.agents])
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         for agent, value in zip(self.agents, values):
             if value != agent.hb_value:
-                agent.hb_value, agent.last_beat = value, now
+                agent.hb_value, agent.last_beat = value, now - max(0.0, wall - float(value))
         return {a.node: a.last_beat for a in self.agents}
 
     def shutdown(self, completed: bool) -> None:

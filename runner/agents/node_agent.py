@@ -132,7 +132,7 @@ class NodeAgent:
             self.store.set(protocol.agent_key(self.node, "refused"), refusal)
             print(f"node agent {self.node}: {refusal}", file=sys.stderr)
             return 2
-        self.store.add(protocol.agent_key(self.node, "hb"), 1)  # exists before anyone reads it
+        self.store.set(protocol.agent_key(self.node, "hb"), repr(time.time()))  # exists before anyone reads it
         protocol.set_json(self.store, protocol.agent_key(self.node),
                           {"node": self.node, "pid": os.getpid(), "host": socket.gethostname()})
         threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True).start()
@@ -219,7 +219,7 @@ class NodeAgent:
         try:
             while True:
                 time.sleep(self.interval_s / 2)  # a beat seen at most half an interval old
-                beats.add(key, 1)
+                beats.set(key, repr(time.time()))  # when: a beat seen late still proves life only until then
         except DistError:
             return  # the controller is gone; the command loop notices too
 
