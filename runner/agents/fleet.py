@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -35,6 +36,7 @@ from runner.recovery.flash_ckpt.persister import NodePersist
 
 ACK_SLICE = timedelta(seconds=1)  # how long an ack is awaited before looking whether the agent still lives
 ACK_TIMEOUT_S = 30.0
+EXIT_REPORT_TIMEOUT_S = 5.0  # a SIGKILLed worker's exit reaches the queue in milliseconds
 
 
 class AgentHandle:
@@ -112,8 +114,15 @@ class AgentFleet:
                 agent.workers[wid] = int(ack)
 
     def signal(self, wid: int, node: int, sig: int) -> None:
-        """Signal worker ``wid``; returns once its agent did (a lost node's workers are gone already)."""
-        self._command(self.agents[node], {"op": "signal", "wid": wid, "sig": int(sig)})
+        """Signal worker ``wid``; returns once its agent did and, for SIGKILL, once the worker's exit is in
+        the controller's queue: kills carried out together (one step's faults, a hang kill beside a crash)
+        are then decided together, however late the agents' reports travel (a lost node's workers are
+        gone already)."""
+        agent = self.agents[node]
+        self._command(agent, {"op": "signal", "wid": wid, "sig": int(sig)})
+        deadline = time.monotonic() + EXIT_REPORT_TIMEOUT_S
+        while sig == signal.SIGKILL and agent.alive() and not agent.exit_reported(wid) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def lose_node(self, node: int) -> list[int]:
         """Simulate the host going down: its agent SIGKILLed, its workers and persister dying with it.
