@@ -1,4 +1,13 @@
-"""The control-plane protocol between the controller and the workers, carried by a TCPStore.
+"""The control-plane protocol between the controller, the node agents and the workers, carried by a TCPStore.
+
+Node agents (runner.agents; one process per host, reached only through the store):
+  agents/config       the digest of the config file the agents run, signed by the controller (runner.agents.auth)
+  agent/<n>           node n's agent registered (JSON: node, pid, host); agent/<n>/refused: why it would not start
+  agent/<n>/hb        the agent's heartbeat: when it last beat (time.time() on its host)
+  agent/<n>/cmds, agent/<n>/cmd/<i>   counter and the i-th command to the agent (signed JSON)
+  agent/<n>/ack/<i>   the agent carried out command i (a spawn's: the worker's pid)
+  agent/<n>/exits, agent/<n>/exit/<k>  counter and the k-th worker exit the agent saw (JSON: wid, code, t);
+                      the controller ends the list with {"end": true} once the agent is gone
 
 Keys (all under the job's store, or a namespace of it under torchrun):
   gen                 latest generation number (decimal string), written after gen/<g>
@@ -12,15 +21,6 @@ Keys (all under the job's store, or a namespace of it under torchrun):
   fault/released/<i>  the controller carried fault i out
   done/<wid>          a worker finished training (JSON: step, checksum, logical rank); counter done_count
   abort               the run is over (controller to all): the reason
-
-Node agents (runner.agents; one process per host, reached only through the store):
-  agents/config       the digest of the config file the agents run, signed by the controller (runner.agents.auth)
-  agent/<n>           node n's agent registered (JSON: node, pid, host); agent/<n>/refused: why it would not start
-  agent/<n>/hb        the agent's heartbeat: when it last beat (time.time() on its host)
-  agent/<n>/cmds, agent/<n>/cmd/<i>   counter and the i-th command to the agent (signed JSON)
-  agent/<n>/ack/<i>   the agent carried out command i (a spawn's: the worker's pid)
-  agent/<n>/exits, agent/<n>/exit/<k>  counter and the k-th worker exit the agent saw (JSON: wid, code, t);
-                      the controller ends the list with {"end": true} once the agent is gone
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import socket
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
-from torch.distributed import DistStoreError, PrefixStore, TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
 
 @dataclass
@@ -70,7 +70,6 @@ class Layout:
 
 AGENT_CONFIG = "agents/config"
 AGENT_CONFIG_FILE = "agent_config.json"  # in the run dir: the config the agents run, written before they start
-WAIT_SLICE = timedelta(hours=1)  # a blocking wait for the next command or exit, renewed while nothing comes
 
 
 def agent_key(node: int, *parts: object) -> str:
@@ -90,16 +89,6 @@ def connect(host: str, port: int, timeout_s: float, namespace: str = ""):
     """A client connection to the job's store (one per thread that uses it), inside ``namespace``."""
     store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     return PrefixStore(namespace, store) if namespace else store
-
-
-def await_key(store, key: str) -> None:
-    """Block until ``key`` exists, however long that takes (DistError once the store is gone)."""
-    while True:
-        try:
-            store.wait([key], WAIT_SLICE)
-            return
-        except DistStoreError:
-            continue  # nothing for a while: keep waiting
 
 
 def get_json(store: TCPStore, key: str) -> dict:

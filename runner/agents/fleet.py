@@ -30,6 +30,7 @@ from torch.distributed import DistError, DistStoreError
 
 from runner import protocol
 from runner.agents import auth
+from runner.agents.node_agent import await_key
 from runner.config import ConfigError
 from runner.config.validate import all_faults
 from runner.recovery.flash_ckpt.persister import NodePersist
@@ -214,7 +215,7 @@ class AgentFleet:
         try:
             while True:
                 key = protocol.agent_key(agent.node, "exit", seen + 1)
-                protocol.await_key(store, key)
+                await_key(store, key)
                 seen += 1
                 record = protocol.get_json(store, key)
                 if record.get("end"):

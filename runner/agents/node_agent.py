@@ -26,13 +26,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from multiprocessing import forkserver
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Optional
 
-from torch.distributed import DistError
+from torch.distributed import DistError, DistStoreError
 
 from runner import protocol
 from runner.agents import auth, spawned
@@ -40,6 +41,7 @@ from runner.events import EventLog
 from runner.recovery.flash_ckpt.persister import NodePersist, NodePersisterHandle, start_node_persister
 
 CONNECT_TIMEOUT_S = 60.0
+WAIT_SLICE = timedelta(hours=1)  # a blocking wait for the next command or exit, renewed while nothing comes
 FORKSERVER_BINDING = "runner.agents.bind_forkserver"  # imported by the fork server only (it binds what imports it)
 
 
@@ -173,7 +175,7 @@ class NodeAgent:
         while True:
             seq += 1
             key = protocol.agent_key(self.node, "cmd", seq)
-            protocol.await_key(self.store, key)
+            await_key(self.store, key)
             body = auth.verify(self.secret, self.store.get(key))
             why = None if body is not None else "bad or missing MAC"
             if body is not None and (body.get("node"), body.get("seq")) != (self.node, seq):
@@ -240,6 +242,16 @@ class NodeAgent:
         if self.persister is not None:
             self.persister.stop()
         self.watch.stop()
+
+
+def await_key(store, key: str) -> None:
+    """Block until ``key`` exists, however long that takes (DistError once the store is gone)."""
+    while True:
+        try:
+            store.wait([key], WAIT_SLICE)
+            return
+        except DistStoreError:
+            continue  # nothing for a while: keep waiting
 
 
 def _gpus(arg: Optional[str]) -> Optional[list[int]]:
