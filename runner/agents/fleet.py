@@ -77,14 +77,8 @@ class AgentFleet:
         secret = auth.job_secret(cfg.launcher.secret_file)
         secret_text = secret.decode() if secret is not None else auth.new_secret()
         self.secret = secret_text.encode()
-        plain = OmegaConf.to_container(cfg, resolve=True)
-        agent_cfg = {"config": plain, "preload": preload,
-                     "persist": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(persist).items()}
-                     if persist is not None else None}
-        raw = json.dumps(agent_cfg).encode()
-        (Path(run_dir) / protocol.AGENT_CONFIG_FILE).write_bytes(raw)
-        store.set(protocol.AGENT_CONFIG, auth.sign(self.secret, {"sha256": auth.digest(raw)}))
-        env = {**os.environ, auth.SECRET_ENV: secret_text}
+        self._publish_config(cfg, Path(run_dir), preload, persist)
+        env = {**os.environ, auth.SECRET_ENV: secret_text}  # the secret never goes on a command line
         gpus = _gpu_shares(nodes, cfg.parallel.procs_per_node)
         self.agents: list[AgentHandle] = []
         for n in range(nodes):
@@ -171,6 +165,16 @@ class AgentFleet:
                 agent.watcher.join(timeout=5)
 
     # -- the store side ---------------------------------------------------------------------------
+    def _publish_config(self, cfg: DictConfig, run_dir: Path, preload: list[str],
+                        persist: Optional[NodePersist]) -> None:
+        """Write what the agents run to the run dir, and its signed digest to the store."""
+        agent_cfg = {"config": OmegaConf.to_container(cfg, resolve=True), "preload": preload,
+                     "persist": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(persist).items()}
+                     if persist is not None else None}
+        raw = json.dumps(agent_cfg).encode()
+        (run_dir / protocol.AGENT_CONFIG_FILE).write_bytes(raw)
+        self.store.set(protocol.AGENT_CONFIG, auth.sign(self.secret, {"sha256": auth.digest(raw)}))
+
     def _command(self, agent: AgentHandle, body: dict, ack: bool = True) -> Optional[bytes]:
         """Queue a signed command for ``agent``; with ``ack``, wait until it was carried out and return the
         agent's answer (None when the agent is gone)."""
