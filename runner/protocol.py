@@ -1,4 +1,13 @@
-"""The control-plane protocol between the controller and the workers, carried by a TCPStore.
+"""The control-plane protocol between the controller, the node agents and the workers, carried by a TCPStore.
+
+Node agents (runner.agents; one process per host, reached only through the store):
+  agents/config       the digest of the config file the agents run, signed by the controller (runner.agents.auth)
+  agent/<n>           node n's agent registered (JSON: node, pid, host); agent/<n>/refused: why it would not start
+  agent/<n>/hb        the agent's heartbeat: when it last beat (time.time() on its host)
+  agent/<n>/cmds, agent/<n>/cmd/<i>   counter and the i-th command to the agent (signed JSON)
+  agent/<n>/ack/<i>   the agent carried out command i (a spawn's: the worker's pid)
+  agent/<n>/exits, agent/<n>/exit/<k>  counter and the k-th worker exit the agent saw (JSON: wid, code, t);
+                      the controller ends the list with {"end": true} once the agent is gone
 
 Keys (all under the job's store, or a namespace of it under torchrun):
   gen                 latest generation number (decimal string), written after gen/<g>
@@ -18,6 +27,7 @@ Keys (all under the job's store, or a namespace of it under torchrun):
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
@@ -59,6 +69,23 @@ class Layout:
     @staticmethod
     def from_json(raw: bytes | str) -> Layout:
         return Layout(**json.loads(raw))
+
+
+AGENT_CONFIG = "agents/config"
+AGENT_CONFIG_FILE = "agent_config.json"  # in the run dir: the config the agents run, written before they start
+
+
+def agent_key(node: int, *parts: object) -> str:
+    """A key of node ``node``'s agent: ``agent/<node>/<parts...>``."""
+    return "/".join(["agent", str(node), *map(str, parts)])
+
+
+def host_store(host: str, timeout_s: float) -> TCPStore:
+    """The job's store, listening on ``host`` only (TCPStore itself listens on every interface)."""
+    listener = socket.create_server((host, 0), backlog=1024)
+    port = listener.getsockname()[1]
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                    master_listen_fd=listener.detach())
 
 
 def connect(host: str, port: int, timeout_s: float, namespace: str = ""):

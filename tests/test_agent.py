@@ -1,4 +1,4 @@
-"""The node agent on real processes: every worker exit reaches the controller's queue exactly once."""
+"""The node agent's worker watch on real processes: every worker exit is reported exactly once."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from queue import Empty, Queue
 
 import pytest
 
-from runner.agent import NodeAgent
+from runner.agents.node_agent import WorkerWatch
 
 
 @pytest.fixture
-def agent():
-    events: Queue = Queue()
-    agent = NodeAgent(0, events, interval_s=0.05)
-    yield agent, events
-    agent.stop()
+def watch():
+    exits: Queue = Queue()
+    watch = WorkerWatch(lambda wid, code: exits.put(("exit", wid, code, time.time())), interval_s=0.05)
+    yield watch, exits
+    watch.stop()
 
 
 def _sleeper() -> multiprocessing.Process:
@@ -38,28 +38,17 @@ def _exits(events: Queue, n: int) -> list[tuple]:
     return out
 
 
-def test_an_exit_another_thread_reaped_first_is_still_reported(agent):
-    """Reading ``Process.exitcode`` reaps the child: the controller does that (pids()) while it waits
-    for the victims of kill_all. An exit reaped before the agent looked at it was never reported, so
-    the decision went ahead without that rank (a soak run handed every rank to the one it missed)."""
-    agent, events = agent
+def test_an_exit_another_thread_reaped_first_is_still_reported(watch):
+    """Reading ``Process.exitcode`` reaps the child: the agent does that (pids()) while it shuts its
+    workers down. An exit reaped before the watch looked at it was never reported, so the decision
+    went ahead without that rank (a soak run handed every rank to the one it missed)."""
+    watch, events = watch
     a, b = _sleeper(), _sleeper()
-    agent.add(1, a)
+    watch.add(1, a)
     os.kill(b.pid, signal.SIGKILL)
-    b.join()  # reaped here, before the agent has seen it
-    agent.add(2, b)
+    b.join()  # reaped here, before the watch has seen it
+    watch.add(2, b)
     os.kill(a.pid, signal.SIGKILL)
     exits = _exits(events, 2)
     assert sorted((wid, code) for _, wid, code, _ in exits) == [(1, -9), (2, -9)]
-    assert agent.exit_reported(1) and agent.exit_reported(2)
-
-
-def test_a_lost_node_reports_no_exit_but_counts_it_as_seen(agent):
-    agent, events = agent
-    a = _sleeper()
-    agent.add(1, a)
-    assert not agent.exit_reported(1)
-    assert agent.lose_node() == [1]
-    a.join()
-    assert _exits(events, 0) == []  # the controller learns of a lost node from its silence
-    assert agent.exit_reported(1)
+    assert watch.reported == {1, 2}

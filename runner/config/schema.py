@@ -175,6 +175,9 @@ class LauncherConfig:
     """The whole run; then it fails."""
     threads_per_rank: int = 0
     """Torch intra-op threads per worker; 0 = cores // ranks (at least 1)."""
+    secret_file: Optional[str] = None
+    """File holding the job's secret that signs commands to node agents; unset: env RESILIENT_RUNNER_SECRET, else
+    launcher=local generates one per job."""
 
 
 @dataclass

@@ -27,5 +27,5 @@ class RunContext:
     incidents: Incidents
     events: EventLog
     store: Any  # TCPStore, HashStore or a PrefixStore of the launcher's
-    fleet: Any  # LocalFleet or ExternalFleet
+    fleet: Any  # AgentFleet or ExternalFleet
     actions: tuple[RecoveryAction, ...]

@@ -11,15 +11,14 @@ the end it writes the summary from the run's record.
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 from pathlib import Path
 from queue import Empty, Queue
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed import TCPStore
 
-from runner.agent import LocalFleet
+from runner import protocol
+from runner.agents.fleet import AgentFleet
 from runner.config import policy
 from runner.config.validate import ft_names
 from runner.control.console import RecoveryConsole
@@ -42,7 +41,7 @@ FORKSERVER_PRELOAD = ["runner.worker"]
 
 
 class Controller:
-    """``fleet`` starts and signals workers (LocalFleet, or ExternalFleet under torchrun/SLURM);
+    """``fleet`` starts and signals workers (AgentFleet, or ExternalFleet under torchrun/SLURM);
     ``store`` is given when the job already has one (torchrun's agent store), else hosted here."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, fleet=None, store=None,
@@ -91,13 +90,13 @@ class Controller:
     def start(self) -> None:
         """Host the store and start the fleet unless the job brought them; build the parts."""
         if self.store is None:
-            self.store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=self.cfg.launcher.start_timeout_s))
+            self.store = protocol.host_store(self.host, self.cfg.launcher.start_timeout_s)
             self.port = self.store.port
         if self.fleet is None:
             preload = FORKSERVER_PRELOAD + [m for a in self.actions.values() for m in a.worker_preload()]
             persist = next((p for a in self.actions.values() if (p := a.node_persister()) is not None), None)
-            self.fleet = LocalFleet(self.topo.total_nodes, self.queue, self.cfg.heartbeat.interval_s, preload, persist)
+            self.fleet = AgentFleet(self.cfg, self.run_dir, self.store, (self.host, self.port), self.queue, preload,
+                                    persist, self.topo.total_nodes)
         self._wire()
         self.events.emit("run_start", world_size=self.topo.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
                          recipe=self.cfg.recipe_name, store_port=self.port, policy=policy.table(self.cfg, self.ft))

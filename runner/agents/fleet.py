@@ -1,0 +1,257 @@
+"""The controller's side of the node agents: the fleet it starts, signals and watches workers through.
+
+Under ``launcher=local`` it starts one agent process per (simulated) host (``python -m runner.agents``),
+exactly as a host would run it, and reaches them only through the job's store: commands go into each
+agent's queue, signed with the job's secret (``runner.agents.auth``); exits come back the moment an
+agent sees them and become the controller's ``("exit", wid, code, t)`` queue items; an agent's heartbeat
+key tells the controller it is alive. The config the agents run is a file in the run dir written before
+they start; the store carries only its signed digest. Losing a node is SIGKILLing its agent: its
+workers and persister die with it (``runner.agents.spawned``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from queue import Queue
+from typing import Optional
+
+import psutil
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed import DistError, DistStoreError
+
+from runner import protocol
+from runner.agents import auth
+from runner.agents.node_agent import await_key
+from runner.config import ConfigError
+from runner.config.validate import all_faults
+from runner.recovery.flash_ckpt.persister import NodePersist
+
+ACK_SLICE = timedelta(seconds=1)  # how long an ack is awaited before looking whether the agent still lives
+ACK_TIMEOUT_S = 30.0
+EXIT_REPORT_TIMEOUT_S = 5.0  # a SIGKILLed worker's exit reaches the queue in milliseconds
+
+
+class AgentHandle:
+    """One agent process as the controller sees it: its workers, the exits it reported, its heartbeat."""
+
+    def __init__(self, node: int, proc: subprocess.Popen) -> None:
+        self.node, self.proc = node, proc
+        self.workers: dict[int, int] = {}  # wid -> pid, as the agent acknowledged the spawn
+        self.reported: set[int] = set()  # wids whose exit is in the controller's queue (or, once lost, gone)
+        self.lost = False
+        self.hb_value: Optional[bytes] = None
+        self.last_beat = time.monotonic()
+        self.lock = threading.Lock()
+        self.watcher: Optional[threading.Thread] = None
+
+    def exit_reported(self, wid: int) -> bool:
+        """The worker is gone and the controller has its exit in the queue (a lost node reports none)."""
+        with self.lock:
+            return wid not in self.workers or wid in self.reported or self.lost
+
+    def alive(self) -> bool:
+        return not self.lost and self.proc.poll() is None
+
+
+class AgentFleet:
+    """One node agent process per node, reached through the store; the controller's fleet under
+    ``launcher=local``."""
+
+    can_spawn = True
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, store, address: tuple[str, int], events: Queue,
+                 preload: list[str], persist: Optional[NodePersist], nodes: int) -> None:
+        if not sys.platform.startswith("linux") and any(f.kind == "kill_node" for f in all_faults(cfg)):
+            raise ConfigError("fault kill_node needs Linux under launcher=local: a lost node's workers die with "
+                              "its agent through the parent-death signal (prctl), which this OS lacks.")
+        self.store, self.address, self.events = store, address, events
+        secret = auth.job_secret(cfg.launcher.secret_file)
+        secret_text = secret.decode() if secret is not None else auth.new_secret()
+        self.secret = secret_text.encode()
+        self._publish_config(cfg, Path(run_dir), preload, persist)
+        env = {**os.environ, auth.SECRET_ENV: secret_text}  # the secret never goes on a command line
+        gpus = _gpu_shares(nodes, cfg.parallel.procs_per_node)
+        self.agents: list[AgentHandle] = []
+        for n in range(nodes):
+            args = [sys.executable, "-m", "runner.agents", "--store", f"{address[0]}:{address[1]}", "--node", str(n),
+                    "--run-dir", str(run_dir)] + (["--gpus", gpus[n]] if gpus else [])
+            # a session of its own: Ctrl-C reaches only the controller, which ends the agents itself
+            self.agents.append(AgentHandle(n, subprocess.Popen(args, env=env, start_new_session=True)))
+        try:
+            self._await_registration(cfg.launcher.start_timeout_s)
+        except BaseException:
+            for a in self.agents:
+                a.proc.kill()
+                a.proc.wait()
+            raise
+        for a in self.agents:
+            a.watcher = threading.Thread(target=self._watch_exits, args=(a,), name=f"exits-{a.node}", daemon=True)
+            a.watcher.start()
+
+    def spawn(self, target, args: tuple, wid: int, node: int) -> None:
+        """Node ``node``'s agent starts worker ``wid`` from its fork server. Only the spec travels: the agent
+        runs ``runner.worker.main`` (``target``) with the config of its own file."""
+        if (target.__module__, target.__name__) != ("runner.worker", "main"):
+            raise ValueError(f"node agents start runner.worker.main only, not {target.__module__}.{target.__name__}")
+        agent = self.agents[node]
+        ack = self._command(agent, {"op": "spawn", "spec": asdict(args[0])})
+        if ack is not None:
+            with agent.lock:
+                agent.workers[wid] = int(ack)
+
+    def signal(self, wid: int, node: int, sig: int) -> None:
+        """Signal worker ``wid``; returns once its agent did and, for SIGKILL, once the worker's exit is in
+        the controller's queue: kills carried out together (one step's faults, a hang kill beside a crash)
+        are then decided together, however late the agents' reports travel (a lost node's workers are
+        gone already)."""
+        agent = self.agents[node]
+        self._command(agent, {"op": "signal", "wid": wid, "sig": int(sig)})
+        deadline = time.monotonic() + EXIT_REPORT_TIMEOUT_S
+        while sig == signal.SIGKILL and agent.alive() and not agent.exit_reported(wid) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def lose_node(self, node: int) -> list[int]:
+        """Simulate the host going down: its agent SIGKILLed, its workers and persister dying with it.
+        Returns the workers it took (once they are gone)."""
+        agent = self.agents[node]
+        with agent.lock:
+            victims = [wid for wid in agent.workers if wid not in agent.reported]
+            agent.lost = True
+        try:
+            host = [p.pid for p in psutil.Process(agent.proc.pid).children(recursive=True)]  # fork server and below
+        except psutil.NoSuchProcess:
+            host = []  # the agent was gone already, and its processes with it
+        agent.proc.kill()
+        agent.proc.wait()
+        deadline = time.monotonic() + 5
+        while any(_running(pid) for pid in host) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._end_exits(agent)
+        return victims
+
+    def node_beats(self) -> dict[int, float]:
+        """When each agent last beat (monotonic), by the time the beat carries: a beat read late (the agent's
+        last one, read after its host died) proves life only until it was written."""
+        values = self.store.multi_get([protocol.agent_key(a.node, "hb") for a in self.agents])
+        now, wall = time.monotonic(), time.time()
+        for agent, value in zip(self.agents, values):
+            if value != agent.hb_value:
+                agent.hb_value, agent.last_beat = value, now - max(0.0, wall - float(value))
+        return {a.node: a.last_beat for a in self.agents}
+
+    def shutdown(self, completed: bool) -> None:
+        """Every agent ends its workers (killed at once unless the run completed) and exits."""
+        for agent in self.agents:
+            if agent.alive():
+                self._command(agent, {"op": "shutdown", "completed": completed}, ack=False)
+        for agent in self.agents:
+            try:
+                agent.proc.wait(timeout=60)  # its workers' grace, then its persister's last breakpoint writes
+            except subprocess.TimeoutExpired:
+                agent.proc.kill()
+                agent.proc.wait()
+            if not agent.lost:
+                self._end_exits(agent)
+            if agent.watcher is not None:
+                agent.watcher.join(timeout=5)
+
+    # -- the store side ---------------------------------------------------------------------------
+    def _publish_config(self, cfg: DictConfig, run_dir: Path, preload: list[str],
+                        persist: Optional[NodePersist]) -> None:
+        """Write what the agents run to the run dir, and its signed digest to the store."""
+        agent_cfg = {"config": OmegaConf.to_container(cfg, resolve=True), "preload": preload,
+                     "persist": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(persist).items()}
+                     if persist is not None else None}
+        raw = json.dumps(agent_cfg).encode()
+        (run_dir / protocol.AGENT_CONFIG_FILE).write_bytes(raw)
+        self.store.set(protocol.AGENT_CONFIG, auth.sign(self.secret, {"sha256": auth.digest(raw)}))
+
+    def _command(self, agent: AgentHandle, body: dict, ack: bool = True) -> Optional[bytes]:
+        """Queue a signed command for ``agent``; with ``ack``, wait until it was carried out and return the
+        agent's answer (None when the agent is gone)."""
+        if not agent.alive():
+            return None
+        seq = self.store.add(protocol.agent_key(agent.node, "cmds"), 1)
+        self.store.set(protocol.agent_key(agent.node, "cmd", seq),
+                       auth.sign(self.secret, {**body, "node": agent.node, "seq": seq}))
+        if not ack:
+            return None
+        key = protocol.agent_key(agent.node, "ack", seq)
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        while agent.alive() and time.monotonic() < deadline:
+            try:
+                self.store.wait([key], ACK_SLICE)
+                return self.store.get(key)
+            except DistStoreError:
+                continue
+        return None
+
+    def _await_registration(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        waiting = list(self.agents)
+        while waiting:
+            for agent in list(waiting):
+                if self.store.check([protocol.agent_key(agent.node)]):
+                    waiting.remove(agent)
+                elif agent.proc.poll() is not None:
+                    refused = protocol.agent_key(agent.node, "refused")
+                    why = self.store.get(refused).decode() if self.store.check([refused]) else "see its output"
+                    raise RuntimeError(f"node agent {agent.node} exited with code {agent.proc.returncode} before "
+                                       f"registering: {why}")
+            if waiting and time.monotonic() > deadline:
+                raise RuntimeError(f"node agents {[a.node for a in waiting]} did not register within "
+                                   f"launcher.start_timeout_s={timeout_s}")
+            time.sleep(0.01)
+
+    def _watch_exits(self, agent: AgentHandle) -> None:
+        """Turn the agent's exit records into the controller's queue items, at once, until the list ends."""
+        store = protocol.connect(*self.address, timeout_s=60)
+        seen = 0
+        try:
+            while True:
+                key = protocol.agent_key(agent.node, "exit", seen + 1)
+                await_key(store, key)
+                seen += 1
+                record = protocol.get_json(store, key)
+                if record.get("end"):
+                    return
+                with agent.lock:
+                    if not agent.lost:
+                        self.events.put(("exit", record["wid"], record["code"], record["t"]))
+                    agent.reported.add(record["wid"])
+        except DistError:
+            return  # the store is gone with the controller
+
+    def _end_exits(self, agent: AgentHandle) -> None:
+        """The agent is gone: end its exit list after the last record it wrote."""
+        last = self.store.add(protocol.agent_key(agent.node, "exits"), 0)
+        protocol.set_json(self.store, protocol.agent_key(agent.node, "exit", last + 1), {"end": True})
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is no zombie (a dead process whose parent died is reaped by init, or not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _gpu_shares(nodes: int, procs_per_node: int) -> list[str]:
+    """Each simulated host's GPUs (indices of the visible ones), as logical ranks took them before: node n's
+    local rank i uses GPU (n * procs_per_node + i) mod count. None without GPUs."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        return []
+    return [",".join(str((n * procs_per_node + i) % count) for i in range(procs_per_node)) for n in range(nodes)]

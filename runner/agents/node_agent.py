@@ -1,0 +1,285 @@
+"""The node agent: one process per host that runs the host's workers for the controller, over TCP only.
+
+It connects to the job's store, checks that the config file it was given is the one the controller
+signed (it refuses to start otherwise: the config names classes to import), registers, and beats a
+heartbeat. Then it carries out the controller's commands (start a worker from its own fork server,
+which preloads the worker's imports; signal one; shut down), each verified against the job's secret
+(``runner.agents.auth``): a command with a bad or missing MAC is logged (``command_refused``) and not
+carried out. Every worker exit is reported the moment it happens. It owns its host's flash-checkpoint
+persister. It dies with its launcher, and its fork server and every process that forks die with it
+(``runner.agents.spawned``), so killing an agent is a real host loss. When the controller's store goes
+away, it kills its workers and exits non-zero.
+
+``python -m runner.agents --store HOST:PORT --node N --run-dir DIR [--gpus 0,1] [--secret-file F]``; the
+secret comes from ``RESILIENT_RUNNER_SECRET`` (removed from the environment at once) or ``--secret-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing import forkserver
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Optional
+
+from torch.distributed import DistError, DistStoreError
+
+from runner import protocol
+from runner.agents import auth, spawned
+from runner.events import EventLog
+from runner.recovery.flash_ckpt.persister import NodePersist, NodePersisterHandle, start_node_persister
+
+CONNECT_TIMEOUT_S = 60.0
+WAIT_SLICE = timedelta(hours=1)  # a blocking wait for the next command or exit, renewed while nothing comes
+FORKSERVER_BINDING = "runner.agents.bind_forkserver"  # imported by the fork server only (it binds what imports it)
+
+
+class WorkerWatch:
+    """The host's worker processes, and a thread that reports each one's exit the moment it happens."""
+
+    def __init__(self, report: Callable[[int, Optional[int]], None], interval_s: float) -> None:
+        self.report, self.interval_s = report, interval_s
+        self.procs: dict[int, BaseProcess] = {}  # wid -> its started worker process
+        self.reported: set[int] = set()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        self._stop = False
+        self._thread = threading.Thread(target=self._watch, name="worker-watch", daemon=True)
+        self._thread.start()
+
+    def add(self, wid: int, proc: BaseProcess) -> None:
+        with self._lock:
+            self.procs[wid] = proc
+        os.write(self._wake_w, b"x")
+
+    def pids(self) -> dict[int, int]:
+        with self._lock:
+            return {wid: _pid(p) for wid, p in self.procs.items() if p.exitcode is None}
+
+    def signal(self, wid: int, sig: int) -> None:
+        with self._lock:
+            proc = self.procs.get(wid)
+        if proc is not None and proc.exitcode is None:
+            try:
+                os.kill(_pid(proc), sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        """Report the exits still pending, then stop watching."""
+        self._stop = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _watch(self) -> None:
+        while True:
+            # every worker whose exit is not reported yet, also one another thread already reaped (reading
+            # ``exitcode`` reaps, as pids() does): its sentinel stays readable, so its exit is reported now
+            with self._lock:
+                live = {p.sentinel: wid for wid, p in self.procs.items() if wid not in self.reported}
+            stopping = self._stop
+            ready = wait(list(live) + [self._wake_r], timeout=0 if stopping else self.interval_s)
+            for r in ready:
+                if r == self._wake_r:
+                    os.read(self._wake_r, 64)
+                    continue
+                assert isinstance(r, int)  # wait() hands back the descriptors it was given
+                wid = live[r]
+                with self._lock:
+                    proc = self.procs[wid]
+                proc.join(timeout=1)
+                self.report(wid, proc.exitcode)
+                with self._lock:
+                    self.reported.add(wid)
+            if stopping:
+                return
+
+
+def _pid(proc: BaseProcess) -> int:
+    """A process is added once started, so it has a pid."""
+    assert proc.pid is not None
+    return proc.pid
+
+
+class NodeAgent:
+    """Node ``node``'s agent: verifies its config, registers, then serves the controller's commands."""
+
+    def __init__(self, node: int, address: tuple[str, int], secret: bytes, run_dir: Path,
+                 gpus: Optional[list[int]]) -> None:
+        self.node, self.address, self.secret, self.run_dir = node, address, secret, run_dir
+        self.gpus = gpus
+        self.events = EventLog(run_dir / "events.jsonl", rank=lambda: f"agent-{node}", step=lambda: -1)
+        self.store = protocol.connect(*address, CONNECT_TIMEOUT_S)
+        self.cfg_dict: dict = {}
+        self.persister: Optional[NodePersisterHandle] = None
+        self.exits = 0
+
+    def run(self) -> int:
+        refusal = self._load_config()
+        if refusal is not None:
+            self.events.emit("agent_refused", node=self.node, reason=refusal)
+            self.store.set(protocol.agent_key(self.node, "refused"), refusal)
+            print(f"node agent {self.node}: {refusal}", file=sys.stderr)
+            return 2
+        self.store.set(protocol.agent_key(self.node, "hb"), repr(time.time()))  # exists before anyone reads it
+        protocol.set_json(self.store, protocol.agent_key(self.node),
+                          {"node": self.node, "pid": os.getpid(), "host": socket.gethostname()})
+        threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True).start()
+        self.reports = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
+        self.watch = WorkerWatch(self._report_exit, self.interval_s)
+        try:
+            return self._serve()
+        except DistError as e:  # the controller's store is gone: nobody is left to tell what to do
+            print(f"node agent {self.node}: lost the controller ({str(e).splitlines()[0]}); stopping its workers",
+                  file=sys.stderr)
+            self._shutdown(completed=False)
+            return 3
+
+    def _load_config(self) -> Optional[str]:
+        """Read the config file, check it against the controller's signed digest, start the fork server
+        and the node's persister. Returns why the agent refuses to start, or None."""
+        raw = (self.run_dir / protocol.AGENT_CONFIG_FILE).read_bytes()
+        signed = auth.verify(self.secret, self.store.get(protocol.AGENT_CONFIG))
+        if signed is None:
+            return "the controller's config digest does not carry a valid MAC for this job's secret"
+        if signed.get("sha256") != auth.digest(raw):
+            return f"{protocol.AGENT_CONFIG_FILE} differs from the config the controller signed"
+        agent_cfg = json.loads(raw)
+        self.cfg_dict = agent_cfg["config"]
+        self.interval_s = float(self.cfg_dict["heartbeat"]["interval_s"])
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload([FORKSERVER_BINDING] + agent_cfg["preload"])
+        forkserver.ensure_running()  # from the main thread, which lives as long as the agent
+        persist = agent_cfg["persist"]
+        if persist is not None:
+            spec = NodePersist(persist["job_id"], Path(persist["out_dir"]), persist["keep"],
+                               Path(persist["events_path"]))
+            self.persister = start_node_persister(self.ctx, spec, self.node)
+        return None
+
+    def _serve(self) -> int:
+        seq = 0
+        while True:
+            seq += 1
+            key = protocol.agent_key(self.node, "cmd", seq)
+            await_key(self.store, key)
+            body = auth.verify(self.secret, self.store.get(key))
+            why = None if body is not None else "bad or missing MAC"
+            if body is not None and (body.get("node"), body.get("seq")) != (self.node, seq):
+                why = f"signed for node {body.get('node')}'s command {body.get('seq')}, not this one (a replay)"
+            if body is not None and why is None and body.get("op") not in ("spawn", "signal", "shutdown"):
+                why = f"unknown command {body.get('op')!r}"
+            if why is not None or body is None:
+                self.events.emit("command_refused", node=self.node, seq=seq, reason=why)
+                continue
+            if body["op"] == "shutdown":
+                self._shutdown(body["completed"])
+                return 0
+            ack = self._spawn(body["spec"]) if body["op"] == "spawn" else self._signal(body["wid"], body["sig"])
+            self.store.set(protocol.agent_key(self.node, "ack", seq), str(ack))
+
+    def _spawn(self, spec_fields: dict) -> int:
+        env = {"LOCAL_RANK": str(spec_fields["local_rank"])}
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[spec_fields["local_rank"] % len(self.gpus)])
+        wid = spec_fields["wid"]
+        proc = self.ctx.Process(target=spawned.run_worker, args=(spec_fields, self.cfg_dict, env),
+                                name=f"worker-{wid}", daemon=False)
+        proc.start()
+        self.watch.add(wid, proc)
+        return _pid(proc)
+
+    def _signal(self, wid: int, sig: int) -> int:
+        self.watch.signal(wid, sig)
+        return sig
+
+    def _report_exit(self, wid: int, code: Optional[int]) -> None:
+        self.exits += 1
+        try:
+            protocol.set_json(self.reports, protocol.agent_key(self.node, "exit", self.exits),
+                              {"wid": wid, "code": code, "t": time.time()})
+            self.reports.add(protocol.agent_key(self.node, "exits"), 1)
+        except DistError:
+            pass  # the controller is gone: nobody to report to
+
+    def _beat(self) -> None:
+        beats = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
+        key = protocol.agent_key(self.node, "hb")
+        try:
+            while True:
+                time.sleep(self.interval_s / 2)  # a beat seen at most half an interval old
+                beats.set(key, repr(time.time()))  # when: a beat seen late still proves life only until then
+        except DistError:
+            return  # the controller is gone; the command loop notices too
+
+    def _shutdown(self, completed: bool) -> None:
+        """Every worker ends (killed at once unless the run completed); the persister finishes what its
+        trainers' exits started; every exit is reported."""
+        grace = time.monotonic() + (5.0 if completed else 2.0)
+        if not completed:
+            for wid in self.watch.pids():
+                self.watch.signal(wid, signal.SIGKILL)
+        for wid in list(self.watch.pids()):
+            proc = self.watch.procs[wid]
+            proc.join(timeout=max(0.0, grace - time.monotonic()))
+            if proc.exitcode is None:
+                self.watch.signal(wid, signal.SIGCONT)
+                self.watch.signal(wid, signal.SIGKILL)
+                proc.join(timeout=5)
+        if self.persister is not None:
+            self.persister.stop()
+        self.watch.stop()
+
+
+def await_key(store, key: str) -> None:
+    """Block until ``key`` exists, however long that takes (DistError once the store is gone)."""
+    while True:
+        try:
+            store.wait([key], WAIT_SLICE)
+            return
+        except DistStoreError:
+            continue  # nothing for a while: keep waiting
+
+
+def _gpus(arg: Optional[str]) -> Optional[list[int]]:
+    """The physical GPUs this host's workers may use: ``--gpus`` indexes the visible ones (all by default)."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = [int(d) for d in visible.split(",")] if visible else list(range(count))
+    chosen = [int(i) for i in arg.split(",")] if arg else list(range(count))
+    return [physical[i] for i in chosen]
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m runner.agents", description=__doc__.splitlines()[0])
+    parser.add_argument("--store", required=True, help="HOST:PORT of the job's control-plane store")
+    parser.add_argument("--node", type=int, required=True, help="this host's node index")
+    parser.add_argument("--run-dir", type=Path, required=True,
+                        help=f"holds {protocol.AGENT_CONFIG_FILE} and events.jsonl")
+    parser.add_argument("--gpus", help="indices of the visible GPUs this host's workers use (default: all)")
+    parser.add_argument("--secret-file", help=f"file holding the job's secret when {auth.SECRET_ENV} is not set")
+    args = parser.parse_args(argv)
+    spawned.die_with_parent()  # a host's agent goes with its launcher
+    secret = auth.job_secret(args.secret_file, pop_env=True)
+    if secret is None:
+        sys.exit(f"node agent {args.node}: no job secret: set {auth.SECRET_ENV} or pass --secret-file")
+    host, port = args.store.rsplit(":", 1)
+    agent = NodeAgent(args.node, (host, int(port)), secret, args.run_dir, _gpus(args.gpus))
+    sys.exit(agent.run())

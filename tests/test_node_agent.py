@@ -1,0 +1,164 @@
+"""Node agents are processes of their own that the controller reaches only through the store.
+
+The fleet tests run the controller's side (``AgentFleet``) in this process against real agent
+processes, with a real TCPStore: an agent's pid is not ours, a killed agent takes its workers with it,
+commands that do not carry the job's MAC are refused and logged, a config file that differs from
+the signed digest keeps an agent from starting, and nothing is left once the fleet shut down. The
+last test loses a node in a real run and recovers on the spare node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from queue import Empty, Queue
+
+import psutil
+import pytest
+
+from runner import protocol
+from runner.agents import auth
+from runner.agents.fleet import AgentFleet
+from runner.control.controller import FORKSERVER_PRELOAD
+from runner.events import read_jsonl
+from runner.worker import WorkerSpec, main
+from tests.conftest import run_cli
+from tests.test_config import _compose
+
+BASE = ["+recipe=gpt_tiny", "logger=none", "runner.console_events=false", "parallel.nodes=2",
+        "parallel.procs_per_node=1", "launcher.start_timeout_s=60"]
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    cfg = _compose(*BASE)
+    store = protocol.host_store("127.0.0.1", 60)
+    queue: Queue = Queue()
+    fleet = AgentFleet(cfg, tmp_path, store, ("127.0.0.1", store.port), queue, FORKSERVER_PRELOAD, None, nodes=2)
+    started = {a.proc.pid for a in fleet.agents}
+    yield fleet, store, queue
+    fleet.shutdown(completed=False)
+    workers = {pid for a in fleet.agents for pid in a.workers.values()}
+    deadline = time.monotonic() + 10
+    while (left := _alive(started | workers) | {p.pid for p in psutil.Process().children(recursive=True)}) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {left}"
+
+
+def _spawn(fleet: AgentFleet, store, run_dir, wid: int, node: int) -> None:
+    """A worker that waits for a first generation nobody publishes (until it is killed). It runs the
+    config of its agent's file: the empty one given here never leaves this process."""
+    spec = WorkerSpec(str(run_dir), wid, node, 0, wid, "initial", 0, "127.0.0.1", store.port)
+    fleet.spawn(main, (spec, {}), wid, node)
+
+
+def _alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.add(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _events_of(run_dir, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == kind]
+
+
+def test_agents_are_processes_of_their_own(fleet):
+    fleet, store, _ = fleet
+    for agent in fleet.agents:
+        registration = protocol.get_json(store, protocol.agent_key(agent.node))
+        assert registration["pid"] == agent.proc.pid != os.getpid() and agent.proc.poll() is None
+    # the controller's only threads for them read their exit records from the store
+    assert sorted(t.name for t in threading.enumerate() if t.name.startswith(("agent", "exits"))) == ["exits-0",
+                                                                                                     "exits-1"]
+
+
+def test_a_worker_exit_reaches_the_controller_once_with_its_code(fleet, tmp_path):
+    fleet, store, queue = fleet
+    _spawn(fleet, store, tmp_path, 0, 0)
+    pid = fleet.agents[0].workers[0]
+    assert psutil.Process(pid).ppid() != os.getpid()  # a child of node 0's fork server, not of ours
+    fleet.signal(0, 0, signal.SIGKILL)
+    kind, wid, code, _ = queue.get(timeout=20)
+    assert (kind, wid, code) == ("exit", 0, -signal.SIGKILL) and fleet.agents[0].exit_reported(0)
+    with pytest.raises(Empty):
+        queue.get(timeout=0.5)
+
+
+def test_a_killed_agent_takes_its_workers_with_it_and_goes_silent(fleet, tmp_path):
+    fleet, store, queue = fleet
+    _spawn(fleet, store, tmp_path, 0, 1)
+    pid = fleet.agents[1].workers[0]
+    assert fleet.lose_node(1) == [0]
+    assert not _alive({pid, fleet.agents[1].proc.pid})
+    assert fleet.agents[1].exit_reported(0)
+    with pytest.raises(Empty):
+        queue.get(timeout=0.5)  # a lost host reports nothing: its silence tells
+    before = fleet.node_beats()
+    time.sleep(0.5)
+    after = fleet.node_beats()
+    assert after[0] > before[0] and after[1] == before[1]
+
+
+def test_a_forged_or_replayed_command_is_refused_and_logged(fleet, tmp_path):
+    fleet, store, _ = fleet
+    node = 0
+
+    def forge(message: str) -> int:
+        seq = store.add(protocol.agent_key(node, "cmds"), 1)
+        store.set(protocol.agent_key(node, "cmd", seq), message)
+        return seq
+
+    spec = {"run_dir": str(tmp_path), "wid": 7, "node": node, "local_rank": 0, "logical_rank": 0,
+            "role": "initial", "first_gen": 0, "host": "127.0.0.1", "port": store.port, "namespace": ""}
+    forged = []
+    seq = store.add(protocol.agent_key(node, "cmds"), 0) + 1
+    body = {"op": "spawn", "spec": spec, "node": node, "seq": seq}
+    forged.append(forge(json.dumps({"body": json.dumps(body)})))  # no MAC
+    seq += 1
+    forged.append(forge(auth.sign(b"not the job's secret", {**body, "seq": seq})))  # another key's MAC
+    seq += 1
+    genuine_elsewhere = auth.sign(fleet.secret, {**body, "seq": 1})
+    forged.append(forge(genuine_elsewhere))  # a valid MAC for another place in the queue: a replay
+    fleet.signal(0, node, signal.SIGCONT)  # a genuine command after them is carried out
+    refused = _events_of(tmp_path, "command_refused")
+    assert [(e["rank"], e["seq"]) for e in refused] == [(f"agent-{node}", s) for s in forged]
+    assert [e["reason"].split(" ")[0] for e in refused] == ["bad", "bad", "signed"]
+    assert not any(store.check([protocol.agent_key(node, "ack", s)]) for s in forged)
+    assert not _events_of(tmp_path, "worker_started")
+
+
+def test_an_agent_refuses_a_config_other_than_the_signed_one(fleet, tmp_path):
+    fleet, store, _ = fleet
+    config = tmp_path / protocol.AGENT_CONFIG_FILE
+    tampered = json.loads(config.read_text())
+    tampered["config"]["seed"] += 1
+    config.write_text(json.dumps(tampered))
+    args = [sys.executable, "-m", "runner.agents", "--store", f"127.0.0.1:{store.port}", "--node", "5",
+            "--run-dir", str(tmp_path)]
+    env = {**os.environ, auth.SECRET_ENV: fleet.secret.decode()}
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "differs from the config the controller signed" in done.stderr
+    assert "differs" in store.get(protocol.agent_key(5, "refused")).decode()
+    assert [e["node"] for e in _events_of(tmp_path, "agent_refused")] == [5]
+    assert not store.check([protocol.agent_key(5)])  # never registered
+
+
+def test_a_lost_node_recovers_on_the_spare_node(run_dir):
+    run = run_cli("+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=1", "parallel.spares=1",
+                  "ft=[deadpool]", "trainer.max_steps=20", "fault=kill_node", "fault.node=1", "fault.step=8",
+                  run_dir=run_dir)  # run_cli also checks that no process (agent, fork server, worker) is left
+    assert run.summary["status"] == "completed", run.output[-3000:]
+    rec = run.only_recovery()
+    assert (rec["fault"], rec["action"], rec["victims"], rec["rpo_steps"]) == ("node_loss", "swap_spare", [1], 0)
+    assert {e["node"] for e in run.events("spare_assigned")} == {2}
