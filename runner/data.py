@@ -63,7 +63,28 @@ class HeldOutSplit:
         return self.source.held_out(i)
 
 
-class SyntheticTokens:
+class TokenSource:
+    """A source of token sequences, each batch drawn from a seed of (seed, step, rank): a subclass says how
+    ``_sequences`` turns one seed into ``micro_batch`` rows of ``seq_len + 1`` tokens; the training batches,
+    the held-out ones and the micro-batch split are the same for every such source."""
+
+    seed: int
+
+    def batch(self, step: int, logical_rank: int) -> dict[str, torch.Tensor]:
+        return _token_batch(self._sequences(derive_seed(self.seed, step, logical_rank)), step, logical_rank)
+
+    def held_out(self, i: int) -> dict[str, torch.Tensor]:
+        """Held-out batch ``i``: sequences from a seed stream no training batch draws from."""
+        return _token_batch(self._sequences(derive_seed(self.seed, HELD_OUT, i, 0)), i, -1)
+
+    def micro_batches(self, step: int, logical_rank: int, k: int) -> MicroBatches:
+        return split_token_batch(self.batch(step, logical_rank), k)
+
+    def _sequences(self, seed: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SyntheticTokens(TokenSource):
     """Token sequences from a fixed random sparse Markov chain: learnable, so the loss falls.
 
     Each token has ``branching`` likely successors drawn from the seed; sequences start at a random
@@ -74,16 +95,6 @@ class SyntheticTokens:
         self.seed, self.vocab, self.seq_len, self.micro_batch = seed, vocab_size, seq_len, micro_batch
         g = torch.Generator().manual_seed(derive_seed(seed, 0xC0FFEE))
         self.successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=g)
-
-    def batch(self, step: int, logical_rank: int) -> dict[str, torch.Tensor]:
-        return _token_batch(self._sequences(derive_seed(self.seed, step, logical_rank)), step, logical_rank)
-
-    def held_out(self, i: int) -> dict[str, torch.Tensor]:
-        """Held-out batch ``i``: the same chain, sequences from a seed stream no training batch draws from."""
-        return _token_batch(self._sequences(derive_seed(self.seed, HELD_OUT, i, 0)), i, -1)
-
-    def micro_batches(self, step: int, logical_rank: int, k: int) -> MicroBatches:
-        return split_token_batch(self.batch(step, logical_rank), k)
 
     def _sequences(self, seed: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
@@ -96,7 +107,7 @@ class SyntheticTokens:
         return seq
 
 
-class MemmapTokens:
+class MemmapTokens(TokenSource):
     """Random windows of a nanoGPT-style uint16 token file, positions drawn from (seed, step, rank).
 
     Validation reads a separate file (``data.val_path``, nanoGPT's val.bin) through a second instance's
@@ -112,17 +123,8 @@ class MemmapTokens:
             raise ValueError(f"data.path={path!r} holds token ids >= model.vocab_size={vocab_size}; raise vocab_size.")
         self.seed, self.seq_len, self.micro_batch = seed, seq_len, micro_batch
 
-    def batch(self, step: int, logical_rank: int) -> dict[str, torch.Tensor]:
-        return _token_batch(self._windows(derive_seed(self.seed, step, logical_rank)), step, logical_rank)
-
-    def held_out(self, i: int) -> dict[str, torch.Tensor]:
-        """Held-out batch ``i``: windows of this file at positions from the held-out seed stream."""
-        return _token_batch(self._windows(derive_seed(self.seed, HELD_OUT, i, 0)), i, -1)
-
-    def micro_batches(self, step: int, logical_rank: int, k: int) -> MicroBatches:
-        return split_token_batch(self.batch(step, logical_rank), k)
-
-    def _windows(self, seed: int) -> torch.Tensor:
+    def _sequences(self, seed: int) -> torch.Tensor:
+        """Windows of this file at positions drawn from ``seed``."""
         g = torch.Generator().manual_seed(seed)
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.micro_batch,), generator=g)
         rows = [torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype(np.int64)) for s in starts.tolist()]

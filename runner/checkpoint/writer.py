@@ -15,9 +15,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
+
+from runner.durable import fsync_dir, save_synced, temp_name
 
 OnWritten = Callable[[int, Path, float], None]  # (step, path, seconds the write took)
 
@@ -28,22 +29,15 @@ def cpu_copy(ckpt: dict) -> dict:
 
 
 def save_atomic(obj: Any, path: Path) -> None:
-    """torch.save to ``.<name>.tmp<pid>`` in the same directory, fsync, rename over ``path``, fsync the directory."""
+    """torch.save to a temporary name in the same directory, fsync, rename over ``path``, fsync the directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = temp_name(path)
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        save_synced(obj, tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 class CheckpointWriter:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from runner.durable import fsync_dir, save_synced, temp_name
+
 from .checksum import ALGORITHM, digest_file
 from .segment import CorruptSnapshot
 
@@ -44,13 +46,9 @@ def write_atomic(state: Any, path: Path, info: dict[str, Any]) -> None:
     """torch.save to a temp file, fsync, write the sidecar, rename both, fsync the directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
     side = sidecar_path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    side_tmp = side.with_name(f".{side.name}.tmp{os.getpid()}")
+    tmp, side_tmp = temp_name(path), temp_name(side)
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        save_synced(state, tmp)
         info = {**info, "algorithm": ALGORITHM, "digest": digest_file(tmp), "bytes": tmp.stat().st_size}
         with open(side_tmp, "w") as f:
             json.dump(info, f)
@@ -58,11 +56,7 @@ def write_atomic(state: Any, path: Path, info: dict[str, Any]) -> None:
             os.fsync(f.fileno())
         os.replace(side_tmp, side)
         os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
         side_tmp.unlink(missing_ok=True)

@@ -1,0 +1,36 @@
+"""Files that survive a crash: a write reaches the disk before it replaces what was there.
+
+Both the Lightning checkpoint (``runner/checkpoint/writer.py``) and flash_ckpt's persisted snapshots
+(``runner/recovery/flash_ckpt/disk.py``) write to a temporary name, fsync it, rename it over the target
+and fsync the directory, so a crash leaves either the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def temp_name(path: Path) -> Path:
+    """A hidden name beside ``path``, private to this process."""
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def save_synced(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` and fsync it (``path`` is a temporary name; ``replace_synced`` publishes it)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the renames in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
