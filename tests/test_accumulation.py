@@ -34,7 +34,7 @@ def accounting(run) -> tuple:
     return s["samples_committed"], s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]
 
 
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_accumulation_equals_the_bigger_micro_batch(k, tmp_path):
     whole = run_cli(*TWO, run_dir=tmp_path / "whole")
     split = run_cli(*TWO, f"trainer.accumulate_grad_batches={k}", run_dir=tmp_path / "split")
@@ -46,6 +46,7 @@ def test_accumulation_equals_the_bigger_micro_batch(k, tmp_path):
     assert split.summary["tokens_committed"] == whole.summary["tokens_committed"]
 
 
+@pytest.mark.slow
 def test_accumulation_over_a_map_style_dataset_equals_the_bigger_micro_batch(tmp_path):
     whole = run_cli(*USER, run_dir=tmp_path / "whole")
     split = run_cli(*USER, "trainer.accumulate_grad_batches=2", run_dir=tmp_path / "split")
@@ -55,6 +56,7 @@ def test_accumulation_over_a_map_style_dataset_equals_the_bigger_micro_batch(tmp
     assert accounting(split) == accounting(whole)
 
 
+@pytest.mark.slow
 def test_accumulation_under_kill_rank_is_bit_identical_to_its_fault_free_run(tmp_path):
     clean = run_cli(*FOUR, run_dir=tmp_path / "clean")
     assert clean.summary["status"] == "completed", clean.output[-3000:]
@@ -63,6 +65,7 @@ def test_accumulation_under_kill_rank_is_bit_identical_to_its_fault_free_run(tmp
     assert losses(killed) == losses(clean)
 
 
+@pytest.mark.slow
 def test_manual_optimization_logs_the_loss_of_the_current_step(tmp_path):
     no_clip = ["trainer.grad_clip=0"]
     auto = run_cli(*USER, *no_clip, run_dir=tmp_path / "auto")
@@ -78,6 +81,7 @@ def test_manual_optimization_logs_the_loss_of_the_current_step(tmp_path):
     (["trainer.grad_clip=0", "trainer.accumulate_grad_batches=2"], "trainer.accumulate_grad_batches=2 needs automatic"),
     ([], "trainer.grad_clip=1.0 needs automatic optimization"),
 ])
+@pytest.mark.slow
 def test_manual_optimization_with_what_it_cannot_do_fails_at_start_saying_why(overrides, expected, run_dir):
     run = run_cli(*USER, "model._target_=tests.regressors.ManualRegressor", "trainer.max_steps=2", *overrides,
                   run_dir=run_dir)

@@ -78,6 +78,7 @@ def _assert_survived(run, max_steps: int) -> list[dict]:
     return drawn
 
 
+@pytest.mark.slow
 def test_chaos_run_survives_every_fault_it_draws(run_dir):
     run = run_cli(*MIX, "trainer.max_steps=150", "fault.mtbf_s=2", "fault.max_faults=4", "seed=11",
                   run_dir=run_dir, timeout=300)

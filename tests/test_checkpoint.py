@@ -84,6 +84,7 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(first30, strai
     assert min(m["step"] for m in resumed.metrics()) == 30
 
 
+@pytest.mark.slow
 def test_zero1_resume_gathers_and_reshards_the_optimizer_state(tmp_path):
     zero = (*TINY, "parallel.zero=1")
     straight = run_cli(*zero, "trainer.max_steps=60", run_dir=tmp_path / "straight")

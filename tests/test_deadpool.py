@@ -27,6 +27,7 @@ def test_node_loss_is_replaced_by_warm_spares_exactly(fault_free, run_dir):
     assert {e["node"] for e in run.events("spare_assigned")} == {3}  # spares live on a node of their own
 
 
+@pytest.mark.slow
 def test_no_spare_left_fails_clearly(run_dir):
     run = run_cli(*SIX[:3], "parallel.spares=1", "ft=[deadpool]", "trainer.global_batch_size=12",
                   "trainer.max_steps=30", "fault=kill_node", "fault.node=1", "fault.step=8",
@@ -36,6 +37,7 @@ def test_no_spare_left_fails_clearly(run_dir):
     assert "node(s) [1] lost" in s["error"] and "only 1 ready spare" in s["error"]
 
 
+@pytest.mark.slow
 def test_no_spare_left_falls_through_to_ndb(run_dir):
     run = run_cli(*SIX[:3], "parallel.spares=1", "ft=[deadpool,ndb]", "trainer.global_batch_size=12",
                   "trainer.max_steps=30", "fault=kill_node", "fault.node=1", "fault.step=8", run_dir=run_dir)
@@ -63,6 +65,7 @@ def assert_exact(run, fault_free) -> dict:
     return s
 
 
+@pytest.mark.slow
 def test_zero1_with_replication_trains_exactly_like_replicated_state(fault_free, run_dir):
     run = run_cli(*ZERO, run_dir=run_dir)
     s = run.summary
@@ -72,6 +75,7 @@ def test_zero1_with_replication_trains_exactly_like_replicated_state(fault_free,
     assert not run.events("replication_failed")
 
 
+@pytest.mark.slow
 def test_zero1_node_loss_spares_get_their_shards_from_the_neighbour_replicas(fault_free, run_dir):
     run = run_cli(*ZERO, "fault=kill_node", "fault.node=1", "fault.step=20", run_dir=run_dir)
     assert_exact(run, fault_free)
@@ -82,6 +86,7 @@ def test_zero1_node_loss_spares_get_their_shards_from_the_neighbour_replicas(fau
     assert {r: e["holder"] for r, e in restored.items()} == {2: 4, 3: 5}  # the replicas on the next node
 
 
+@pytest.mark.slow
 def test_zero1_kill_during_an_in_flight_replication_replays_the_previous_generation(fault_free, run_dir):
     run = run_cli(*ZERO, "fault=kill_rank", "fault.rank=2", "fault.step=20", "fault.during=replication",
                   run_dir=run_dir)
@@ -91,6 +96,7 @@ def test_zero1_kill_during_an_in_flight_replication_replays_the_previous_generat
     assert (restored["rank"], restored["step"], restored["replayed_updates"]) == (2, 21, 1)
 
 
+@pytest.mark.slow
 def test_zero1_laggard_finishes_its_update_from_the_peers_gradients(fault_free, run_dir):
     run = run_cli(*ZERO, "fault=transient", "fault.rank=1", "fault.step=12", "fault.during=after_reduce",
                   run_dir=run_dir)
@@ -110,6 +116,7 @@ def test_zero1_owner_and_replica_lost_together_is_refused_at_config_time_without
     assert "took the ZeRO-1 optimizer shard(s) of rank(s) [2] together with their only copy" in run.output
 
 
+@pytest.mark.slow
 def test_zero1_owner_and_replica_lost_together_fails_clearly_at_run_time(run_dir):
     run = run_cli(*ZERO, *OWNER_AND_HOLDER, "policy.reject_unhandled=false", run_dir=run_dir)
     s = run.summary
@@ -118,6 +125,7 @@ def test_zero1_owner_and_replica_lost_together_fails_clearly_at_run_time(run_dir
     assert "add ft=flash_ckpt" in s["error"]
 
 
+@pytest.mark.slow
 def test_zero1_owner_and_replica_lost_together_restart_every_rank_from_snapshots(fault_free, run_dir):
     run = run_cli(*ZERO, "ft=[deadpool,flash_ckpt]", "ft.flash_ckpt.every_n_steps=5", *OWNER_AND_HOLDER,
                   run_dir=run_dir)

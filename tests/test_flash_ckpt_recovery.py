@@ -48,6 +48,7 @@ def assert_restarted(run, reference, resumed_at: int, fault_step: int = 23) -> d
     return {e["rank"]: e for e in restored}
 
 
+@pytest.mark.slow
 def test_zero1_shards_each_restore_from_their_own_snapshot_exactly(fault_free, run_dir):
     # ZeRO-1: each snapshot holds its rank's optimizer shard; after the restore every rank syncs the parameters
     run = run_cli(*FOUR, "parallel.zero=1", "fault=kill_all", "fault.step=23", run_dir=run_dir)
@@ -79,6 +80,7 @@ def test_node_loss_restores_the_lost_ranks_from_the_partner_nodes_memory(fault_f
     assert {e["node"] for e in moved} == {0}  # the lost node's ranks restart on its partner
 
 
+@pytest.mark.slow
 def test_whole_host_loss_restores_from_disk(fault_free, run_dir):
     run = run_cli(*FOUR, "ft.flash_ckpt.persist_every_n_steps=10", "fault=wipe_shm", "fault.step=23", run_dir=run_dir)
     restored = assert_restarted(run, fault_free[4], resumed_at=20)
@@ -87,6 +89,7 @@ def test_whole_host_loss_restores_from_disk(fault_free, run_dir):
     assert run.events("fault_injected")[0]["segments_lost"] > 0
 
 
+@pytest.mark.slow
 def test_a_corrupt_snapshot_is_refused_and_the_previous_one_used(fault_free, run_dir):
     # memory only: a breakpoint persist could save step 20 before the byte flips and serve it from disk
     run = run_cli(*TWO, "ft.flash_ckpt.persist_every_n_steps=0", "fault=corrupt_snapshot", "fault.rank=1",
@@ -99,6 +102,7 @@ def test_a_corrupt_snapshot_is_refused_and_the_previous_one_used(fault_free, run
     assert all(e["refused"] == [20] and e["invalidated"] == [20] for e in restored.values())
 
 
+@pytest.mark.slow
 def test_without_flash_ckpt_kill_all_fails_with_the_reason(run_dir):
     run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=20", "ft=[flashrecovery]", "fault=kill_all", "fault.step=5",
                   "policy.reject_unhandled=false", run_dir=run_dir)  # the config check would refuse it
@@ -106,6 +110,7 @@ def test_without_flash_ckpt_kill_all_fails_with_the_reason(run_dir):
     assert "ft=flash_ckpt" in run.summary["error"]
 
 
+@pytest.mark.slow
 def test_a_too_small_dev_shm_fails_the_run_with_one_paragraph_and_leaves_nothing(run_dir, monkeypatch):
     monkeypatch.setenv(FREE_BYTES_ENV, str(256 * 1024))  # what the size check sees, inherited by every worker
     run = run_cli(*TWO, run_dir=run_dir)

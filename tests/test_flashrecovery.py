@@ -46,6 +46,7 @@ def test_kill_rank_restarts_only_that_rank_and_loses_nothing(fault_free, run_dir
     assert "[runner] step 12: rank 2 killed (SIGKILL) -> restarted in place; full world back in " in run.output
 
 
+@pytest.mark.slow
 def test_kill_rank_with_a_lightning_module_we_did_not_write(tmp_path):
     boring = ["+recipe=gpt_tiny", "model._target_=lightning.pytorch.demos.boring_classes.BoringModel",
               "trainer.max_steps=16", *FR]
@@ -69,6 +70,7 @@ def test_transient_error_is_retried_without_restarting_anyone(fault_free, run_di
     assert len(run.events("worker_started")) == 4
 
 
+@pytest.mark.slow
 def test_a_rank_that_alone_misses_a_completed_reduction_adopts_the_committed_state(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=transient", "fault.rank=1", "fault.step=8", "fault.during=after_reduce",
                   run_dir=run_dir)
@@ -78,6 +80,7 @@ def test_a_rank_that_alone_misses_a_completed_reduction_adopts_the_committed_sta
     assert (laggard["rank"], laggard["step"]) == (1, 9)  # the others had committed step 8
 
 
+@pytest.mark.slow
 def test_two_kills_at_different_steps(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=kill_rank", "fault.rank=0", "fault.step=6",
                   "+fault.extra=[{kind: kill_rank, rank: 3, step: 20}]", run_dir=run_dir)
@@ -85,6 +88,7 @@ def test_two_kills_at_different_steps(fault_free, run_dir):
     assert [r["victims"] for r in s["recoveries"]] == [[0], [3]]
 
 
+@pytest.mark.slow
 def test_kill_during_the_recovery_from_another_kill(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=kill_rank", "fault.rank=1", "fault.step=9",
                   "+fault.extra=[{kind: kill_rank, rank: 2, during: recovery}]", run_dir=run_dir)
@@ -97,6 +101,7 @@ def test_kill_during_the_recovery_from_another_kill(fault_free, run_dir):
     assert len(run.events("worker_started")) == 6
 
 
+@pytest.mark.slow
 def test_faults_while_several_buckets_are_in_flight_stay_exact(tmp_path):
     """20 KiB buckets: each step's backward launches many all-reduces before the reduction waits."""
     small = [*FOUR, *FR, "trainer.bucket_mb=0.02"]
@@ -108,6 +113,7 @@ def test_faults_while_several_buckets_are_in_flight_stay_exact(tmp_path):
                                                                     ("process_crash", "restart_rank")]
 
 
+@pytest.mark.slow
 def test_losing_every_replica_fails_clearly_and_never_hangs(run_dir):
     run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=20", *FR, "fault=kill_rank", "fault.rank=0", "fault.step=5",
                   "+fault.extra=[{kind: kill_rank, rank: 1, step: 5}]", "policy.reject_unhandled=false",
@@ -118,6 +124,7 @@ def test_losing_every_replica_fails_clearly_and_never_hangs(run_dir):
     assert "every data-parallel replica" in s["error"]
 
 
+@pytest.mark.slow
 def test_without_fault_tolerance_a_kill_fails_the_run_with_the_reason(run_dir):
     run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=20", "fault=kill_rank", "fault.rank=1", "fault.step=5",
                   run_dir=run_dir)
@@ -125,6 +132,7 @@ def test_without_fault_tolerance_a_kill_fails_the_run_with_the_reason(run_dir):
     assert "ft=flashrecovery" in run.summary["error"]
 
 
+@pytest.mark.slow
 def test_bitflip_is_detected_and_the_step_recomputed_exactly(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=bitflip", "fault.rank=1", "fault.step=14", run_dir=run_dir)
     s = run.summary
@@ -135,6 +143,7 @@ def test_bitflip_is_detected_and_the_step_recomputed_exactly(fault_free, run_dir
     assert len(run.events("worker_started")) == 4
 
 
+@pytest.mark.slow
 def test_a_replacement_judges_corruption_like_the_ranks_it_joins(fault_free, run_dir):
     # a bitflip and a crash at the same step: the replacement gets the guard's history with the state,
     # so it rejects the corrupted reduction as the others do instead of running one step ahead
@@ -144,6 +153,7 @@ def test_a_replacement_judges_corruption_like_the_ranks_it_joins(fault_free, run
     assert s["sdc_recomputed_steps"] == [20]
 
 
+@pytest.mark.slow
 def test_slow_link_slows_the_job_without_a_recovery(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=slow_link", "fault.rank=2", "fault.step=10", "fault.delay_s=0.05",
                   run_dir=run_dir)
@@ -156,6 +166,7 @@ def test_slow_link_slows_the_job_without_a_recovery(fault_free, run_dir):
     assert after - before >= 0.03  # the victim reaches each reduction 0.05 s late (less what overlaps compute)
 
 
+@pytest.mark.slow
 def test_partition_is_retried_then_the_cut_off_rank_is_isolated_and_replaced(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=partition", "fault.rank=1", "fault.step=10", run_dir=run_dir)
     s = assert_exact(run, fault_free, recoveries=2)

@@ -42,6 +42,7 @@ def test_kill_rank_neighbour_does_both(fault_free, run_dir):
     assert takeover["step_time_after_s"] > 0 and takeover["peak_rss_after_kib"] >= takeover["peak_rss_before_kib"]
 
 
+@pytest.mark.slow
 def test_node_loss_is_spread_over_distinct_neighbours(fault_free, run_dir):
     run = run_cli(*FOUR, "parallel.nodes=2", "parallel.procs_per_node=2", "ft=[ndb]", "fault=kill_node",
                   "fault.node=1", "fault.step=10", run_dir=run_dir)
@@ -56,6 +57,7 @@ def test_ndb_refuses_a_module_it_cannot_approximate(run_dir):
     assert run.returncode == 2 and "ft=ndb" in run.output
 
 
+@pytest.mark.slow
 def test_a_repaired_rank_rejoins_from_a_peer_and_the_takeover_ends(fault_free, run_dir):
     run = run_cli(*FOUR, "parallel.nodes=4", "parallel.procs_per_node=1", "ft=[ndb]", "ft.ndb.repair_after_s=0",
                   "fault=kill_rank", "fault.rank=1", "fault.step=8", run_dir=run_dir)

@@ -39,13 +39,14 @@ def fleet(tmp_path):
     cfg = _compose(*BASE)
     store = protocol.host_store("127.0.0.1", 60)
     queue: Queue = Queue()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # e.g. an earlier test's forkserver
     fleet = AgentFleet(cfg, tmp_path, store, ("127.0.0.1", store.port), queue, FORKSERVER_PRELOAD, None, nodes=2)
     started = {a.proc.pid for a in fleet.agents}
     yield fleet, store, queue
     fleet.shutdown(completed=False)
     workers = {pid for a in fleet.agents for pid in a.workers.values()}
     deadline = time.monotonic() + 10
-    while (left := _alive(started | workers) | {p.pid for p in psutil.Process().children(recursive=True)}) \
+    while (left := _alive(started | workers) | ({p.pid for p in psutil.Process().children(recursive=True)} - before)) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"processes left behind: {left}"
@@ -73,6 +74,7 @@ def _events_of(run_dir, kind: str) -> list[dict]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == kind]
 
 
+@pytest.mark.slow
 def test_agents_are_processes_of_their_own(fleet):
     fleet, store, _ = fleet
     for agent in fleet.agents:
@@ -83,6 +85,7 @@ def test_agents_are_processes_of_their_own(fleet):
                                                                                                      "exits-1"]
 
 
+@pytest.mark.slow
 def test_a_worker_exit_reaches_the_controller_once_with_its_code(fleet, tmp_path):
     fleet, store, queue = fleet
     _spawn(fleet, store, tmp_path, 0, 0)
@@ -138,6 +141,7 @@ def test_a_forged_or_replayed_command_is_refused_and_logged(fleet, tmp_path):
     assert not _events_of(tmp_path, "worker_started")
 
 
+@pytest.mark.slow
 def test_an_agent_refuses_a_config_other_than_the_signed_one(fleet, tmp_path):
     fleet, store, _ = fleet
     config = tmp_path / protocol.AGENT_CONFIG_FILE

@@ -97,6 +97,7 @@ def _train_tp_pp_and_reference(rank: int, groups: GlooGroups) -> dict:
             "grad": max(rel_error(g, full[stage.full_name(n)].grad) for n, g in grads.items())}
 
 
+@pytest.mark.slow
 def test_tp2_pp2_on_four_ranks_matches_the_unsharded_model():
     reports = run_ranks(_train_tp_pp_and_reference, 4)
     assert [r["stage"] for _, r in sorted(reports.items())] == [0, 0, 1, 1]  # TP innermost, then PP

@@ -227,6 +227,7 @@ def test_cli_costs_set_on_the_command_line_are_labelled_guesses(tmp_path):
     assert "costs.storage_gbps" in data["guesses"]
 
 
+@pytest.mark.slow
 def test_cli_default_run_prints_table_and_writes_json_fast(tmp_path):
     start = time.monotonic()
     proc = run_cli(f"hydra.run.dir={tmp_path}")

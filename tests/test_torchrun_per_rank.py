@@ -227,6 +227,7 @@ def two_host_restart(tmp_path_factory):
         assert_nothing_left(job.token, Run(subprocess.CompletedProcess([], 0, "", ""), job.run_dir))
 
 
+@pytest.mark.slow
 def test_the_ranks_of_each_attempt_agree_on_its_namespace(two_host_restart):
     run_dir, _, _ = two_host_restart
     joined = events(run_dir, "attempt_joined")
@@ -268,6 +269,7 @@ def test_the_summary_accounts_for_the_failed_attempt(two_host_restart):
 
 
 # -- one host ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_kill_rank_kills_a_rank_of_rank_0s_host_and_the_restart_completes(make_job, fault_free):
     job = make_job()
     job.torchrun(1, 2, ["--standalone"], 1, "trainer.max_steps=16", "fault=kill_rank", "fault.rank=1",

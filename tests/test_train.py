@@ -40,6 +40,7 @@ def test_two_nodes_two_ranks_trains_and_follows_the_contract(baseline):
     assert {"loss", "step_time_s", "tokens_per_s"} <= set(metrics[0])
 
 
+@pytest.mark.slow
 def test_same_seed_same_checksum_other_seed_differs(baseline, tmp_path):
     same = run_cli(*TWO_BY_TWO, run_dir=tmp_path / "same")
     other = run_cli(*TWO_BY_TWO, "seed=7", run_dir=tmp_path / "other")
@@ -64,6 +65,7 @@ def test_a_lightning_module_we_did_not_write_trains_through_our_strategy(run_dir
     assert s["samples_lost"] == 0
 
 
+@pytest.mark.slow
 def test_csv_logger_writes_metrics(run_dir):
     run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=4", "logger=csv", "trainer.progress_bar=false",
                   run_dir=run_dir, quiet=False)
@@ -71,6 +73,7 @@ def test_csv_logger_writes_metrics(run_dir):
     assert list(Path(run_dir).glob("csv/**/metrics.csv"))
 
 
+@pytest.mark.slow
 def test_multirun_makes_one_dir_per_job_and_no_duplicate_sweep(tmp_path):
     import os
     import subprocess
@@ -91,6 +94,7 @@ def test_multirun_makes_one_dir_per_job_and_no_duplicate_sweep(tmp_path):
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", recipe_names())
 def test_every_recipe_runs_two_steps_in_smoke_mode(recipe, run_dir):
     run = run_cli(f"+recipe={recipe}", "runner.smoke=true", "trainer.max_steps=2", run_dir=run_dir)
@@ -106,6 +110,7 @@ def test_big_recipe_on_a_host_without_gpus_prints_the_plan_and_exits(run_dir):
     assert not (run_dir / "events.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_wandb_is_the_default_logger_and_runs_offline(run_dir):
     run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=4", "trainer.progress_bar=false", run_dir=run_dir, quiet=False)
     assert run.summary["status"] == "completed", run.output[-3000:]
@@ -140,6 +145,7 @@ def test_under_torchrun_each_process_is_one_rank_with_the_same_result(tmp_path):
     assert summary["param_checksum"] == local.summary["param_checksum"]
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_transient_error_is_retried_in_place(tmp_path):
     import json
 
@@ -150,6 +156,7 @@ def test_under_torchrun_a_transient_error_is_retried_in_place(tmp_path):
     assert [r["action"] for r in summary["recoveries"]] == ["retry"]
 
 
+@pytest.mark.slow
 def test_a_user_datamodule_plugs_in_through_the_config(run_dir):
     run = run_cli("+recipe=gpt_tiny", "model._target_=lightning.pytorch.demos.boring_classes.BoringModel",
                   "data._target_=lightning.pytorch.demos.boring_classes.BoringDataModule", "trainer.max_steps=6",

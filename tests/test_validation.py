@@ -31,6 +31,7 @@ def fault_free(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_val_loss_appears_at_the_configured_interval(fault_free):
     losses = val_losses(fault_free)
     assert sorted(losses) == [5, 10, 15]
@@ -38,6 +39,7 @@ def test_val_loss_appears_at_the_configured_interval(fault_free):
     assert losses[15] < losses[5]  # the model learns the held-out chain too
 
 
+@pytest.mark.slow
 def test_validation_does_not_change_training(fault_free, run_dir):
     plain = run_cli(*FOUR, run_dir=run_dir)
     assert plain.summary["param_checksum"] == fault_free.summary["param_checksum"]
@@ -54,6 +56,7 @@ def test_a_replacement_validates_its_share_and_val_loss_stays_exact(fault_free, 
     assert val_losses(run) == val_losses(fault_free)
 
 
+@pytest.mark.slow
 def test_a_user_validation_step_is_sharded_and_averaged_over_ranks(tmp_path):
     """The whole val_dataloader (5 batches) over 2 ranks averages to what one rank computes alone: the same
     samples train both (the steps' rows do not depend on the layout), so the weights agree up to the order of
@@ -66,6 +69,7 @@ def test_a_user_validation_step_is_sharded_and_averaged_over_ranks(tmp_path):
     assert val_losses(two) == pytest.approx(val_losses(one), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_validation_step_without_an_interval_is_reported_at_start(run_dir):
     run = run_cli(*USER, "trainer.max_steps=2", run_dir=run_dir)
     assert run.summary["status"] == "completed"
@@ -73,6 +77,7 @@ def test_a_validation_step_without_an_interval_is_reported_at_start(run_dir):
     assert len(warned) == 1 and "trainer.val_check_interval" in warned[0]
 
 
+@pytest.mark.slow
 def test_memmap_data_validates_on_its_separate_held_out_file(tmp_path):
     rng = np.random.default_rng(0)
     train, held_out = tmp_path / "train.bin", tmp_path / "val.bin"

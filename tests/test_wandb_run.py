@@ -147,6 +147,7 @@ def test_one_complete_wandb_run_per_job_whichever_rank_dies(tmp_path, victim):
     assert logged.exit_code == 0
 
 
+@pytest.mark.slow
 def test_a_failed_run_is_finished_with_its_reason(run_dir):
     run = run_cli(*[o for o in KILL_RANK if not o.startswith("ft=")], "fault.rank=1", "logger=wandb",
                   run_dir=run_dir, quiet=False)
@@ -159,6 +160,7 @@ def test_a_failed_run_is_finished_with_its_reason(run_dir):
     assert [r["global_step"] for r in logged.rows if "train/loss" in r] == [0, 5, 10]
 
 
+@pytest.mark.slow
 def test_ctrl_c_finishes_the_run(run_dir):
     """SIGINT to the launching process mid-run (what Ctrl-C sends): the run still ends with its rows,
     its summary and an exit record."""
