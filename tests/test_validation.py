@@ -31,7 +31,6 @@ def fault_free(tmp_path_factory):
     return run
 
 
-@pytest.mark.slow
 def test_val_loss_appears_at_the_configured_interval(fault_free):
     losses = val_losses(fault_free)
     assert sorted(losses) == [5, 10, 15]
