@@ -57,6 +57,10 @@ def check_mode(cfg: DictConfig, kind: str) -> None:
     if mode == "per_host":
         raise ConfigError("launcher.mode=per_host (one node agent per host) is not available yet; use "
                           "launcher.mode=per_rank (or auto): each process is one rank and the launcher restarts them.")
+    if cfg.launcher.secret_file:
+        raise ConfigError(f"launcher.secret_file={cfg.launcher.secret_file} signs the commands to node agents, and "
+                          "launcher.mode=per_rank starts none (the launcher owns the processes): drop "
+                          "launcher.secret_file.")
     ppn = cfg.parallel.procs_per_node
     for f in all_faults(cfg):
         if f.kind in NO_PER_RANK:

@@ -78,6 +78,9 @@ def test_recipe_override_of_parallel_group_is_honoured():
         (["parallel.zero=1", "ft=[flashrecovery,flash_ckpt]"], "only DeadPool's replicas"),
         (["fault=kill_rank", "fault.during=replication"], "during=replication"),
         (["fault=kill_rank", "fault.during=after_reduce"], "during=after_reduce"),
+        (["checkpoint.every_n_steps=-1"], "checkpoint.every_n_steps=-1"),
+        (["runner.gpu_memory_gib=0"], "runner.gpu_memory_gib=0"),
+        (["launcher.secret_file=/nonexistent/secret"], "launcher.secret_file=/nonexistent/secret"),
     ],
 )
 def test_impossible_or_unsupported_configs_fail_with_what_to_change(overrides, expected):

@@ -128,7 +128,7 @@ def fault_free(tmp_path_factory) -> str:
 
 # -- configuration ------------------------------------------------------------------------------------
 def _cfg(**keys):
-    cfg = OmegaConf.create({"launcher": {"mode": "auto"}, "parallel": {"procs_per_node": 2},
+    cfg = OmegaConf.create({"launcher": {"mode": "auto", "secret_file": None}, "parallel": {"procs_per_node": 2},
                             "fault": {"kind": "none", "rank": 0, "extra": []}})
     for key, value in keys.items():
         OmegaConf.update(cfg, key, value)
@@ -142,6 +142,7 @@ def _cfg(**keys):
     ({"fault.kind": "kill_rank", "fault.rank": 0}, "slurm", "ranks 1..1"),
     ({"fault.kind": "kill_node"}, "torchrun", "only the ranks of its own host"),
     ({"fault.kind": "kill_all"}, "slurm", "only the ranks of its own host"),
+    ({"launcher.secret_file": "/etc/hostname"}, "torchrun", "drop launcher.secret_file"),
 ])
 def test_what_per_rank_cannot_do_is_refused_before_anything_starts(keys, kind, refused):
     from runner.launcher import check_mode

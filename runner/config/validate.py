@@ -265,6 +265,15 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
                    f"trainer.sdc_window ({cfg.trainer.sdc_window}) >= 1.")
     if cfg.trainer.max_steps < 1:
         out.append(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1.")
+    if cfg.checkpoint.every_n_steps < 0:
+        out.append(f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} must be >= 0 (0 = last.ckpt only at the "
+                   "end of the run).")
+    if cfg.runner.gpu_memory_gib <= 0:
+        out.append(f"runner.gpu_memory_gib={cfg.runner.gpu_memory_gib:g} must be > 0: the memory of one GPU, in GiB.")
+    secret = cfg.launcher.secret_file
+    if secret and not os.path.isfile(secret):
+        out.append(f"launcher.secret_file={secret} is not a file: point it at the job's secret (one line, the same "
+                   "file on every host), or drop it to have the local launcher generate one.")
     return out + _loop_problems(cfg)
 
 
