@@ -189,6 +189,7 @@ def recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> di
         "step": fault_step,
         "action": rec.action,
         "reason": rec.reason,
+        "decide_reason": rec.decide_reason,
         # steps of work to redo; 0 when the struck step was committed anyway (a fault after its reduction)
         "rpo_steps": max(0, fault_step - after[0]["step"]) if after and fault_step >= 0 else None,
         "rto_s": (t_commit - t_fault) if t_commit else None,
