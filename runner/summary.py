@@ -156,6 +156,7 @@ def _launcher_restarts(attempts: list[Attempt], metrics: list[dict]) -> list[dic
             "step": step,
             "action": "launcher_restart",
             "reason": prev.error or "the attempt ended without a record of why (its rank 0 was lost)",
+            "decide_reason": "launcher",  # the launcher, not the controller, decided to restart every rank
             "rpo_steps": max(0, step - after[0]["step"]) if after and step >= 0 else None,
             "resumed_step": after[0]["step"] if after else None,  # 0: from scratch (no common flash checkpoint)
             "rto_s": (t_commit - t_end) if t_commit else None,

@@ -28,6 +28,7 @@ def _counted_kill(tmp_path: Path, n: int, monkeypatch) -> tuple[dict, dict[str, 
                   run_dir=tmp_path / f"run{n}")
     assert run.summary["status"] == "completed", run.output[-3000:]
     rec = run.only_recovery()
+    assert rec["decide_reason"] in ("conclusive_exit", "window")  # the window when the host is too busy to beat
     records = store_counts.load(counts)
     commits = {m["step"]: m["t"] for m in run.metrics() if m["gen"] == 0}
     whole = store_counts.by_phase(records, rec)["recovery"]
