@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -45,12 +45,16 @@ def record(what: str, key_class: str = "", keys: int = 1) -> None:
     os.write(fd, line.encode())
 
 
-def counted(store: dist.Store) -> dist.Store:
-    """``store`` (a new client connection), wrapped in a CountingStore when counting is on."""
+StoreT = TypeVar("StoreT", bound=dist.Store)
+
+
+def counted(store: StoreT) -> StoreT:
+    """``store`` (a new client connection), wrapped in a CountingStore when counting is on. The wrapper passes
+    on every attribute it does not count (a TCPStore's ``port``), so callers keep the type they opened."""
     if not enabled():
         return store
     record("connect", "store")
-    return CountingStore(store)
+    return cast(StoreT, CountingStore(store))
 
 
 def _key_class(key: str) -> str:
@@ -85,10 +89,6 @@ class CountingStore(dist.Store):
         record("add", _key_class(key))
         return self.inner.add(key, value)
 
-    def append(self, key: str, value) -> None:
-        record("append", _key_class(key))
-        self.inner.append(key, value)
-
     def compare_set(self, key: str, expected, desired) -> bytes:
         record("compare_set", _key_class(key))
         return self.inner.compare_set(key, expected, desired)
@@ -112,19 +112,12 @@ class CountingStore(dist.Store):
         record("multi_get", _key_class(keys[0]) if keys else "", len(keys))
         return self.inner.multi_get(keys)
 
-    def multi_set(self, keys: list[str], values: list) -> None:
-        record("multi_set", _key_class(keys[0]) if keys else "", len(keys))
-        self.inner.multi_set(keys, values)
-
     def num_keys(self) -> int:
         record("num_keys")
         return self.inner.num_keys()
 
     def set_timeout(self, timeout: timedelta) -> None:
         self.inner.set_timeout(timeout)
-
-    def has_extended_api(self) -> bool:
-        return self.inner.has_extended_api()
 
 
 class SocketsOpened:
