@@ -128,9 +128,10 @@ class Detector:
         window and the heartbeat rules); every victim of a fault the controller carried out has its exit in
         hand (a step's faults, a node loss beside a kill: they are decided together); every agent not lost
         beat within one heartbeat interval (it beats every half interval); and every other live, ready,
-        unfinished worker reported in this recovery or wrote a heartbeat within two intervals (read now, one
-        round trip). A fault that strikes some other member at the same moment is therefore not yet
-        visible; the window could not see it either, as its evidence would be that member's silence."""
+        unfinished worker reported a failure of the current generation or wrote a heartbeat within two
+        intervals (read now, one round trip). A fault that strikes some other member at the same moment is
+        therefore not yet visible; the window could not see it either, as its evidence would be that
+        member's silence."""
         if any(s["kind"] not in ("exit", "report") for s in rec.symptoms):
             return False
         exited = {s["wid"] for s in rec.symptoms if s["kind"] == "exit"}
@@ -144,7 +145,8 @@ class Detector:
         now, interval = time.monotonic(), self.hb.interval_s
         if any(now - beat > interval for node, beat in self.fleet.node_beats().items() if node not in self.nodes_lost):
             return False
-        reported = {s["wid"] for s in rec.symptoms if s["kind"] == "report"}
+        # a report about the current generation: alive since it failed (an older one proves nothing now)
+        reported = {s["wid"] for s in rec.symptoms if s["kind"] == "report" and s.get("gen", -1) >= self.members.gen}
         others = [w for w in self.members.live()
                   if w.ready and not w.done and w.wid not in exited and w.wid not in reported]
         if not others:
