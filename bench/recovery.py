@@ -14,8 +14,12 @@ controller owns, so that the logger is shown to stay off the recovery path.
 Prints medians, spreads and the ratios. Targets (2-core host, gpt_tiny): detected <= 0.05 s,
 survivors ready <= 0.3 s, full world back <= 3 s, >= 5x faster than the baseline, RTO with
 logger=wandb <= 1.1x RTO with logger=none.
+--world 4,8,16 (instead of the above): for each N, one FlashRecovery kill in a job of N ranks of a smaller
+gpt_tiny, printing the RTO phases and, since a 2-core host cannot run 16 busy ranks fairly, the counts that do
+not depend on the CPU: store operations and new connections of every process (``runner.store_counts``), per
+phase of the recovery and per fault-free step.
 
-    python bench/recovery.py [--kills 5] [--emit-calibration FILE] [--loggers-only]
+    python bench/recovery.py [--kills 5] [--emit-calibration FILE] [--loggers-only] [--world 4,8,16]
 
 --emit-calibration FILE writes what was measured here as the simulator's calibration file
 (runner/sim/calibration.py; python -m runner.sim calibration=FILE), labelled with the host and date.
@@ -36,6 +40,9 @@ import time
 from pathlib import Path
 
 from common import ROOT, median_spread, run_cli
+
+sys.path.insert(0, str(ROOT))  # this checkout's runner, also when another one is installed
+from runner import store_counts  # noqa: E402
 
 
 def flashrecovery(kills: int, ranks: int, logger: str = "none") -> dict[str, list[float]]:
@@ -75,6 +82,55 @@ def hot_swap(runs: int, overrides: list[str]) -> dict[str, list[float]]:
         out["detected"].append(rec["t_decide"] - rec["t_fault"])  # a loss is known once it is decided
         out["full world commits"].append(rec["rto_s"])
     return out
+
+
+WORLD_STEPS = 8  # steps of a --world job: the kill at step 5, the fault-free steps before it counted per step
+
+
+def world_scaling(n: int) -> tuple[dict, dict[str, dict[str, int]], dict[str, float]]:
+    """One job of ``n`` ranks on 2 nodes (gpt_tiny at width 32, one layer, one sample per rank) with one
+    SIGKILL at step 5, counted: its recovery entry, the counts per phase, and the fault-free counts per step."""
+    counts_dir = tempfile.mkdtemp(prefix="rr-counts-")
+    os.environ[store_counts.ENV] = counts_dir  # the job's processes inherit it
+    try:
+        summary, metrics, _ = run_cli("+recipe=gpt_tiny", "parallel.nodes=2", f"parallel.procs_per_node={n // 2}",
+                                      "model.d_model=32", "model.n_layer=1", f"trainer.global_batch_size={n}",
+                                      "ft=[flashrecovery]", f"trainer.max_steps={WORLD_STEPS}", "fault=kill_rank",
+                                      f"fault.rank={n - 1}", "fault.step=5", "launcher.start_timeout_s=600")
+    finally:
+        del os.environ[store_counts.ENV]
+    assert summary["status"] == "completed", summary.get("error")
+    (rec,) = summary["recoveries"]
+    records = store_counts.load(counts_dir)
+    commits = {m["step"]: m["t"] for m in metrics if m["gen"] == 0}
+    first, last = 2, 4  # steady steps before the kill: commit of step 2 -> commit of step 4
+    steady = store_counts.tally(records, commits[first], commits[last])
+    span = commits[last] - commits[first]
+    per_step = {k: v / (last - first) for k, v in steady.items()}
+    per_step["ops_per_s"] = steady["store_ops"] / span
+    return rec, store_counts.by_phase(records, rec), per_step
+
+
+def print_world(sizes: list[int]) -> None:
+    phases = [name for name, _, _ in store_counts.PHASES]
+    print("FlashRecovery kill against world size (gpt_tiny d_model=32, 1 layer, 2 nodes, one kill at step 5)")
+    for n in sizes:
+        rec, counts, steady = world_scaling(n)
+        whole = counts["recovery"]
+        print(f"N={n}: RTO {rec['rto_s']:.3f} s = " + " + ".join(f"{p} {rec[p + '_s']:.3f}" for p in phases)
+              + f" ({rec['decide_reason']})")
+        members = 2 * n - 1  # the survivors-only group and the complete one
+        print(f"  store ops in the recovery: {whole['store_ops']}: group rebuild {whole['group_ops']} "
+              f"({whole['arrival_ops']} arrivals + {whole['gloo_ops']} gloo = {whole['group_ops'] / members:.1f} per "
+              f"member of the {members} members of the two groups; {whole['group_keys']} keys), the rest "
+              f"{whole['other_ops']}; by phase: "
+              + ", ".join(f"{p} {counts[p]['store_ops']}/{counts[p]['group_ops']}" for p in phases)
+              + " (all/group)")
+        print(f"  new connections in the recovery: {whole['connections']} ({whole['store_clients']} store clients, "
+              f"{whole['group_sockets']} group sockets = {whole['group_sockets'] / members:.1f} per member)")
+        print(f"  fault-free, per step: {steady['store_ops']:.1f} store ops ({steady['group_ops']:.1f} group), "
+              f"{steady['connections']:.1f} new connections; {steady['ops_per_s']:.0f} store ops/s (heartbeats, "
+              "polls: they follow the clock, not the steps)")
 
 
 def restart_all(kills: int, ranks: int) -> list[float]:
@@ -129,7 +185,11 @@ def main() -> None:
     ap.add_argument("--emit-calibration", metavar="FILE", help="write the simulator's calibration JSON here")
     ap.add_argument("--loggers-only", action="store_true",
                     help="only the FlashRecovery RTO with logger=none beside logger=wandb")
+    ap.add_argument("--world", metavar="N,N,...", help="only the recovery cost against world size, e.g. 4,8,16")
     args = ap.parse_args()
+    if args.world:
+        print_world([int(n) for n in args.world.split(",")])
+        return
     ours = flashrecovery(args.kills, args.ranks)
     with_wandb = flashrecovery(args.kills, args.ranks, logger="wandb")
     print_logger_cost(ours, with_wandb)

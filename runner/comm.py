@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from runner import protocol
+from runner import protocol, store_counts
 from runner.protocol import Layout
 
 _WAIT_MARGIN = timedelta(seconds=5)  # a launched op fails by itself at the collective timeout; waits allow this more
@@ -94,6 +94,7 @@ class Comm:
         prefix = PrefixStore(f"pg/{layout.gen}/", self.store)
         wait = timedelta(seconds=timeout_s or self.rendezvous_timeout_s)
         self._arrive(prefix, wait)
+        opened = store_counts.SocketsOpened()  # the group's connections, when counting is on
         try:
             if self.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
@@ -105,6 +106,7 @@ class Comm:
                 side = PrefixStore(f"pg/{layout.gen}/side/", self.store)
                 self._arrive(side, wait)
                 self.side_pg = _gloo_group(side, self.rank, self.size, wait, self.collective_timeout)
+            opened.record()
         except Exception as err:  # a member died during the rendezvous
             self.pg = self.side_pg = None
             raise CollectiveFailure(f"rendezvous of gen {layout.gen} failed: {err}") from err

@@ -33,6 +33,8 @@ from datetime import timedelta
 
 from torch.distributed import PrefixStore, TCPStore
 
+from runner.store_counts import counted
+
 STOP = "stop"
 
 
@@ -81,16 +83,17 @@ def agent_key(node: int, *parts: object) -> str:
 
 
 def host_store(host: str, timeout_s: float) -> TCPStore:
-    """The job's store, listening on ``host`` only (TCPStore itself listens on every interface)."""
+    """The job's store, listening on ``host`` only (TCPStore itself listens on every interface). Here and in
+    ``connect``, a client is counted when ``RUNNER_STORE_COUNTS`` is set (``runner.store_counts``)."""
     listener = socket.create_server((host, 0), backlog=1024)
     port = listener.getsockname()[1]
-    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-                    master_listen_fd=listener.detach())
+    return counted(TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                            master_listen_fd=listener.detach()))
 
 
 def connect(host: str, port: int, timeout_s: float, namespace: str = ""):
     """A client connection to the job's store (one per thread that uses it), inside ``namespace``."""
-    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    store = counted(TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False))
     return PrefixStore(namespace, store) if namespace else store
 
 

@@ -156,6 +156,7 @@ def _launcher_restarts(attempts: list[Attempt], metrics: list[dict]) -> list[dic
             "step": step,
             "action": "launcher_restart",
             "reason": prev.error or "the attempt ended without a record of why (its rank 0 was lost)",
+            "decide_reason": "launcher",  # the launcher, not the controller, decided to restart every rank
             "rpo_steps": max(0, step - after[0]["step"]) if after and step >= 0 else None,
             "resumed_step": after[0]["step"] if after else None,  # 0: from scratch (no common flash checkpoint)
             "rto_s": (t_commit - t_end) if t_commit else None,
@@ -189,6 +190,7 @@ def recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> di
         "step": fault_step,
         "action": rec.action,
         "reason": rec.reason,
+        "decide_reason": rec.decide_reason,
         # steps of work to redo; 0 when the struck step was committed anyway (a fault after its reduction)
         "rpo_steps": max(0, fault_step - after[0]["step"]) if after and fault_step >= 0 else None,
         "rto_s": (t_commit - t_fault) if t_commit else None,

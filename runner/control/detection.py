@@ -121,6 +121,42 @@ class Detector:
         dead = {s["wid"] for s in rec.symptoms if s["kind"] in ("exit", "hang", "unreachable") and "wid" in s}
         return sorted(w for w in dead if not self.members.workers[w].dead)
 
+    def conclusive_exit(self, rec: Recovery) -> bool:
+        """Whether the recovery can be decided before its window closes: its evidence is exits the node
+        agents saw (and the survivors' reports of the collective they broke), and nothing else is uncertain.
+        That is: no hang, silence or partition is in play (their evidence is an absence, which takes the
+        window and the heartbeat rules); every victim of a fault the controller carried out has its exit in
+        hand (a step's faults, a node loss beside a kill: they are decided together); every agent not lost
+        beat within one heartbeat interval (it beats every half interval); and every other live, ready,
+        unfinished worker reported a failure of the current generation or wrote a heartbeat within two
+        intervals (read now, one round trip). A fault that strikes some other member at the same moment is
+        therefore not yet visible; the window could not see it either, as its evidence would be that
+        member's silence."""
+        if any(s["kind"] not in ("exit", "report") for s in rec.symptoms):
+            return False
+        exited = {s["wid"] for s in rec.symptoms if s["kind"] == "exit"}
+        if not exited - {w for w, worker in self.members.workers.items() if worker.dead}:
+            return False  # nothing new has exited: the reports alone are a transient's evidence
+        assigned, workers = self.members.assigned, self.members.workers
+        for rank in self.incidents.injected_victims:
+            wid = assigned.get(rank)
+            if wid is not None and wid not in exited and not workers[wid].dead:
+                return False  # an injected fault's exit is still on its way (or never comes: a lost node)
+        now, interval = time.monotonic(), self.hb.interval_s
+        if any(now - beat > interval for node, beat in self.fleet.node_beats().items() if node not in self.nodes_lost):
+            return False
+        # a report about the current generation: alive since it failed (an older one proves nothing now)
+        reported = {s["wid"] for s in rec.symptoms if s["kind"] == "report" and s.get("gen", -1) >= self.members.gen}
+        others = [w for w in self.members.live()
+                  if w.ready and not w.done and w.wid not in exited and w.wid not in reported]
+        if not others:
+            return True
+        keys = [f"hb/{w.wid}" for w in others]
+        if not self.store.check(keys):
+            return False  # one has not beaten at all yet
+        wall = time.time()
+        return all(wall - json.loads(raw)["t"] <= 2 * interval for raw in self.store.multi_get(keys))
+
     def silent_nodes_now(self) -> set[int]:
         limit = self.hb.interval_s * self.hb.misses
         return {node for node, beat in self.fleet.node_beats().items() if time.monotonic() - beat > limit}

@@ -1,5 +1,8 @@
 """Carrying out a decision: judge the open recovery once its symptoms are in, act, publish.
 
+A recovery is decided once its decide window closes, or at once when its evidence is conclusive
+(``Detector.conclusive_exit``); the rule that closed the decision is recorded as ``decide_reason``.
+
 The decision itself is ``runner.decision.decide`` (pure); the resources it weighs (spares, restart
 budgets, ranks without snapshots) come from the run's actions (``decide_inputs``), and the chosen
 action carries itself out (``act``). Then generations follow: survivors-only while replacements
@@ -25,19 +28,24 @@ class Executor:
         self.recheck_s = min(self.cfg.heartbeat.interval_s, 0.05)
 
     def decide_due(self, now: float) -> None:
-        """The decide window closed: decide now, or look again shortly while the picture is incomplete."""
-        rec, members, detector = self.incidents.active, self.members, self.detector
+        """The open recovery is due: decide now if its evidence is conclusive or its window closed, or look
+        again shortly while the picture is incomplete."""
+        rec, members, detector, incidents = self.incidents.active, self.members, self.detector, self.incidents
         assert rec is not None  # a decision is due only while a recovery is open (decide_at is set with it)
+        if now < incidents.window_ends and not detector.conclusive_exit(rec):
+            incidents.hold(incidents.window_ends)  # faults arriving together are decided together
+            return
         if detector.isolate_unreachable(rec, now):
-            self.incidents.decide_at = now + self.recheck_s
+            incidents.hold(now + self.recheck_s, "arrivals")
             return
         dead = detector.dead_workers(rec)
         lost_nodes = detector.silent_nodes(rec, now)
         hung = any(s["kind"] == "hang" for s in rec.symptoms)
         if not dead and not lost_nodes and not detector.all_proved_alive(rec.t_detect_mono):
-            self.incidents.decide_at = now + self.recheck_s  # a transient needs proof of life from everyone
+            incidents.hold(now + self.recheck_s, "proof_of_life")  # a transient needs proof of life from everyone
             return
-        self.incidents.decide_at = None
+        decide_reason = incidents.decide_reason(now)
+        incidents.decide_at = None
         detector.silent_reported |= set(lost_nodes)  # handled now: their silence is no new symptom later
         detector.nodes_lost |= set(lost_nodes)
         for action in self.actions.values():
@@ -52,10 +60,11 @@ class Executor:
         rec.fault = rec.fault or decision.fault
         # every rank the fault killed, also those whose exit had not arrived when the decide window closed
         rec.victims = sorted(set(rec.victims) | set(decision.victims) | self.incidents.take_injected())
-        rec.action, rec.reason = decision.action, decision.reason
+        rec.action, rec.reason, rec.decide_reason = decision.action, decision.reason, decide_reason
         rec.t_decide = time.time()
         self.ctx.events.emit("recovery_decided", recovery=rec.id, fault=decision.fault, action=decision.action,
-                             victims=decision.victims, reason=decision.reason, fault_class=decision.fault_class)
+                             victims=decision.victims, reason=decision.reason, fault_class=decision.fault_class,
+                             decide_reason=decide_reason)
         if decision.action == "fail":
             self.fail(decision.reason)
             return

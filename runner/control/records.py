@@ -46,6 +46,7 @@ class Recovery:
     step: int = -1
     action: str = ""
     reason: str = ""
+    decide_reason: str = ""  # the rule that closed the decision: conclusive_exit, window, proof_of_life, arrivals
     t_fault: Optional[float] = None
     t_decide: Optional[float] = None
     t_ready: Optional[float] = None
