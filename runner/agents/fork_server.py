@@ -143,6 +143,9 @@ def serve_preloaded(control_fd: int, modules: list[str], parent: int) -> NoRetur
 def _serve(control: socket.socket) -> NoReturn:
     """Fork on every request, report every child's pid and exit; exit when the client closes ``control``."""
     spawned.bind_forked_children()
+    devnull = os.open(os.devnull, os.O_RDONLY)  # no child reads a terminal (multiprocessing closed their stdin)
+    os.dup2(devnull, 0)
+    os.close(devnull)
     sig_r, sig_w = os.pipe()
     os.set_blocking(sig_r, False)
     os.set_blocking(sig_w, False)
