@@ -83,6 +83,9 @@ def test_agents_are_processes_of_their_own(fleet):
     for agent in fleet.agents:
         registration = protocol.get_json(store, protocol.agent_key(agent.node))
         assert registration["pid"] == agent.proc.pid != os.getpid() and agent.proc.poll() is None
+    # forked from one zygote of ours, which preloaded them: no interpreter of their own
+    zygotes = {psutil.Process(agent.proc.pid).ppid() for agent in fleet.agents}
+    assert len(zygotes) == 1 and psutil.Process(zygotes.pop()).ppid() == os.getpid()
     # the controller's only threads for them read their exit records from the store
     assert sorted(t.name for t in threading.enumerate() if t.name.startswith(("agent", "exits"))) == ["exits-0",
                                                                                                      "exits-1"]
