@@ -1,12 +1,12 @@
 """The controller's side of the node agents: the fleet it starts, signals and watches workers through.
 
 Under ``launcher=local`` it starts one agent process per (simulated) host, each running what
-``python -m runner.agents`` runs on a host, and reaches them only through the job's store: commands go into each
-agent's queue, signed with the job's secret (``runner.agents.auth``); exits come back the moment an
-agent sees them and become the controller's ``("exit", wid, code, t)`` queue items; an agent's heartbeat
-key tells the controller it is alive. The config the agents run is a file in the run dir written before
-they start; the store carries only its signed digest. Losing a node is SIGKILLing its agent: its
-workers and persister die with it (``runner.agents.spawned``).
+``python -m runner.agents`` runs on a host, and reaches them only through the job's store: commands
+go into each agent's queue, signed with the job's secret (``runner.agents.auth``); exits come back the
+moment an agent sees them and become the controller's ``("exit", wid, code, t)`` queue items; an
+agent's heartbeat key tells the controller it is alive. The config the agents run is a file in the run
+dir written before they start; the store carries only its signed digest. Losing a node is SIGKILLing
+its agent: its workers and persister die with it (``runner.agents.spawned``).
 
 The agents are forked from one zygote (``runner.agents.fork_server``): a fresh interpreter, started once,
 that imports the agent's and the workers' modules, so that N simulated hosts pay those imports once, not
