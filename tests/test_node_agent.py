@@ -4,7 +4,8 @@ The fleet tests run the controller's side (``AgentFleet``) in this process again
 processes, with a real TCPStore: an agent's pid is not ours, a killed agent takes its workers with it,
 commands that do not carry the job's MAC are refused and logged, a config file that differs from
 the signed digest keeps an agent from starting, and nothing is left once the fleet shut down. The
-last test loses a node in a real run and recovers on the spare node.
+fork server tests start children from a host fork server forked from this process: their exits read
+as multiprocessing's did. The last test loses a node in a real run and recovers on the spare node.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import Pipe
 from queue import Empty, Queue
 
 import psutil
@@ -24,6 +26,7 @@ import pytest
 from runner import protocol
 from runner.agents import auth
 from runner.agents.fleet import AgentFleet
+from runner.agents.fork_server import ForkServer
 from runner.control.controller import FORKSERVER_PRELOAD
 from runner.events import read_jsonl
 from runner.worker import WorkerSpec, main
@@ -80,6 +83,9 @@ def test_agents_are_processes_of_their_own(fleet):
     for agent in fleet.agents:
         registration = protocol.get_json(store, protocol.agent_key(agent.node))
         assert registration["pid"] == agent.proc.pid != os.getpid() and agent.proc.poll() is None
+    # forked from one zygote of ours, which preloaded them: no interpreter of their own
+    zygotes = {psutil.Process(agent.proc.pid).ppid() for agent in fleet.agents}
+    assert len(zygotes) == 1 and psutil.Process(zygotes.pop()).ppid() == os.getpid()
     # the controller's only threads for them read their exit records from the store
     assert sorted(t.name for t in threading.enumerate() if t.name.startswith(("agent", "exits"))) == ["exits-0",
                                                                                                      "exits-1"]
@@ -102,8 +108,11 @@ def test_a_killed_agent_takes_its_workers_with_it_and_goes_silent(fleet, tmp_pat
     fleet, store, queue = fleet
     _spawn(fleet, store, tmp_path, 0, 1)
     pid = fleet.agents[1].workers[0]
+    fork_server = psutil.Process(pid).ppid()
+    assert psutil.Process(fork_server).ppid() == fleet.agents[1].proc.pid  # the agent forked its host's server
     assert fleet.lose_node(1) == [0]
-    assert not _alive({pid, fleet.agents[1].proc.pid})
+    assert not _alive({pid, fork_server, fleet.agents[1].proc.pid})
+    assert fleet.agents[1].proc.poll() == -signal.SIGKILL
     assert fleet.agents[1].exit_reported(0)
     with pytest.raises(Empty):
         queue.get(timeout=0.5)  # a lost host reports nothing: its silence tells
@@ -166,3 +175,62 @@ def test_a_lost_node_recovers_on_the_spare_node(run_dir):
     rec = run.only_recovery()
     assert (rec["fault"], rec["action"], rec["victims"], rec["rpo_steps"]) == ("node_loss", "swap_spare", [1], 0)
     assert {e["node"] for e in run.events("spare_assigned")} == {2}
+
+
+def _exit_with(code) -> None:
+    sys.exit(code)
+
+
+def _fail() -> None:
+    raise ValueError("a worker's bug")
+
+
+def _answer(conn) -> None:
+    conn.send(os.getppid())
+
+
+@pytest.fixture
+def fork_server():
+    server = ForkServer.fork()
+    yield server
+    server.close()
+
+
+def test_a_fork_servers_children_exit_as_multiprocessing_processes_did(fork_server):
+    codes = []
+    for target, args in [(_exit_with, (3,)), (_exit_with, (None,)), (_exit_with, ("why",)), (_fail, ())]:
+        child = fork_server.start(target, args)
+        child.join(timeout=20)
+        codes.append(child.exitcode)
+    assert codes == [3, 0, 1, 1]
+    sleeper = fork_server.start(time.sleep, (60,))
+    os.kill(sleeper.pid, signal.SIGKILL)
+    sleeper.join(timeout=20)
+    assert sleeper.exitcode == -signal.SIGKILL  # as multiprocessing reported a signalled process
+
+
+def test_a_fork_servers_child_reports_why_it_failed_on_stderr():
+    code = ("import sys; from runner.agents.fork_server import ForkServer; server = ForkServer.fork(); "
+            "children = [server.start(f, a) for f, a in [(sys.exit, ('why',)), (int, ('x',))]]; "
+            "[c.join(20) for c in children]; print([c.exitcode for c in children]); server.close()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "[1, 1]" and "why" in done.stderr
+    assert "ValueError: invalid literal for int()" in done.stderr  # the traceback
+
+
+def test_a_fork_servers_child_gets_its_connections_and_dies_with_the_server(fork_server):
+    ours, theirs = Pipe()
+    child = fork_server.start(_answer, (), connections=(theirs,))
+    theirs.close()
+    assert ours.poll(20) and ours.recv() != os.getpid()  # a child of the server, not of ours
+    child.join(timeout=20)
+    assert child.exitcode == 0
+    sleeper = fork_server.start(time.sleep, (60,))
+    server = psutil.Process(sleeper.pid).ppid()
+    os.kill(server, signal.SIGKILL)
+    sleeper.join(timeout=20)
+    assert sleeper.exitcode == -signal.SIGKILL  # the server's end of the channel closed: it died with the server
+    deadline = time.monotonic() + 10
+    while _alive({sleeper.pid}) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the kernel signals the orphan as the server's exit completes
+    assert not _alive({sleeper.pid})

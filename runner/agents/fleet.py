@@ -1,18 +1,23 @@
 """The controller's side of the node agents: the fleet it starts, signals and watches workers through.
 
-Under ``launcher=local`` it starts one agent process per (simulated) host (``python -m runner.agents``),
-exactly as a host would run it, and reaches them only through the job's store: commands go into each
-agent's queue, signed with the job's secret (``runner.agents.auth``); exits come back the moment an
-agent sees them and become the controller's ``("exit", wid, code, t)`` queue items; an agent's heartbeat
-key tells the controller it is alive. The config the agents run is a file in the run dir written before
-they start; the store carries only its signed digest. Losing a node is SIGKILLing its agent: its
-workers and persister die with it (``runner.agents.spawned``).
+Under ``launcher=local`` it starts one agent process per (simulated) host, each running what
+``python -m runner.agents`` runs on a host, and reaches them only through the job's store: commands
+go into each agent's queue, signed with the job's secret (``runner.agents.auth``); exits come back the
+moment an agent sees them and become the controller's ``("exit", wid, code, t)`` queue items; an
+agent's heartbeat key tells the controller it is alive. The config the agents run is a file in the run
+dir written before they start; the store carries only its signed digest. Losing a node is SIGKILLing
+its agent: its workers and persister die with it (``runner.agents.spawned``).
+
+The agents are forked from one zygote (``runner.agents.fork_server``): a fresh interpreter, started once,
+that imports the agent's and the workers' modules, so that N simulated hosts pay those imports once, not
+2N times (each agent's own host fork server is then a plain fork of the agent). The zygote dies with
+the controller; the agents' arguments and the job's secret reach them over its socket, never on a
+command line.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,7 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed import DistError, DistStoreError
 
 from runner import protocol
-from runner.agents import auth
+from runner.agents import auth, node_agent
+from runner.agents.fork_server import ForkedProcess, ForkServer
 from runner.agents.node_agent import await_key
 from runner.config import ConfigError
 from runner.config.validate import all_faults
@@ -38,12 +44,37 @@ from runner.recovery.flash_ckpt.persister import NodePersist
 ACK_SLICE = timedelta(seconds=1)  # how long an ack is awaited before looking whether the agent still lives
 ACK_TIMEOUT_S = 30.0
 EXIT_REPORT_TIMEOUT_S = 5.0  # a SIGKILLed worker's exit reaches the queue in milliseconds
+ZYGOTE_PRELOAD = ["runner.agents.node_agent"]  # before the workers' modules
+
+
+class AgentProcess:
+    """An agent forked by the zygote, with the part of ``subprocess.Popen``'s interface the fleet uses."""
+
+    def __init__(self, proc: ForkedProcess) -> None:
+        self._proc, self.pid = proc, proc.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._proc.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self._proc.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._proc.join(timeout)
+        code = self._proc.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(f"node agent {self.pid}", timeout or 0.0)
+        return code
+
+    def kill(self) -> None:
+        self._proc.kill()
 
 
 class AgentHandle:
     """One agent process as the controller sees it: its workers, the exits it reported, its heartbeat."""
 
-    def __init__(self, node: int, proc: subprocess.Popen) -> None:
+    def __init__(self, node: int, proc: AgentProcess) -> None:
         self.node, self.proc = node, proc
         self.workers: dict[int, int] = {}  # wid -> pid, as the agent acknowledged the spawn
         self.reported: set[int] = set()  # wids whose exit is in the controller's queue (or, once lost, gone)
@@ -78,20 +109,21 @@ class AgentFleet:
         secret_text = secret.decode() if secret is not None else auth.new_secret()
         self.secret = secret_text.encode()
         self._publish_config(cfg, Path(run_dir), preload, persist)
-        env = {**os.environ, auth.SECRET_ENV: secret_text}  # the secret never goes on a command line
         gpus = _gpu_shares(nodes, cfg.parallel.procs_per_node)
+        self.zygote = ForkServer.exec_preloaded(ZYGOTE_PRELOAD + preload)
         self.agents: list[AgentHandle] = []
-        for n in range(nodes):
-            args = [sys.executable, "-m", "runner.agents", "--store", f"{address[0]}:{address[1]}", "--node", str(n),
-                    "--run-dir", str(run_dir)] + (["--gpus", gpus[n]] if gpus else [])
-            # a session of its own: Ctrl-C reaches only the controller, which ends the agents itself
-            self.agents.append(AgentHandle(n, subprocess.Popen(args, env=env, start_new_session=True)))
         try:
+            for n in range(nodes):
+                argv = ["--store", f"{address[0]}:{address[1]}", "--node", str(n), "--run-dir", str(run_dir)] \
+                    + (["--gpus", gpus[n]] if gpus else [])
+                agent = self.zygote.start(node_agent.main, (argv, self.secret))
+                self.agents.append(AgentHandle(n, AgentProcess(agent)))
             self._await_registration(cfg.launcher.start_timeout_s)
         except BaseException:
             for a in self.agents:
                 a.proc.kill()
                 a.proc.wait()
+            self.zygote.close()
             raise
         for a in self.agents:
             a.watcher = threading.Thread(target=self._watch_exits, args=(a,), name=f"exits-{a.node}", daemon=True)
@@ -163,6 +195,7 @@ class AgentFleet:
                 self._end_exits(agent)
             if agent.watcher is not None:
                 agent.watcher.join(timeout=5)
+        self.zygote.close()
 
     # -- the store side ---------------------------------------------------------------------------
     def _publish_config(self, cfg: DictConfig, run_dir: Path, preload: list[str],

@@ -2,23 +2,28 @@
 
 It connects to the job's store, checks that the config file it was given is the one the controller
 signed (it refuses to start otherwise: the config names classes to import), registers, and beats a
-heartbeat. Then it carries out the controller's commands (start a worker from its own fork server,
-which preloads the worker's imports; signal one; shut down), each verified against the job's secret
+heartbeat. Then it carries out the controller's commands (start a worker from its host's fork server;
+signal one; shut down), each verified against the job's secret
 (``runner.agents.auth``): a command with a bad or missing MAC is logged (``command_refused``) and not
 carried out. Every worker exit is reported the moment it happens. It owns its host's flash-checkpoint
 persister. It dies with its launcher, and its fork server and every process that forks die with it
 (``runner.agents.spawned``), so killing an agent is a real host loss. When the controller's store goes
 away, it kills its workers and exits non-zero.
 
+The agent imports the worker's modules itself (the preload list of its config file) and, before its
+threads start, forks the host's fork server from itself (``runner.agents.fork_server``): a worker
+or a replacement starts in a fork, without a second interpreter's imports.
+
 ``python -m runner.agents --store HOST:PORT --node N --run-dir DIR [--gpus 0,1] [--secret-file F]``; the
 secret comes from ``RESILIENT_RUNNER_SECRET`` (removed from the environment at once) or ``--secret-file``.
+Under ``launcher=local`` the controller's zygote forks ``main`` with the same arguments and the secret.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import multiprocessing
 import os
 import signal
 import socket
@@ -27,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from multiprocessing import forkserver
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -37,12 +41,12 @@ from torch.distributed import DistError, DistStoreError
 
 from runner import protocol
 from runner.agents import auth, spawned
+from runner.agents.fork_server import ForkedProcess, ForkServer
 from runner.events import EventLog
 from runner.recovery.flash_ckpt.persister import NodePersist, NodePersisterHandle, start_node_persister
 
 CONNECT_TIMEOUT_S = 60.0
 WAIT_SLICE = timedelta(hours=1)  # a blocking wait for the next command or exit, renewed while nothing comes
-FORKSERVER_BINDING = "runner.agents.bind_forkserver"  # imported by the fork server only (it binds what imports it)
 
 
 class WorkerWatch:
@@ -50,7 +54,7 @@ class WorkerWatch:
 
     def __init__(self, report: Callable[[int, Optional[int]], None], interval_s: float) -> None:
         self.report, self.interval_s = report, interval_s
-        self.procs: dict[int, BaseProcess] = {}  # wid -> its started worker process
+        self.procs: dict[int, BaseProcess | ForkedProcess] = {}  # wid -> its started worker process
         self.reported: set[int] = set()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -58,7 +62,7 @@ class WorkerWatch:
         self._thread = threading.Thread(target=self._watch, name="worker-watch", daemon=True)
         self._thread.start()
 
-    def add(self, wid: int, proc: BaseProcess) -> None:
+    def add(self, wid: int, proc: BaseProcess | ForkedProcess) -> None:
         with self._lock:
             self.procs[wid] = proc
         os.write(self._wake_w, b"x")
@@ -108,7 +112,7 @@ class WorkerWatch:
                 return
 
 
-def _pid(proc: BaseProcess) -> int:
+def _pid(proc: BaseProcess | ForkedProcess) -> int:
     """A process is added once started, so it has a pid."""
     assert proc.pid is not None
     return proc.pid
@@ -125,6 +129,7 @@ class NodeAgent:
         self.store = protocol.connect(*address, CONNECT_TIMEOUT_S)
         self.cfg_dict: dict = {}
         self.persister: Optional[NodePersisterHandle] = None
+        self.fork_server: Optional[ForkServer] = None
         self.exits = 0
 
     def run(self) -> int:
@@ -149,8 +154,9 @@ class NodeAgent:
             return 3
 
     def _load_config(self) -> Optional[str]:
-        """Read the config file, check it against the controller's signed digest, start the fork server
-        and the node's persister. Returns why the agent refuses to start, or None."""
+        """Read the config file, check it against the controller's signed digest, import the worker's
+        modules, fork the host's fork server and start the node's persister from it. Returns why the agent
+        refuses to start, or None."""
         raw = (self.run_dir / protocol.AGENT_CONFIG_FILE).read_bytes()
         signed = auth.verify(self.secret, self.store.get(protocol.AGENT_CONFIG))
         if signed is None:
@@ -160,14 +166,14 @@ class NodeAgent:
         agent_cfg = json.loads(raw)
         self.cfg_dict = agent_cfg["config"]
         self.interval_s = float(self.cfg_dict["heartbeat"]["interval_s"])
-        self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload([FORKSERVER_BINDING] + agent_cfg["preload"])
-        forkserver.ensure_running()  # from the main thread, which lives as long as the agent
+        for module in agent_cfg["preload"]:
+            importlib.import_module(module)
+        self.fork_server = ForkServer.fork()  # from the main thread, which lives as long as the agent
         persist = agent_cfg["persist"]
         if persist is not None:
             spec = NodePersist(persist["job_id"], Path(persist["out_dir"]), persist["keep"],
                                Path(persist["events_path"]))
-            self.persister = start_node_persister(self.ctx, spec, self.node)
+            self.persister = start_node_persister(self.fork_server, spec, self.node)
         return None
 
     def _serve(self) -> int:
@@ -195,11 +201,9 @@ class NodeAgent:
         env = {"LOCAL_RANK": str(spec_fields["local_rank"])}
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[spec_fields["local_rank"] % len(self.gpus)])
-        wid = spec_fields["wid"]
-        proc = self.ctx.Process(target=spawned.run_worker, args=(spec_fields, self.cfg_dict, env),
-                                name=f"worker-{wid}", daemon=False)
-        proc.start()
-        self.watch.add(wid, proc)
+        assert self.fork_server is not None  # started before the first command is read
+        proc = self.fork_server.start(spawned.run_worker, (spec_fields, self.cfg_dict, env))
+        self.watch.add(spec_fields["wid"], proc)
         return _pid(proc)
 
     def _signal(self, wid: int, sig: int) -> int:
@@ -242,6 +246,8 @@ class NodeAgent:
         if self.persister is not None:
             self.persister.stop()
         self.watch.stop()
+        if self.fork_server is not None:
+            self.fork_server.close()
 
 
 def await_key(store, key: str) -> None:
@@ -267,7 +273,8 @@ def _gpus(arg: Optional[str]) -> Optional[list[int]]:
     return [physical[i] for i in chosen]
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None, secret: Optional[bytes] = None) -> None:
+    """The agent's command line; ``secret`` is given by a caller that forked this process (the zygote)."""
     parser = argparse.ArgumentParser(prog="python -m runner.agents", description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, help="HOST:PORT of the job's control-plane store")
     parser.add_argument("--node", type=int, required=True, help="this host's node index")
@@ -277,7 +284,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--secret-file", help=f"file holding the job's secret when {auth.SECRET_ENV} is not set")
     args = parser.parse_args(argv)
     spawned.die_with_parent()  # a host's agent goes with its launcher
-    secret = auth.job_secret(args.secret_file, pop_env=True)
+    secret = secret if secret is not None else auth.job_secret(args.secret_file, pop_env=True)
     if secret is None:
         sys.exit(f"node agent {args.node}: no job secret: set {auth.SECRET_ENV} or pass --secret-file")
     host, port = args.store.rsplit(":", 1)

@@ -2,9 +2,10 @@
 
 A host's loss takes its processes with it. In the simulation a host is its agent's process, so the
 agent asks the kernel to SIGKILL it when its launcher dies (PR_SET_PDEATHSIG), its fork server asks the
-same about the agent (``runner.agents.bind_forkserver``, the first module it preloads), and every
-process the fork server forks (workers, the node's flash-checkpoint persister) asks the same about the
-fork server right after the fork; a child whose parent died before it asked kills itself.
+same about the agent (``runner.agents.fork_server``), and every process the fork server forks (workers,
+the node's flash-checkpoint persister) asks the same about the fork server right after the fork; a child
+whose parent died before it asked kills itself. Under ``launcher=local`` the agents' launcher is the
+zygote they are forked from, which is bound to the controller the same way.
 ``run_worker`` is the worker processes' entry: the host's device environment, then the worker. Linux
 only: elsewhere nothing is bound, and the local launcher refuses node-loss faults.
 """
@@ -39,8 +40,14 @@ def _note_parent() -> None:
 
 
 def _bind_child() -> None:
+    die_with(_parent)
+
+
+def die_with(parent: int) -> None:
+    """This process, started by ``parent``, is SIGKILLed when that dies, at once if it died already (between
+    the start and this request)."""
     die_with_parent()
-    if os.getppid() != _parent:  # the parent died between the fork and the request
+    if BINDS and os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -24,12 +24,15 @@ from functools import partial
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .disk import apply_retention, checkpoint_path, sidecar_path, write_atomic
 from .events import EventSink, emit
 from .shm import PREFIX, check_job_id
 from .slots import committed_steps, find_step, load_slot, newest_verified, pin_step
+
+if TYPE_CHECKING:
+    from runner.agents.fork_server import ForkedProcess, ForkServer
 
 # the contexts that can start a process (the stubs give BaseContext no Process, rightly)
 ProcessContext = mp.context.SpawnContext | mp.context.ForkServerContext | mp.context.ForkContext
@@ -256,7 +259,7 @@ class NodePersist:
 class NodePersisterHandle:
     """The agent's side of a node persister process: stop it at the end, kill it with its node."""
 
-    def __init__(self, process: mp.process.BaseProcess, control: Connection) -> None:
+    def __init__(self, process: ForkedProcess, control: Connection) -> None:
         self.process, self._control = process, control
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -275,14 +278,12 @@ class NodePersisterHandle:
         self._control.close()
 
 
-def start_node_persister(ctx: ProcessContext, spec: NodePersist, node: int,
+def start_node_persister(server: ForkServer, spec: NodePersist, node: int,
                          timeout_s: float = 120.0) -> NodePersisterHandle:
-    """Start node `node`'s persister from `ctx` and return once it listens (RuntimeError if it
-    does not within `timeout_s`), so that no trainer of the node can miss it."""
-    control, child_control = ctx.Pipe()
-    proc = ctx.Process(target=_node_main, args=(spec, node, child_control), name=f"flash-persister-n{node}",
-                       daemon=False)
-    proc.start()
+    """Start node `node`'s persister from its host's fork server and return once it listens
+    (RuntimeError if it does not within `timeout_s`), so that no trainer of the node can miss it."""
+    control, child_control = mp.Pipe()
+    proc = server.start(_node_main, (spec, node), connections=(child_control,))
     child_control.close()
     handle = NodePersisterHandle(proc, control)
     try:
