@@ -42,7 +42,7 @@ class CommitMetrics(Callback):
     def on_commit(self, step: int, extras, reduce_s: float) -> None:
         gen, layout = self.comm.gen, self.comm.layout
         assert layout is not None  # a step is committed only inside a generation this worker joined
-        dp = layout.dp
+        dp = self.comm.dp_size  # one count per model replica (the TP ranks of a replica read one batch)
         counts = [int(c) for c in extras[:dp].tolist()]
         contributors = max(1, sum(counts))
         loss = float(extras[LOSS_SUM]) / contributors

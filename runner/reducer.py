@@ -122,7 +122,7 @@ class GradReducer:
         bucket.fill()
         if bucket.accounting is not None:
             bucket.accounting.copy_(self.accounting())
-        self.comm.launch(lambda pg: pg.allreduce([bucket.flat], self._opts))
+        self.comm.launch_reduction(lambda pg: pg.allreduce([bucket.flat], self._opts))
 
 
 def trainable_params(module: torch.nn.Module) -> list[Tensor]:

@@ -10,9 +10,10 @@ out identical on every TP rank because the input gradient of each branch is all-
 
 ``shard_gpt_for_tp`` turns a full GPT into a rank's shard by slicing the full weights, so a TP run
 starts from exactly the parameters of the unsharded model; ``gather_full`` reassembles the full
-parameters (or gradients) from the shards. The layers are written over ``torch.distributed``
-rather than DTensor because the runner's per-generation groups cannot back a ``DeviceMesh``
-(docs/parallelism.md).
+parameters (or gradients) from the shards; ``clip_grad_norm_tp`` clips by the full model's gradient
+norm, the same on every TP rank, so the replicated parameters stay equal. The layers are written
+over ``torch.distributed`` rather than DTensor because the runner's per-generation groups cannot
+back a ``DeviceMesh`` (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -192,3 +193,21 @@ def gather_full(model: nn.Module, group, *, grads: bool = False) -> dict[str, Op
         group.allgather([shards], [tensor.contiguous()]).wait()
         full[name] = layouts[name].unshard(shards)
     return full
+
+
+def clip_grad_norm_tp(model: nn.Module, params, max_norm: float, group) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` by the gradient norm of the full model that ``model`` is a TP shard of:
+    the squared norms of the sharded parameters are summed over ``group``, the replicated ones counted once.
+    Every TP rank gets the same norm and factor, so the replicated parameters stay identical. Returns the norm."""
+    sharded = {id(getattr(m, name)) for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+               for name in m.layouts}
+    grads = [(id(p) in sharded, p.grad) for p in params if p.grad is not None]
+    squares = torch.zeros(2, dtype=torch.float32, device=grads[0][1].device if grads else None)
+    for is_sharded, g in grads:
+        squares[0 if is_sharded else 1] += g.detach().float().pow(2).sum()
+    _all_reduce(squares[:1], group)
+    total = squares.sum().sqrt()
+    factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for _, g in grads:
+        g.detach().mul_(factor.to(g.dtype))
+    return total

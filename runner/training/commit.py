@@ -55,7 +55,7 @@ class StepCommit:
 
     @property
     def dp_size(self) -> int:
-        return self.comm.joined.dp
+        return self.comm.dp_size
 
     # -- one step ----------------------------------------------------------------------------------
     def begin(self, batch: Any) -> None:
@@ -93,18 +93,33 @@ class StepCommit:
         if not self.comm.joined.extra_of(self.comm.wid):
             self.reducer.arm()
 
-    def commit(self, closure: Callable[[], Any], source: Optional[BatchSource]) -> bool:
+    def commit(self, closure: Callable[[], Any], source: Optional[BatchSource],
+               failed: Optional[CollectiveFailure] = None) -> bool:
         """All-reduce this step's gradients; on a failure recover and retry until committed; a reduction the
-        corruption guard rejects is recomputed with ``closure``. False: a lagging survivor received the
-        committed state of this step instead."""
+        corruption guard rejects is recomputed with ``closure``. ``failed``: a collective of the step's own
+        forward or backward failed (tensor parallelism), so its gradients are recomputed after the recovery.
+        False: a lagging survivor received the committed state of this step instead.
+
+        With tp > 1 every rank recomputes its gradients after a recovery: the TP ranks of a replica compute
+        them together, and a replacement (or a survivor whose TP collective failed) computes them anew."""
         step = self._module().trainer.global_step
         t0 = time.perf_counter()
+        redo = False
+        if failed is not None:
+            self.recover_from(failed)
+            if self.update.skip_pending:
+                return False
+            redo = True
         while True:
             if self.takeover is not None:
                 wanted = self.comm.joined.extra_of(self.comm.wid)
                 self.takeover.take_over(step, wanted, source, self._grad_params())
-            self.status.phase = "reduce"
             try:
+                if redo:
+                    self.status.phase = "compute"
+                    closure()
+                    redo = False
+                self.status.phase = "reduce"
                 grads, extras = self.reducer.reduce()
                 if self.guard is None or self._guard_accepts(grads):
                     break
@@ -116,6 +131,7 @@ class StepCommit:
                 self.recover_from(err)
                 if self.update.skip_pending:
                     return False
+                redo = self.comm.tp > 1
         divisor = None
         if self.takeover is not None:
             divisor = self.takeover.divisor(self.dp_size, self.comm.joined.takeovers)
@@ -179,7 +195,7 @@ class StepCommit:
         step = self._module().trainer.global_step
         extras = torch.zeros(self._extras_size, dtype=torch.float64)
         extras[self.dp_size] = float(self.status.stop_requested)
-        sample_step, sample_rank = (step, self.comm.logical_rank)
+        sample_step, sample_rank = (step, self.comm.dp_rank)
         if self._batch_sample is not None:
             sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())
         extras[sample_rank] += 1
