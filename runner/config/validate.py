@@ -85,7 +85,7 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
     problems += ignored_key_problems(cfg)
     problems += _target_problems(cfg)
     if for_training and not problems:  # the replay of the faults needs every value above in range
-        problems += mix_problems(cfg, ft_names(cfg), all_faults(cfg), dp_size(cfg))
+        problems += mix_problems(cfg, ft_names(cfg), all_faults(cfg), world_size(cfg))  # logical ranks, not replicas
     if problems:
         raise ConfigError("Invalid configuration: " + " ".join(problems))
 
