@@ -40,7 +40,7 @@ from runner.data import BatchSource, IndexedDatasetSource, MicroBatches, StepLoa
 from runner.environment import RunnerEnvironment
 from runner.events import EventLog
 from runner.parallel.generation_group import GenerationTPGroup
-from runner.parallel.tensor import clip_grad_norm_tp, gather_full
+from runner.parallel.tensor import clip_grads_, gather_full, grad_squares
 from runner.recovery.hooks import MicroBatchTakeover, UpdateReplication
 from runner.recovery.sdc import GradientGuard
 from runner.status import WorkerStatus
@@ -115,7 +115,9 @@ class ResilientStrategy(ParallelStrategy):
         self.state = TrainerState(lambda: self._module, lambda: self.optimizers, self.update, guard)
         self.commit = StepCommit(comm, events, status, self.state, self.update, lambda: self._module,
                                  bucket_bytes=int(bucket_mb * 2**20), guard=guard, takeover=takeover,
-                                 recover=recover, on_commit=on_commit)
+                                 recover=recover, on_commit=on_commit,
+                                 agree=self._agree_on_step if comm.tp > 1 else None)
+        self._full_grad_norm = torch.zeros(())  # tp > 1: the full model's gradient norm of the committed step
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -217,15 +219,23 @@ class ResilientStrategy(ParallelStrategy):
         torch.manual_seed(derive_seed(self.seed, 0xDA7A))
 
     def _clip_by_full_norm(self) -> None:
-        """Lightning's gradient clipping by the norm of the full model, not of this rank's TP slice (the
-        plugin is whichever one Lightning chose for the precision, so this one method is replaced on it)."""
-        plugin, module = self.precision_plugin, self._module
-        group = GenerationTPGroup(self.comm, self.comm.tp_rank, self.comm.tp)
+        """Lightning's gradient clipping by the norm of the full model (``_agree_on_step``), not of this rank's TP
+        slice (the plugin is whichever one Lightning chose for the precision: this one method is replaced on it)."""
+        plugin = self.precision_plugin
 
         def clip(optimizer: Any, clip_val: float) -> None:
-            clip_grad_norm_tp(module, plugin.main_params(optimizer), clip_val, group)
+            clip_grads_(plugin.main_params(optimizer), clip_val, self._full_grad_norm)
 
         plugin.clip_grad_by_norm = clip  # type: ignore[method-assign]
+
+    def _agree_on_step(self) -> None:
+        """tp > 1, after the step's reduction: one all-reduce over the world group, which fails on every rank
+        unless every DP group's reduction completed. It carries the squares of the sharded gradients, so the
+        full model's gradient norm comes with it: every rank sums each TP slice's squares dp times."""
+        squares = grad_squares(self._module)
+        sharded = squares[:1].to(self.root_device)
+        self.comm.allreduce([sharded])
+        self._full_grad_norm = (sharded.cpu()[0] / self.dp_size + squares[1]).sqrt()
 
     def _shard_optimizer(self) -> None:
         if len(self.optimizers) != 1:

@@ -84,9 +84,14 @@ def test_flash_ckpt_kill_all_at_tp2_restores_each_ranks_own_slice(tp2, run_dir):
 
 
 @pytest.mark.slow
-def test_flashrecovery_kill_node_at_tp2_restarts_a_whole_replica(tp2, run_dir):
-    run = run_cli(*TP2, *FR, "fault=kill_node", "fault.node=0", "fault.step=8", run_dir=run_dir)
+@pytest.mark.parametrize("fault", [
+    ["fault=kill_rank", "fault.rank=0", "fault.step=5"],  # TP slice 0 of replica 0 (it writes the metrics)
+    ["fault=transient", "fault.rank=2", "fault.step=11"],  # every rank alive: the group rebuilt, the step redone
+])
+def test_flashrecovery_at_tp2_is_exact(fault, tp2, run_dir):
+    run = run_cli(*TP2, *FR, *fault, run_dir=run_dir)
     s = run.summary
     assert s["status"] == "completed", run.output[-4000:]
     assert s["param_checksum"] == tp2.summary["param_checksum"]
     assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert len(s["recoveries"]) == 1 and s["recoveries"][0]["rpo_steps"] == 0

@@ -270,9 +270,9 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         return out + [f"fault.extra: {str(err).splitlines()[0]}; each entry takes the keys of recipes/fault/*.yaml."]
     for i, one in enumerate(faults):
         where = "fault" if i == 0 else f"fault.extra[{i - 1}]"
-        if one.kind in RANK_FAULTS and not 0 <= one.rank < dp_size(cfg):
-            out.append(f"{where}.rank={one.rank} is not a rank of this {dp_size(cfg)}-rank job; use "
-                       f"0..{dp_size(cfg) - 1}.")
+        if one.kind in RANK_FAULTS and not 0 <= one.rank < world_size(cfg):
+            out.append(f"{where}.rank={one.rank} is not a rank of this {world_size(cfg)}-rank job; use "
+                       f"0..{world_size(cfg) - 1}.")
         if one.kind == "kill_node" and not 0 <= one.node < cfg.parallel.nodes:
             out.append(f"{where}.node={one.node} is not a node of this job; use 0..{cfg.parallel.nodes - 1}.")
         if one.delay_s < 0 or (one.duration_s < 0 and one.duration_s != -1):

@@ -10,8 +10,8 @@ out identical on every TP rank because the input gradient of each branch is all-
 
 ``shard_gpt_for_tp`` turns a full GPT into a rank's shard by slicing the full weights, so a TP run
 starts from exactly the parameters of the unsharded model; ``gather_full`` reassembles the full
-parameters (or gradients) from the shards; ``clip_grad_norm_tp`` clips by the full model's gradient
-norm, the same on every TP rank, so the replicated parameters stay equal. The layers are written
+parameters (or gradients) from the shards; ``grad_squares`` and ``clip_grads_`` clip by the full
+model's gradient norm, the same on every TP rank, so the replicated parameters stay equal. The layers are written
 over ``torch.distributed`` rather than DTensor because the runner's per-generation groups cannot
 back a ``DeviceMesh`` (docs/parallelism.md).
 """
@@ -195,19 +195,23 @@ def gather_full(model: nn.Module, group, *, grads: bool = False) -> dict[str, Op
     return full
 
 
-def clip_grad_norm_tp(model: nn.Module, params, max_norm: float, group) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` by the gradient norm of the full model that ``model`` is a TP shard of:
-    the squared norms of the sharded parameters are summed over ``group``, the replicated ones counted once.
-    Every TP rank gets the same norm and factor, so the replicated parameters stay identical. Returns the norm."""
+
+def grad_squares(model: nn.Module) -> torch.Tensor:
+    """The summed squares of ``model``'s gradients, [TP-sharded parameters, replicated parameters], in fp32:
+    the full model's squared gradient norm is the first summed over the TP group, plus the second once."""
     sharded = {id(getattr(m, name)) for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
                for name in m.layouts}
-    grads = [(id(p) in sharded, p.grad) for p in params if p.grad is not None]
-    squares = torch.zeros(2, dtype=torch.float32, device=grads[0][1].device if grads else None)
-    for is_sharded, g in grads:
-        squares[0 if is_sharded else 1] += g.detach().float().pow(2).sum()
-    _all_reduce(squares[:1], group)
-    total = squares.sum().sqrt()
-    factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for _, g in grads:
-        g.detach().mul_(factor.to(g.dtype))
-    return total
+    squares = torch.zeros(2, dtype=torch.float32)
+    for p in model.parameters():
+        if p.grad is not None:
+            squares[0 if id(p) in sharded else 1] += p.grad.detach().float().pow(2).sum().cpu()
+    return squares
+
+
+def clip_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale the gradients of ``params`` as ``torch.nn.utils.clip_grad_norm_`` would for a gradient norm of
+    ``total_norm`` (the full model's, the same on every TP rank, so the replicated parameters stay equal)."""
+    factor = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(factor.to(device=p.grad.device, dtype=p.grad.dtype))

@@ -40,8 +40,11 @@ class StepCommit:
     def __init__(self, comm: Comm, events: EventLog, status: WorkerStatus, state: ReplicaState,
                  update: CommittedUpdate, module: Callable[[], LightningModule], *, bucket_bytes: int,
                  guard: Optional[GradientGuard] = None, takeover: Optional[MicroBatchTakeover] = None,
-                 recover: Optional[Recover] = None, on_commit: Optional[OnCommit] = None) -> None:
+                 recover: Optional[Recover] = None, on_commit: Optional[OnCommit] = None,
+                 agree: Optional[Callable[[], None]] = None) -> None:
+        """``agree``: with tp > 1, a collective over the world group after the reduction (``commit``)."""
         self.comm, self.events, self.status = comm, events, status
+        self.agree = agree
         self.state, self.update, self._module = state, update, module
         self.bucket_bytes = bucket_bytes
         self.guard, self.takeover = guard, takeover
@@ -101,7 +104,10 @@ class StepCommit:
         False: a lagging survivor received the committed state of this step instead.
 
         With tp > 1 every rank recomputes its gradients after a recovery: the TP ranks of a replica compute
-        them together, and a replacement (or a survivor whose TP collective failed) computes them anew."""
+        them together, and a replacement (or a survivor whose TP collective failed) computes them anew. Each
+        TP slice is reduced in a DP group of its own, so one group may complete while another fails; the
+        ``agree`` collective over the world group after it fails on every rank unless every group completed,
+        so the step commits on all slices or on none."""
         step = self._module().trainer.global_step
         t0 = time.perf_counter()
         redo = False
@@ -122,6 +128,9 @@ class StepCommit:
                 self.status.phase = "reduce"
                 grads, extras = self.reducer.reduce()
                 if self.guard is None or self._guard_accepts(grads):
+                    if self.agree is not None:  # the DP groups reduce apart: every TP slice commits the step, or none
+                        self._write_back()
+                        self.agree()
                     break
                 closure()  # recompute this rank's gradients (every rank reached the same verdict)
                 if self.takeover is not None:
@@ -132,10 +141,8 @@ class StepCommit:
                 if self.update.skip_pending:
                     return False
                 redo = self.comm.tp > 1
-        divisor = None
-        if self.takeover is not None:
-            divisor = self.takeover.divisor(self.dp_size, self.comm.joined.takeovers)
-        self.reducer.write_back(self.dp_size, divisor)
+        if self.agree is None:
+            self._write_back()
         if self.takeover is not None:
             self.takeover.record_step(time.perf_counter() - self._t_batch)
         self.stop_agreed = bool(extras[self.dp_size] > 0)
@@ -144,6 +151,13 @@ class StepCommit:
         if self.on_commit is not None:
             self.on_commit(step, extras, time.perf_counter() - t0)
         return True
+
+    def _write_back(self) -> None:
+        """The reduced sums become means in ``.grad`` (a failed agreement after it redoes the step anyway)."""
+        divisor = None
+        if self.takeover is not None:
+            divisor = self.takeover.divisor(self.dp_size, self.comm.joined.takeovers)
+        self.reducer.write_back(self.dp_size, divisor)
 
     def sync_params(self) -> None:
         """ZeRO-1: bring every owner's updated shard to everyone, through recoveries if need be."""
