@@ -142,7 +142,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     if cfg.model._target_ and spec.logical_rank == 0 and not joining:
         warn_unscheduled(module, cfg.trainer.val_check_interval)
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, comm,
-                            tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch)
+                            tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
+                            tp=topology.tp)
     strategy = ResilientStrategy(
         comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
         recover=recovery, restore_snapshot=hooks.restore_snapshot, on_commit=metrics.on_commit, joining=joining,
