@@ -177,6 +177,9 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
             per = max(1, limit // nodes)
             changes.append(f"layout {p.nodes}x{p.procs_per_node} -> {nodes}x{per} (runner.smoke_max_ranks={limit})")
             p.nodes, p.procs_per_node = nodes, per
+        if p.zero and zero_problems(cfg):
+            changes.append(f"parallel.zero {p.zero} -> 0 (not usable with ft={list(cfg.ft.keys())} on this layout)")
+            p.zero = 0
         top_tp = trained_tp(cfg)
         tp = max(t for t in range(1, min(p.tp, top_tp) + 1) if cfg.model.n_head % t == 0 == p.procs_per_node % t)
         pp = max(q for q in range(1, min(p.pp, TRAINED_PP) + 1)
@@ -193,9 +196,6 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
         if why:
             changes.append(", ".join(why))
             p.tp, p.pp = tp, pp
-        if p.zero and zero_problems(cfg):
-            changes.append(f"parallel.zero {p.zero} -> 0 (not usable with ft={list(cfg.ft.keys())} on this layout)")
-            p.zero = 0
         dp = dp_size(cfg)
         cfg.trainer.global_batch_size = 2 * dp
         if cfg.trainer.max_steps > 20:
