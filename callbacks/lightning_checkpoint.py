@@ -69,6 +69,12 @@ class LightningCheckpoint(Callback):
             self._writer = None
 
     def _save(self, trainer, strategy: ResilientStrategy, step: int) -> None:
+        if strategy.comm.tp > 1:  # the file holds one unsharded model; the slices are not gathered into it yet
+            if strategy.comm.rank == 0 and step != self._saved_step:
+                self.events.emit("checkpoint_skipped", at_step=step, reason="parallel.tp > 1: no checkpoint file "
+                                 "holds a tensor-parallel model yet (flash_ckpt snapshots each rank's slice)")
+            self._saved_step = step
+            return
         full_optimizer = None
         zero = strategy.update.zero
         if zero is not None:

@@ -28,8 +28,9 @@ from runner.training.commit import LOSS_SUM, MISPLACED, VAL_BATCHES, VAL_LOSS_SU
 
 class CommitMetrics(Callback):
     def __init__(self, metrics: JsonLines, events: EventLog, comm: Comm, tokens_per_sample: int,
-                 micro_batch: int) -> None:
-        self.metrics, self.events, self.comm = metrics, events, comm
+                 micro_batch: int, tp: int = 1) -> None:
+        """``tp``: ranks per model replica; the accounting has one count per replica."""
+        self.metrics, self.events, self.comm, self.tp = metrics, events, comm, tp
         self.tokens_per_sample, self.micro_batch = tokens_per_sample, micro_batch
         self._t_step = time.perf_counter()
         self._last_gen: int | None = None
@@ -42,7 +43,7 @@ class CommitMetrics(Callback):
     def on_commit(self, step: int, extras, reduce_s: float) -> None:
         gen, layout = self.comm.gen, self.comm.layout
         assert layout is not None  # a step is committed only inside a generation this worker joined
-        dp = layout.dp
+        dp = layout.dp // self.tp  # one count per model replica (the TP ranks of a replica read one batch)
         counts = [int(c) for c in extras[:dp].tolist()]
         contributors = max(1, sum(counts))
         loss = float(extras[LOSS_SUM]) / contributors

@@ -4,6 +4,11 @@ The group is a ``ProcessGroupGloo``/``ProcessGroupNCCL`` created directly over a
 named after the generation, so a new group can be built inside a live process (no
 ``init_process_group``, no restart). On a failure the group is aborted, which makes every peer's
 pending collective fail at once instead of waiting for a timeout.
+
+With tensor parallelism (``Topology.tp`` > 1) every complete generation also builds, over the same
+store, this rank's TP group (the ranks holding the other slices of its layers) and DP group (the
+ranks holding the same slice in every replica: its gradient all-reduce). They are rebuilt and
+dropped with the world group, so a replacement rank joins them like any other member.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from runner import protocol, store_counts
 from runner.protocol import Layout
+from runner.topology import Topology
 
 _WAIT_MARGIN = timedelta(seconds=5)  # a launched op fails by itself at the collective timeout; waits allow this more
 
@@ -34,14 +40,18 @@ class RunFailedError(RuntimeError):
 
 
 class Comm:
-    def __init__(self, store: TCPStore, wid: int, backend: str, device: torch.device, timeouts) -> None:
+    def __init__(self, store: TCPStore, wid: int, backend: str, device: torch.device, timeouts,
+                 topology: Topology | None = None) -> None:
         self.store, self.wid, self.backend, self.device = store, wid, backend, device
+        self.topology = topology  # the (dp, pp, tp) layout of logical ranks; None: data parallel only
         self.collective_timeout = timedelta(seconds=timeouts.collective_timeout_s)
         self.rendezvous_timeout_s = timeouts.rendezvous_timeout_s
         self.recovery_timeout_s = timeouts.recovery_timeout_s
         self.pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # a backend built directly, no wrapper
         self.want_side_group = False  # DeadPool's shard replication: a second, gloo-only group per generation
         self.side_pg: dist.ProcessGroupGloo | None = None
+        self.tp_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # tp > 1: this rank's TP group
+        self.dp_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # tp > 1: this rank's DP group
         self.layout: Layout | None = None
         self._in_flight: list = []  # work objects of launched collectives not waited for yet
         self._failure: str | None = None  # why a launch failed, raised by the next wait_all
@@ -62,6 +72,30 @@ class Comm:
     @property
     def logical_rank(self) -> int:
         return self.joined.logical[self.rank]
+
+    @property
+    def tp(self) -> int:
+        """Ranks per model replica (the tensor-parallel degree; 1 without a topology)."""
+        return self.topology.tp if self.topology is not None else 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: the logical ranks over the ranks per replica."""
+        return self.joined.dp // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's model replica (its DP coordinate): which data it reads and where it is counted."""
+        return self.coords_of(self.logical_rank)[0]
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's slice of the layers (its TP coordinate)."""
+        return self.coords_of(self.logical_rank)[2]
+
+    def coords_of(self, logical_rank: int) -> tuple[int, int, int]:
+        """The (dp, pp, tp) coordinate of ``logical_rank``; (rank, 0, 0) without a topology."""
+        return self.topology.coords(logical_rank) if self.topology is not None else (logical_rank, 0, 0)
 
     @property
     def joined(self) -> Layout:
@@ -96,29 +130,45 @@ class Comm:
         self._arrive(prefix, wait)
         opened = store_counts.SocketsOpened()  # the group's connections, when counting is on
         try:
-            if self.backend == "nccl":
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = self.collective_timeout
-                self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.size, opts)
-            else:
-                self.pg = _gloo_group(prefix, self.rank, self.size, wait, self.collective_timeout)
+            self.pg = self._backend_group(prefix, self.rank, self.size, wait)
             if self.want_side_group:  # host-memory traffic beside the main group, never queued behind it
                 side = PrefixStore(f"pg/{layout.gen}/side/", self.store)
                 self._arrive(side, wait)
                 self.side_pg = _gloo_group(side, self.rank, self.size, wait, self.collective_timeout)
+            if self.tp > 1 and layout.complete:  # a survivors-only generation trains nothing: no subgroups
+                self.tp_pg = self._subgroup("tp", wait)
+                self.dp_pg = self._subgroup("dp", wait)
             opened.record()
         except Exception as err:  # a member died during the rendezvous
-            self.pg = self.side_pg = None
+            self.pg = self.side_pg = self.tp_pg = self.dp_pg = None
             raise CollectiveFailure(f"rendezvous of gen {layout.gen} failed: {err}") from err
 
-    def _arrive(self, prefix: PrefixStore, wait: timedelta) -> None:
+    def _subgroup(self, dim: str, wait: timedelta):
+        """This rank's ``dim`` group ("tp" or "dp") of the generation: the logical ranks ``Topology`` lists for
+        it, ranked by that coordinate, over a store prefix of its own."""
+        assert self.topology is not None
+        ranks = self.topology.tp_group(self.logical_rank) if dim == "tp" else self.topology.dp_group(self.logical_rank)
+        prefix = PrefixStore(f"pg/{self.joined.gen}/{dim}/{ranks[0]}/", self.store)
+        rank, size = ranks.index(self.logical_rank), len(ranks)
+        self._arrive(prefix, wait, rank, size)
+        return self._backend_group(prefix, rank, size, wait)
+
+    def _backend_group(self, prefix: PrefixStore, rank: int, size: int, wait: timedelta):
+        """The run's backend over ``prefix``: NCCL with the collective timeout, or gloo."""
+        if self.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.collective_timeout
+            return dist.ProcessGroupNCCL(prefix, rank, size, opts)
+        return _gloo_group(prefix, rank, size, wait, self.collective_timeout)
+
+    def _arrive(self, prefix: PrefixStore, wait: timedelta, rank: int | None = None, size: int | None = None) -> None:
         """Wait in the store until every member arrived, so the group's constructor never blocks.
 
         The constructor holds the GIL while it waits for peers, which would silence this process's
-        heartbeat thread; the store's wait releases it.
+        heartbeat thread; the store's wait releases it. ``rank`` and ``size``: in a subgroup (default: the world).
         """
-        prefix.set(f"arrived/{self.rank}", "1")
-        keys = [f"arrived/{r}" for r in range(self.size)]
+        prefix.set(f"arrived/{self.rank if rank is None else rank}", "1")
+        keys = [f"arrived/{r}" for r in range(self.size if size is None else size)]
         deadline = time.monotonic() + wait.total_seconds()
         while True:  # in slices, so that a generation the controller already replaced is given up at once
             try:
@@ -141,6 +191,11 @@ class Comm:
             if self.backend == "nccl":
                 self.pg.abort()  # NCCL: abort the communicator instead of waiting for its timeout
             self.pg = None
+        if self.backend == "nccl":
+            for sub in (self.tp_pg, self.dp_pg):
+                if sub is not None:
+                    sub.abort()
+        self.tp_pg = self.dp_pg = None
         self.side_pg = None  # an exchange still in flight holds it until its peers' groups close too
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
@@ -163,6 +218,30 @@ class Comm:
             self._in_flight.append(op(self.pg))
         except Exception as err:
             self._failure = _first_line(err)
+
+    def launch_reduction(self, op) -> None:
+        """``launch`` on the group that reduces gradients: this rank's DP group with tp > 1, else the world."""
+        self.launch(lambda pg: op(self._reduction_pg(pg)))
+
+    def _reduction_pg(self, world):
+        return world if self.dp_pg is None else self.dp_pg
+
+    def tp_collective(self, op) -> None:
+        """Run ``op(tp_pg)`` (an all-reduce or all-gather of the tensor-parallel layers) and wait for it alone,
+        not for the reduction's buckets in flight beside it; a failure drops every group and raises."""
+        self._raise_on(self._tp_wait(op))
+
+    def _tp_wait(self, op) -> str | None:
+        """A function of its own so that no frame holds on to the group or its work once it returns."""
+        if self._failure is not None:
+            return self._failure
+        if self.tp_pg is None:
+            return "no tensor-parallel group (aborted)"
+        try:
+            work = op(self.tp_pg)
+        except Exception as err:
+            return _first_line(err)
+        return _wait_each([work], self.collective_timeout + _WAIT_MARGIN)
 
     def wait_all(self) -> None:
         """Wait for every launched collective; on any failure drop the group and raise."""
@@ -203,6 +282,13 @@ class Comm:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         self._run([lambda pg: pg.broadcast([tensor], opts)])
+
+    def broadcast_replicas(self, tensor: torch.Tensor) -> None:
+        """From the first replica to the others: over the DP group with tp > 1 (every rank holds its own
+        slice), else from rank 0 to the world."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._run([lambda pg: self._reduction_pg(pg).broadcast([tensor], opts)])
 
     def barrier(self) -> None:
         self.allreduce([torch.zeros(1, device=self.device)])

@@ -76,7 +76,7 @@ class StepDataModule(pl.LightningDataModule):
         assert trainer is not None  # Lightning attaches the trainer before it asks for the dataloader
         strategy = trainer.strategy
         assert isinstance(strategy, ResilientStrategy)  # which logical rank's samples to serve
-        return StepLoader(self.source, lambda: trainer.global_step, lambda: strategy.logical_rank)
+        return StepLoader(self.source, lambda: trainer.global_step, lambda: strategy.data_rank)
 
     def val_dataloader(self) -> HeldOutSplit:
         if self.held_out is None:

@@ -18,11 +18,12 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from runner.config.validate import (
+    TP_TECHNIQUES,
     TRAINED_PP,
-    TRAINED_TP,
     dp_size,
     ft_names,
     layout_problems,
+    trained_tp,
     world_size,
     zero_problems,
 )
@@ -176,17 +177,25 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
             per = max(1, limit // nodes)
             changes.append(f"layout {p.nodes}x{p.procs_per_node} -> {nodes}x{per} (runner.smoke_max_ranks={limit})")
             p.nodes, p.procs_per_node = nodes, per
-        tp = max(t for t in range(1, min(p.tp, TRAINED_TP) + 1) if cfg.model.n_head % t == 0 == p.procs_per_node % t)
-        pp = max(q for q in range(1, min(p.pp, TRAINED_PP) + 1)
-                 if cfg.model.n_layer % q == 0 == world_size(cfg) // tp % q)
-        shrunk = [f"parallel.{k} {p[k]} -> {v}" for k, v in (("tp", tp), ("pp", pp)) if p[k] != v]
-        if shrunk:
-            changes.append(f"{', '.join(shrunk)} (training runs tp <= {TRAINED_TP} and pp <= {TRAINED_PP}: the "
-                           "tensor and pipeline parallel layers are not wired into training yet)")
-            p.tp, p.pp = tp, pp
         if p.zero and zero_problems(cfg):
             changes.append(f"parallel.zero {p.zero} -> 0 (not usable with ft={list(cfg.ft.keys())} on this layout)")
             p.zero = 0
+        top_tp = trained_tp(cfg)
+        tp = max(t for t in range(1, min(p.tp, top_tp) + 1) if cfg.model.n_head % t == 0 == p.procs_per_node % t)
+        pp = max(q for q in range(1, min(p.pp, TRAINED_PP) + 1)
+                 if cfg.model.n_layer % q == 0 == world_size(cfg) // tp % q)
+        why = []
+        if tp < p.tp:
+            why.append(f"parallel.tp {p.tp} -> {tp} (" + ("the smoke model's heads and the ranks per node allow no more"
+                       if top_tp >= p.tp else f"training runs tp <= 1 with ft={ft_names(cfg)} parallel.zero={p.zero}: "
+                       f"tensor parallelism trains with ft among {list(TP_TECHNIQUES)}, parallel.zero=0 and no "
+                       "checkpoint file yet") + ")")
+        if pp < p.pp:
+            why.append(f"parallel.pp {p.pp} -> {pp} (training runs pp <= {TRAINED_PP}: the pipeline stages are not "
+                       "wired into training yet)")
+        if why:
+            changes.append(", ".join(why))
+            p.tp, p.pp = tp, pp
         dp = dp_size(cfg)
         cfg.trainer.global_batch_size = 2 * dp
         if cfg.trainer.max_steps > 20:

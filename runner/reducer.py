@@ -14,6 +14,9 @@ parameter that got no gradient), waits for everything and disarms. A reduction t
 over) copies and launches every bucket in ``reduce()`` instead; both produce the same collectives
 on the same buffers, so a retried step sums exactly what the fault-free step would have.
 
+Group: the world's, or with tensor parallelism the rank's DP group (``Comm.launch_reduction``): the
+TP ranks of a replica hold different slices, and each slice is summed only with its copies.
+
 Accounting: the step's accounting vector (one count per logical rank, the loss sum, a misplaced
 flag) is filled in just before its bucket is launched and rides at the end of the last float32 or
 float64 bucket, where counts stay exact (below 2**24), so it needs no collective of its own. A
@@ -122,7 +125,7 @@ class GradReducer:
         bucket.fill()
         if bucket.accounting is not None:
             bucket.accounting.copy_(self.accounting())
-        self.comm.launch(lambda pg: pg.allreduce([bucket.flat], self._opts))
+        self.comm.launch_reduction(lambda pg: pg.allreduce([bucket.flat], self._opts))
 
 
 def trainable_params(module: torch.nn.Module) -> list[Tensor]:

@@ -34,10 +34,13 @@ from torch import Tensor
 
 from runner.checkpoint import RUNNER_KEY
 from runner.checkpoint.zero_state import shard_of_full_state
+from runner.checksum import state_checksum
 from runner.comm import CollectiveFailure, Comm
 from runner.data import BatchSource, IndexedDatasetSource, MicroBatches, StepLoader, derive_seed, seed_step
 from runner.environment import RunnerEnvironment
 from runner.events import EventLog
+from runner.parallel.generation_group import GenerationTPGroup
+from runner.parallel.tensor import clip_grads_, gather_full, grad_squares
 from runner.recovery.hooks import MicroBatchTakeover, UpdateReplication
 from runner.recovery.sdc import GradientGuard
 from runner.status import WorkerStatus
@@ -107,11 +110,14 @@ class ResilientStrategy(ParallelStrategy):
         self._micros: MicroBatches = MicroBatches()  # the current step's micro-batches (accumulation)
         self._batch_idx = 0
         self._failed = False
+        self.full_checksum: Optional[str] = None  # tp > 1: the gathered model's, set at teardown
         self.update = CommittedUpdate(lambda: self._module.trainer.global_step)
         self.state = TrainerState(lambda: self._module, lambda: self.optimizers, self.update, guard)
         self.commit = StepCommit(comm, events, status, self.state, self.update, lambda: self._module,
                                  bucket_bytes=int(bucket_mb * 2**20), guard=guard, takeover=takeover,
-                                 recover=recover, on_commit=on_commit)
+                                 recover=recover, on_commit=on_commit,
+                                 agree=self._agree_on_step if comm.tp > 1 else None)
+        self._full_grad_norm = torch.zeros(())  # tp > 1: the full model's gradient norm of the committed step
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -131,7 +137,13 @@ class ResilientStrategy(ParallelStrategy):
 
     @property
     def dp_size(self) -> int:
-        return self.comm.joined.dp
+        return self.comm.dp_size
+
+    @property
+    def data_rank(self) -> int:
+        """The rank whose data this process reads and whose seeds it draws: its DP coordinate (the TP ranks of
+        a replica read the same batch); the logical rank when every rank is a replica."""
+        return self.comm.dp_rank
 
     @property
     def is_global_zero(self) -> bool:
@@ -139,7 +151,7 @@ class ResilientStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return {"num_replicas": self.dp_size, "rank": self.logical_rank}
+        return {"num_replicas": self.dp_size, "rank": self.data_rank}
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -192,17 +204,38 @@ class ResilientStrategy(ParallelStrategy):
         super().setup(trainer)
         if self.zero_stage:
             self._shard_optimizer()
+        if self.comm.tp > 1:
+            self._clip_by_full_norm()
         self.validation.check(trainer, self._module)
         for opt in self.optimizers:
             self.update.gate(opt)
         if not self.joining:  # replicas start identical whatever the module's init did (as DDP does)
             for p in self._module.state_dict().values():
                 if isinstance(p, Tensor):
-                    self.comm.broadcast(p.data, src=0)
+                    self.comm.broadcast_replicas(p.data)
             if self.update.replication is not None:  # a replica of the initial shard too: nothing is unprotected
                 self.update.replication.start(trainer.global_step)
         # every process (a replacement too) builds the user's dataloader from the same RNG state
         torch.manual_seed(derive_seed(self.seed, 0xDA7A))
+
+    def _clip_by_full_norm(self) -> None:
+        """Lightning's gradient clipping by the norm of the full model (``_agree_on_step``), not of this rank's TP
+        slice (the plugin is whichever one Lightning chose for the precision: this one method is replaced on it)."""
+        plugin = self.precision_plugin
+
+        def clip(optimizer: Any, clip_val: float) -> None:
+            clip_grads_(plugin.main_params(optimizer), clip_val, self._full_grad_norm)
+
+        plugin.clip_grad_by_norm = clip  # type: ignore[method-assign]
+
+    def _agree_on_step(self) -> None:
+        """tp > 1, after the step's reduction: one all-reduce over the world group, which fails on every rank
+        unless every DP group's reduction completed. It carries the squares of the sharded gradients, so the
+        full model's gradient norm comes with it: every rank sums each TP slice's squares dp times."""
+        squares = grad_squares(self._module)
+        sharded = squares[:1].to(self.root_device)
+        self.comm.allreduce([sharded])
+        self._full_grad_norm = (sharded.cpu()[0] / self.dp_size + squares[1]).sqrt()
 
     def _shard_optimizer(self) -> None:
         if len(self.optimizers) != 1:
@@ -224,7 +257,7 @@ class ResilientStrategy(ParallelStrategy):
         step = module.trainer.global_step
         batch = args[0] if args else kwargs.get("batch")
         self._micros = batch if isinstance(batch, MicroBatches) else MicroBatches()
-        seed_step(derive_seed(self.seed, step, self.logical_rank, 1), self.root_device)
+        seed_step(derive_seed(self.seed, step, self.data_rank, 1), self.root_device)
         self.commit.begin(self._micros[0] if self._micros else batch)
         if self.status.latest_gen > self.comm.gen and self._recover is not None and not self.joining:
             self.commit.regroup()
@@ -232,8 +265,8 @@ class ResilientStrategy(ParallelStrategy):
             self.commit.sync_params()
         if self.validation.due(step):
             self.status.phase = "validate"
-            self.commit.record_validation(*self.validation.run(module.trainer, module, self.logical_rank, self.dp_size))
-            seed_step(derive_seed(self.seed, step, self.logical_rank, 1), self.root_device)
+            self.commit.record_validation(*self.validation.run(module.trainer, module, self.data_rank, self.dp_size))
+            seed_step(derive_seed(self.seed, step, self.data_rank, 1), self.root_device)
         self.status.phase = "compute"
         if self._micros:  # the first micro-batch through Lightning's closure, the others in optimizer_step
             self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
@@ -267,9 +300,20 @@ class ResilientStrategy(ParallelStrategy):
                 self._accumulate_micro(micro, optimizer)
             return loss
 
+        loss: Any = None
+
+        def recompute() -> None:
+            nonlocal loss
+            loss = local_gradients(arm=False)
+
         def reduced_closure() -> Any:
-            loss = local_gradients(arm=True)
-            if self.commit.commit(lambda: local_gradients(arm=False), self._source):
+            nonlocal loss
+            failed = None
+            try:
+                loss = local_gradients(arm=True)
+            except CollectiveFailure as err:  # a tensor-parallel collective of the forward or backward
+                failed = err
+            if self.commit.commit(recompute, self._source, failed=failed):
                 self.joining = False
             return loss
 
@@ -278,7 +322,7 @@ class ResilientStrategy(ParallelStrategy):
     def _accumulate_micro(self, micro: int, optimizer: Any) -> None:
         """Forward and backward of the step's micro-batch ``micro`` (> 0), seeded by (step, micro)."""
         step = self._module.trainer.global_step
-        seed_step(derive_seed(self.seed, step, self.logical_rank, 1, micro), self.root_device)
+        seed_step(derive_seed(self.seed, step, self.data_rank, 1, micro), self.root_device)
         out = super().training_step(self._micros[micro], self._batch_idx)
         self.commit.record_loss(out, micro, len(self._micros))
         loss = _scaled(out, 1 / len(self._micros))
@@ -331,7 +375,7 @@ class ResilientStrategy(ParallelStrategy):
         collate = getattr(dataloader, "collate_fn", None) or torch.utils.data.default_collate
         source = IndexedDatasetSource(dataset, self.micro_batch, self.dp_size, collate)
         self._source = source
-        loader = StepLoader(source, lambda: trainer.global_step, lambda: self.logical_rank)
+        loader = StepLoader(source, lambda: trainer.global_step, lambda: self.data_rank)
         loader.accumulate = self.accumulate
         return loader
 
@@ -384,8 +428,17 @@ class ResilientStrategy(ParallelStrategy):
             self.commit.sync_params()  # the last update's shards, before the group goes
         if self.update.replication is not None:
             self.update.replication.close()
+        if self.comm.tp > 1 and not self._failed:  # the slices gathered while the group still stands
+            self.full_checksum = self._gathered_checksum()
         super().teardown()
         self.comm.abort()
+
+    def _gathered_checksum(self) -> str:
+        """The checksum of the full model that this rank holds a tensor-parallel slice of: every TP rank of
+        a replica gathers the others' slices, so the summary compares one model whatever the tp."""
+        module = self._module
+        full = gather_full(module, GenerationTPGroup(self.comm, self.comm.tp_rank, self.comm.tp))
+        return state_checksum({**module.state_dict(), **full})
 
 
 def _scaled(out: Any, factor: float) -> Any:

@@ -54,7 +54,7 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
         "final_loss": metrics[-1]["loss"] if metrics else None,
         "tokens_per_s": tokens_per_s,
         "steps_per_s": steps_in_metrics / train_s if train_s > 0 else 0.0,
-        "mfu": _mfu(cfg, tokens_per_s, record.dp),
+        "mfu": _mfu(cfg, tokens_per_s, record.dp * int(cfg.parallel.tp) * int(cfg.parallel.pp)),  # every rank
         "wall_s": wall,
         "train_s": train_s,
         "param_checksum": checksums[0] if len(checksums) == 1 else None,

@@ -30,11 +30,13 @@ from callbacks.progress import StepProgressBar
 from runner import protocol
 from runner.checksum import param_checksum
 from runner.comm import Comm, RunAborted, RunFailedError
-from runner.config.validate import all_faults, dp_size
+from runner.config.validate import all_faults, dp_size, world_size
 from runner.data import BatchSource, HeldOutSplit, MemmapTokens, SyntheticTokens
 from runner.events import EventLog, JsonLines
 from runner.faults.comm_faults import FaultInjectingComm
 from runner.lightning_module import GPTModule, StepDataModule
+from runner.parallel.generation_group import GenerationTPGroup
+from runner.parallel.tensor import shard_gpt_for_tp
 from runner.plan import gpt_config
 from runner.recovery.flashrecovery.rejoin import ReplicaRecovery
 from runner.recovery.hooks import WorkerContext
@@ -42,6 +44,7 @@ from runner.recovery.sdc import GradientGuard
 from runner.recovery.worker_registry import combine, technique_workers
 from runner.status import WorkerStatus
 from runner.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy
+from runner.topology import Topology
 from runner.training.validation import StepValidation, warn_unscheduled
 
 EXIT_ABORTED = 3  # the controller ended the run
@@ -106,13 +109,15 @@ def run_reporting(spec: WorkerSpec, cfg: DictConfig) -> int:
 
 def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     dp = dp_size(cfg)
-    torch.set_num_threads(_threads(cfg, dp))
+    torch.set_num_threads(_threads(cfg, world_size(cfg)))
+    topology = Topology.from_cfg(cfg)
     store = protocol.connect(spec.host, spec.port, cfg.launcher.start_timeout_s, spec.namespace)
     status = WorkerStatus(spec.wid, spec.node, spec.local_rank, spec.logical_rank, dp)
     run_dir = Path(spec.run_dir)
     device, backend = select_device(cfg, spec.logical_rank)
     injected = [f for f in all_faults(cfg) if f.kind != "none"]
-    comm = (FaultInjectingComm if injected else Comm)(store, spec.wid, backend, device, cfg.launcher)
+    comm = (FaultInjectingComm if injected else Comm)(store, spec.wid, backend, device, cfg.launcher,
+                                                      topology=topology)
     events = EventLog(run_dir / "events.jsonl", rank=lambda: comm.logical_rank if comm.layout else spec.logical_rank,
                       step=lambda: status.step)
     heartbeat = Heartbeat(spec.host, spec.port, spec.namespace, status, cfg.heartbeat.interval_s,
@@ -128,13 +133,17 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                                                          comm, events, status, recovery))
     micro_batch = cfg.trainer.global_batch_size // dp
     module, datamodule = build_module_and_data(cfg, micro_batch)
+    if topology.tp > 1:  # the full model built with the run's seed, then this rank's slice of it
+        tp_rank = topology.coords(spec.logical_rank)[2]
+        shard_gpt_for_tp(module.model, GenerationTPGroup(comm, tp_rank, topology.tp))
     hooks = combine(techniques, module)
     comm.want_side_group = hooks.side_group
     joining = spec.role in ("joiner", "spare", "restore")  # none holds the state yet: setup collectives stay local
     if cfg.model._target_ and spec.logical_rank == 0 and not joining:
         warn_unscheduled(module, cfg.trainer.val_check_interval)
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, comm,
-                            tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch)
+                            tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
+                            tp=topology.tp)
     strategy = ResilientStrategy(
         comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
         recover=recovery, restore_snapshot=hooks.restore_snapshot, on_commit=metrics.on_commit, joining=joining,
@@ -172,7 +181,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     ckpt_path = {"joiner": PEER_CKPT, "spare": PEER_CKPT, "restore": SNAPSHOT_CKPT}.get(spec.role, cfg.runner.resume)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     status.phase = "done"
-    final = {"global_step": trainer.global_step, "checksum": param_checksum(module),
+    checksum = strategy.full_checksum if strategy.full_checksum is not None else param_checksum(module)
+    final = {"global_step": trainer.global_step, "checksum": checksum,
              "logical_rank": strategy.logical_rank, "t": time.time(), **hooks.final_record()}
     protocol.set_json(store, f"done/{spec.wid}", final)
     store.add("done_count", 1)  # one counter for the controller to watch instead of a key per worker

@@ -47,7 +47,7 @@ class ParallelConfig:
     procs_per_node: int = 2
     """Worker processes per node (GPUs per node on a cluster)."""
     tp: int = 1
-    """Tensor-parallel degree: planning only, training requires 1."""
+    """Tensor-parallel degree: ranks per model replica, inside a node (docs/parallelism.md for what trains)."""
     pp: int = 1
     """Pipeline-parallel degree: planning only, training requires 1."""
     dp_group_size: int = 0

@@ -34,7 +34,8 @@ from runner.config.schema import (
 )
 from runner.topology import spare_count
 
-TRAINED_TP = TRAINED_PP = 1  # the degrees training runs: the tensor and pipeline parallel layers are not wired yet
+TRAINED_PP = 1  # the pipeline degree training runs: the pipeline stages are not wired into training yet
+TP_TECHNIQUES = ("flashrecovery", "flash_ckpt")  # the ft entries that recover a tensor-parallel run
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
                "wipe_shm", "corrupt_snapshot")
 _TIMED = tuple(k for k in choices(FaultKind) or () if k not in ("none", "chaos"))  # injected at a step or time
@@ -84,7 +85,7 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
     problems += ignored_key_problems(cfg)
     problems += _target_problems(cfg)
     if for_training and not problems:  # the replay of the faults needs every value above in range
-        problems += mix_problems(cfg, ft_names(cfg), all_faults(cfg), dp_size(cfg))
+        problems += mix_problems(cfg, ft_names(cfg), all_faults(cfg), world_size(cfg))  # logical ranks, not replicas
     if problems:
         raise ConfigError("Invalid configuration: " + " ".join(problems))
 
@@ -145,10 +146,44 @@ def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         if spare_count(cfg) and "deadpool" not in ft_names(cfg):
             out.append(f"parallel.spares={p.spares} starts hot spares that only DeadPool uses: add ft=deadpool or set "
                        "parallel.spares=0.")
-    if for_training and (p.tp > TRAINED_TP or p.pp > TRAINED_PP):
-        out.append(f"Training with tp={p.tp}/pp={p.pp} is not supported yet (only planning is); set "
-                   f"parallel.tp={TRAINED_TP} parallel.pp={TRAINED_PP}.")
+    if for_training and p.pp > TRAINED_PP:
+        out.append(f"Training with pp={p.pp} is not supported yet (only planning is): set parallel.pp={TRAINED_PP}.")
+    if for_training:
+        out += tp_problems(cfg)
     return out
+
+
+def tp_problems(cfg: DictConfig) -> list[str]:
+    """What training with parallel.tp > 1 does not do yet, each with the change that makes the run train."""
+    p, names = cfg.parallel, ft_names(cfg)
+    if p.tp <= 1:
+        return []
+    out = []
+    other = [n for n in names if n not in TP_TECHNIQUES]
+    if other:
+        out.append(f"parallel.tp={p.tp} trains with ft=[], flashrecovery (a crashed rank takes its slice of the model "
+                   f"from the replica at the same TP coordinate) and flash_ckpt (every rank restores its own "
+                   f"snapshot); {other} do(es) not place work or state by TP coordinate yet: remove "
+                   f"{', '.join(other)} from ft or set parallel.tp=1.")
+    if p.zero:
+        out.append(f"parallel.zero={p.zero} with parallel.tp={p.tp}: the optimizer is not sharded over the DP group "
+                   "of a tensor-parallel run yet; set parallel.zero=0 or parallel.tp=1.")
+    if cfg.model._target_:
+        out.append(f"parallel.tp={p.tp} slices the runner's own GPT; {cfg.model._target_} has no tensor-parallel "
+                   "layers: set parallel.tp=1.")
+    elif cfg.model.dropout:
+        out.append(f"model.dropout={cfg.model.dropout} with parallel.tp={p.tp}: the tensor-parallel layers keep no "
+                   "dropout stream per TP rank yet; set model.dropout=0 or parallel.tp=1.")
+    if cfg.checkpoint.every_n_steps or cfg.runner.resume:
+        out.append(f"parallel.tp={p.tp}: checkpoint files hold one unsharded model and the slices are not gathered "
+                   "into it yet; set checkpoint.every_n_steps=0 and leave runner.resume unset (flash_ckpt snapshots "
+                   "each rank's slice), or set parallel.tp=1.")
+    return out
+
+
+def trained_tp(cfg: DictConfig) -> int:
+    """The largest tp this config's mix trains with: its own when ``tp_problems`` has nothing against it, else 1."""
+    return int(cfg.parallel.tp) if not tp_problems(cfg) else 1
 
 
 def zero_problems(cfg: DictConfig) -> list[str]:
@@ -235,9 +270,9 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         return out + [f"fault.extra: {str(err).splitlines()[0]}; each entry takes the keys of recipes/fault/*.yaml."]
     for i, one in enumerate(faults):
         where = "fault" if i == 0 else f"fault.extra[{i - 1}]"
-        if one.kind in RANK_FAULTS and not 0 <= one.rank < dp_size(cfg):
-            out.append(f"{where}.rank={one.rank} is not a rank of this {dp_size(cfg)}-rank job; use "
-                       f"0..{dp_size(cfg) - 1}.")
+        if one.kind in RANK_FAULTS and not 0 <= one.rank < world_size(cfg):
+            out.append(f"{where}.rank={one.rank} is not a rank of this {world_size(cfg)}-rank job; use "
+                       f"0..{world_size(cfg) - 1}.")
         if one.kind == "kill_node" and not 0 <= one.node < cfg.parallel.nodes:
             out.append(f"{where}.node={one.node} is not a node of this job; use 0..{cfg.parallel.nodes - 1}.")
         if one.delay_s < 0 or (one.duration_s < 0 and one.duration_s != -1):

@@ -98,12 +98,12 @@ class Controller:
             self.fleet = AgentFleet(self.cfg, self.run_dir, self.store, (self.host, self.port), self.queue, preload,
                                     persist, self.topo.total_nodes)
         self._wire()
-        self.events.emit("run_start", world_size=self.topo.dp, nodes=self.cfg.parallel.nodes, ft=self.ft,
+        self.events.emit("run_start", world_size=self.topo.world, nodes=self.cfg.parallel.nodes, ft=self.ft,
                          recipe=self.cfg.recipe_name, store_port=self.port, policy=policy.table(self.cfg, self.ft))
 
     def launch(self) -> None:
         """Spawn every logical rank on its node (and whatever the actions start), publish generation 0."""
-        for lrank in range(self.topo.dp):
+        for lrank in range(self.topo.world):
             self.members.spawn(lrank, *self.topo.place(lrank), role="initial", first_gen=0)
         for w in self.members.workers.values():
             w.ready = w.synced = True
@@ -116,7 +116,7 @@ class Controller:
         cfg = self.cfg
         plain_cfg = OmegaConf.to_container(cfg, resolve=True)
         assert isinstance(plain_cfg, dict)  # a DictConfig converts to a dict
-        self.members = Membership(plain_cfg, self.run_dir, self.topo.dp, self.store,
+        self.members = Membership(plain_cfg, self.run_dir, self.topo.world, self.store,
                                   self.fleet, self.events, (self.host, self.port), self.namespace)
         self.incidents = Incidents(self.record, self.events, cfg.heartbeat.decide_window_s)
         self.detector = Detector(cfg, self.members, self.incidents, self.fleet, self.store, self.events, self._fail)

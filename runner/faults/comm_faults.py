@@ -66,10 +66,10 @@ class FaultInjectingComm(Comm):
     def _partitioned(self) -> bool:
         return time.monotonic() < self._partitioned_until
 
-    def _arrive(self, prefix: PrefixStore, wait: timedelta) -> None:
+    def _arrive(self, prefix: PrefixStore, wait: timedelta, rank: int | None = None, size: int | None = None) -> None:
         if self._partitioned():
             raise CollectiveFailure(PARTITIONED)
-        super()._arrive(prefix, wait)
+        super()._arrive(prefix, wait, rank, size)
 
     def launch(self, op) -> None:
         if self._failure is None and self.pg is not None:

@@ -10,9 +10,10 @@ out identical on every TP rank because the input gradient of each branch is all-
 
 ``shard_gpt_for_tp`` turns a full GPT into a rank's shard by slicing the full weights, so a TP run
 starts from exactly the parameters of the unsharded model; ``gather_full`` reassembles the full
-parameters (or gradients) from the shards. The layers are written over ``torch.distributed``
-rather than DTensor because the runner's per-generation groups cannot back a ``DeviceMesh``
-(docs/parallelism.md).
+parameters (or gradients) from the shards; ``grad_squares`` and ``clip_grads_`` clip by the full
+model's gradient norm, the same on every TP rank, so the replicated parameters stay equal. The layers are written
+over ``torch.distributed`` rather than DTensor because the runner's per-generation groups cannot
+back a ``DeviceMesh`` (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -192,3 +193,25 @@ def gather_full(model: nn.Module, group, *, grads: bool = False) -> dict[str, Op
         group.allgather([shards], [tensor.contiguous()]).wait()
         full[name] = layouts[name].unshard(shards)
     return full
+
+
+
+def grad_squares(model: nn.Module) -> torch.Tensor:
+    """The summed squares of ``model``'s gradients, [TP-sharded parameters, replicated parameters], in fp32:
+    the full model's squared gradient norm is the first summed over the TP group, plus the second once."""
+    sharded = {id(getattr(m, name)) for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+               for name in m.layouts}
+    squares = torch.zeros(2, dtype=torch.float32)
+    for p in model.parameters():
+        if p.grad is not None:
+            squares[0 if id(p) in sharded else 1] += p.grad.detach().float().pow(2).sum().cpu()
+    return squares
+
+
+def clip_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale the gradients of ``params`` as ``torch.nn.utils.clip_grad_norm_`` would for a gradient norm of
+    ``total_norm`` (the full model's, the same on every TP rank, so the replicated parameters stay equal)."""
+    factor = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(factor.to(device=p.grad.device, dtype=p.grad.dtype))

@@ -40,8 +40,11 @@ class StepCommit:
     def __init__(self, comm: Comm, events: EventLog, status: WorkerStatus, state: ReplicaState,
                  update: CommittedUpdate, module: Callable[[], LightningModule], *, bucket_bytes: int,
                  guard: Optional[GradientGuard] = None, takeover: Optional[MicroBatchTakeover] = None,
-                 recover: Optional[Recover] = None, on_commit: Optional[OnCommit] = None) -> None:
+                 recover: Optional[Recover] = None, on_commit: Optional[OnCommit] = None,
+                 agree: Optional[Callable[[], None]] = None) -> None:
+        """``agree``: with tp > 1, a collective over the world group after the reduction (``commit``)."""
         self.comm, self.events, self.status = comm, events, status
+        self.agree = agree
         self.state, self.update, self._module = state, update, module
         self.bucket_bytes = bucket_bytes
         self.guard, self.takeover = guard, takeover
@@ -55,7 +58,7 @@ class StepCommit:
 
     @property
     def dp_size(self) -> int:
-        return self.comm.joined.dp
+        return self.comm.dp_size
 
     # -- one step ----------------------------------------------------------------------------------
     def begin(self, batch: Any) -> None:
@@ -93,20 +96,41 @@ class StepCommit:
         if not self.comm.joined.extra_of(self.comm.wid):
             self.reducer.arm()
 
-    def commit(self, closure: Callable[[], Any], source: Optional[BatchSource]) -> bool:
+    def commit(self, closure: Callable[[], Any], source: Optional[BatchSource],
+               failed: Optional[CollectiveFailure] = None) -> bool:
         """All-reduce this step's gradients; on a failure recover and retry until committed; a reduction the
-        corruption guard rejects is recomputed with ``closure``. False: a lagging survivor received the
-        committed state of this step instead."""
+        corruption guard rejects is recomputed with ``closure``. ``failed``: a collective of the step's own
+        forward or backward failed (tensor parallelism), so its gradients are recomputed after the recovery.
+        False: a lagging survivor received the committed state of this step instead.
+
+        With tp > 1 every rank recomputes its gradients after a recovery: the TP ranks of a replica compute
+        them together, and a replacement (or a survivor whose TP collective failed) computes them anew. Each
+        TP slice is reduced in a DP group of its own, so one group may complete while another fails; the
+        ``agree`` collective over the world group after it fails on every rank unless every group completed,
+        so the step commits on all slices or on none."""
         step = self._module().trainer.global_step
         t0 = time.perf_counter()
+        redo = False
+        if failed is not None:
+            self.recover_from(failed)
+            if self.update.skip_pending:
+                return False
+            redo = True
         while True:
             if self.takeover is not None:
                 wanted = self.comm.joined.extra_of(self.comm.wid)
                 self.takeover.take_over(step, wanted, source, self._grad_params())
-            self.status.phase = "reduce"
             try:
+                if redo:
+                    self.status.phase = "compute"
+                    closure()
+                    redo = False
+                self.status.phase = "reduce"
                 grads, extras = self.reducer.reduce()
                 if self.guard is None or self._guard_accepts(grads):
+                    if self.agree is not None:  # the DP groups reduce apart: every TP slice commits the step, or none
+                        self._write_back()
+                        self.agree()
                     break
                 closure()  # recompute this rank's gradients (every rank reached the same verdict)
                 if self.takeover is not None:
@@ -116,10 +140,9 @@ class StepCommit:
                 self.recover_from(err)
                 if self.update.skip_pending:
                     return False
-        divisor = None
-        if self.takeover is not None:
-            divisor = self.takeover.divisor(self.dp_size, self.comm.joined.takeovers)
-        self.reducer.write_back(self.dp_size, divisor)
+                redo = self.comm.tp > 1
+        if self.agree is None:
+            self._write_back()
         if self.takeover is not None:
             self.takeover.record_step(time.perf_counter() - self._t_batch)
         self.stop_agreed = bool(extras[self.dp_size] > 0)
@@ -128,6 +151,13 @@ class StepCommit:
         if self.on_commit is not None:
             self.on_commit(step, extras, time.perf_counter() - t0)
         return True
+
+    def _write_back(self) -> None:
+        """The reduced sums become means in ``.grad`` (a failed agreement after it redoes the step anyway)."""
+        divisor = None
+        if self.takeover is not None:
+            divisor = self.takeover.divisor(self.dp_size, self.comm.joined.takeovers)
+        self.reducer.write_back(self.dp_size, divisor)
 
     def sync_params(self) -> None:
         """ZeRO-1: bring every owner's updated shard to everyone, through recoveries if need be."""
@@ -179,7 +209,7 @@ class StepCommit:
         step = self._module().trainer.global_step
         extras = torch.zeros(self._extras_size, dtype=torch.float64)
         extras[self.dp_size] = float(self.status.stop_requested)
-        sample_step, sample_rank = (step, self.comm.logical_rank)
+        sample_step, sample_rank = (step, self.comm.dp_rank)
         if self._batch_sample is not None:
             sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())
         extras[sample_rank] += 1

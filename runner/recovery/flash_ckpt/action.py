@@ -71,7 +71,7 @@ class RestartAll(RecoveryAction):
         for action in ctx.actions:
             action.on_every_rank_restarted()
         ctx.detector.silent_reported |= set(lost_nodes)  # handled here: its silence is no new symptom
-        for lrank in range(self.topo.dp):
+        for lrank in range(self.topo.world):
             node, local = self.topo.restart_place(lrank, ctx.detector.silent_reported)
             members.spawn(lrank, node, local, role="restore", first_gen=members.gen + 1)
 

@@ -12,7 +12,9 @@ in a complete generation whose members all hold the same committed state:
    step fewer than the others (the failure hit while some ranks had finished the reduction) is
    a laggard; replacements are joiners. The lowest-ranked member holding the newest committed
    state broadcasts its full Lightning checkpoint; joiners restore from it, laggards adopt its
-   model and optimizer state and skip their own update (ZeRO-1: ``deadpool.reconcile``);
+   model and optimizer state and skip their own update (ZeRO-1: ``deadpool.reconcile``). With
+   tensor parallelism this is done per TP coordinate: a rank's state is its slice of the model, so
+   it comes from the DP replica at the same coordinate;
 5. a survivors-only generation (replacement still starting) waits for the next one.
 Any failure on the way goes back to step 1; every wait is bounded.
 """
@@ -85,11 +87,29 @@ class ReplicaRecovery:
         sharded = state.sharded
         if sharded is not None:  # sharded optimizer state: laggards and joiners are served differently
             return reconcile_shards(self.comm, state, sharded, table, self.events)
+        # with tp > 1 a member's state is its slice of the model: each TP coordinate is served by a replica at it
+        slot = [self.comm.coords_of(lrank)[2] for lrank in self.comm.joined.logical]
         newest = max(c for c, _ in holders)
-        source = min(r for c, r in holders if c == newest)
-        receivers = [r for r, (c, j) in enumerate(table) if j or c < newest]
+        ckpt = None
+        for tp in sorted(set(slot)):
+            members = [r for r in range(len(table)) if slot[r] == tp]
+            got = self._serve(state, joining, table, members, newest)
+            ckpt = got if self.comm.rank in members else ckpt
+        return ckpt
+
+    def _serve(self, state: ReplicaState, joining: bool, table: list[list[int]], members: list[int],
+               newest: int) -> Optional[dict]:
+        """Hand the newest committed state to the joiners and laggards among ``members`` (group ranks holding
+        one TP coordinate), from the lowest-ranked of them that holds it; every member of the group takes part."""
+        receivers = [r for r in members if table[r][1] or table[r][0] < newest]
         if not receivers:
             return None
+        sources = [r for r in members if not table[r][1] and table[r][0] == newest]
+        if not sources:
+            raise RunFailedError(f"no live replica holds step {newest} of the model slice that group ranks "
+                                 f"{receivers} need in generation {self.comm.gen} (a failure during the gradient "
+                                 "reduction left the tensor-parallel slices of the model at different steps)")
+        source = sources[0]
         t0 = time.time()
         me = self.comm.rank
         ckpt = exchange(self.comm, state.dump_state() if me == source else None, source, receive=me in receivers)
