@@ -56,8 +56,8 @@ class RecordedFleet:
         self.completed = completed
 
 
-def _start(tmp_path: Path, *overrides: str) -> tuple[Controller, RecordedFleet]:
-    cfg = _compose(*BASE, *overrides)
+def _start(tmp_path: Path, *overrides: str, base: list[str] = BASE) -> tuple[Controller, RecordedFleet]:
+    cfg = _compose(*base, *overrides)
     fleet = RecordedFleet(Topology.from_cfg(cfg).total_nodes)
     ctl = Controller(cfg, tmp_path, fleet=fleet, store=HashStore())
     ctl.start()

@@ -13,14 +13,11 @@ import signal
 import time
 from pathlib import Path
 
-from torch.distributed import HashStore
-
 from runner import protocol
 from runner.control.controller import Controller
 from runner.summary import recovery_entry
-from runner.topology import Topology
-from tests.test_config import _compose
 from tests.test_control_state import RecordedFleet, _round
+from tests.test_control_state import _start as start_controller
 
 WINDOW_S = 5.0
 BASE = ["+recipe=gpt_tiny", "logger=none", "runner.console_events=false", "parallel.nodes=2",
@@ -29,12 +26,7 @@ BASE = ["+recipe=gpt_tiny", "logger=none", "runner.console_events=false", "paral
 
 
 def _start(tmp_path: Path, *overrides: str) -> tuple[Controller, RecordedFleet]:
-    cfg = _compose(*BASE, *overrides)
-    fleet = RecordedFleet(Topology.from_cfg(cfg).total_nodes)
-    ctl = Controller(cfg, tmp_path, fleet=fleet, store=HashStore())
-    ctl.start()
-    ctl.launch()
-    return ctl, fleet
+    return start_controller(tmp_path, *overrides, base=BASE)
 
 
 def _beat(ctl: Controller, wids, age_s: float = 0.0) -> None:
