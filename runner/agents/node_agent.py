@@ -118,9 +118,10 @@ class NodeAgent:
     """Node ``node``'s agent: verifies its config, registers, then serves the controller's commands."""
 
     def __init__(self, node: int, address: tuple[str, int], secret: bytes, run_dir: Path,
-                 gpus: Optional[list[int]]) -> None:
+                 gpus: Optional[list[int]], config_file: Optional[Path] = None) -> None:
         self.node, self.address, self.secret, self.run_dir = node, address, secret, run_dir
         self.gpus = gpus
+        self.config_file = config_file or run_dir / protocol.AGENT_CONFIG_FILE  # per_host: this host's own copy
         self.events = EventLog(run_dir / "events.jsonl", rank=lambda: f"agent-{node}", step=lambda: -1)
         self.store = protocol.connect(*address, CONNECT_TIMEOUT_S)
         self.cfg_dict: dict = {}
@@ -151,12 +152,13 @@ class NodeAgent:
     def _load_config(self) -> Optional[str]:
         """Read the config file, check it against the controller's signed digest, start the fork server
         and the node's persister. Returns why the agent refuses to start, or None."""
-        raw = (self.run_dir / protocol.AGENT_CONFIG_FILE).read_bytes()
+        raw = self.config_file.read_bytes()
         signed = auth.verify(self.secret, self.store.get(protocol.AGENT_CONFIG))
         if signed is None:
             return "the controller's config digest does not carry a valid MAC for this job's secret"
         if signed.get("sha256") != auth.digest(raw):
-            return f"{protocol.AGENT_CONFIG_FILE} differs from the config the controller signed"
+            return (f"{self.config_file.name} differs from the config the controller signed (every host must run "
+                    "the same command, with the same hydra.run.dir)")
         agent_cfg = json.loads(raw)
         self.cfg_dict = agent_cfg["config"]
         self.interval_s = float(self.cfg_dict["heartbeat"]["interval_s"])
@@ -187,6 +189,7 @@ class NodeAgent:
                 continue
             if body["op"] == "shutdown":
                 self._shutdown(body["completed"])
+                self.store.set(protocol.agent_key(self.node, "ack", seq), "0")  # its workers' exits are reported
                 return 0
             ack = self._spawn(body["spec"]) if body["op"] == "spawn" else self._signal(body["wid"], body["sig"])
             self.store.set(protocol.agent_key(self.node, "ack", seq), str(ack))

@@ -1,0 +1,127 @@
+"""launcher.mode=per_host under real torchrun: three torchrun process trees as three hosts (two training hosts and a
+spare host), each process a host's node agent, node 0's also the controller; what per_host refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from omegaconf import OmegaConf
+
+from runner.config import ConfigError
+from tests.conftest import _processes_of, run_cli
+from tests.torchrun_jobs import BASE, Job, c10d_rendezvous, events, max_step, wait_for
+
+LAYOUT = ["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[flashrecovery,deadpool]",
+          "trainer.max_steps=12"]
+SECRET = {"RESILIENT_RUNNER_SECRET": "per-host-test-secret"}  # every host holds the job's secret
+
+
+@pytest.fixture(scope="module")
+def local_checksum(tmp_path_factory) -> str:
+    """The fault-free checksum of the same layout under launcher=local."""
+    run = run_cli(*BASE, *LAYOUT, run_dir=tmp_path_factory.mktemp("local") / "run")
+    assert run.summary["status"] == "completed", run.output[-3000:]
+    return run.summary["param_checksum"]
+
+
+def three_hosts(job: Job, *overrides: str) -> list:
+    rdzv = c10d_rendezvous()
+    return [job.torchrun(3, 1, rdzv, 0, "launcher.mode=per_host", *LAYOUT, *overrides, extra_env=SECRET)
+            for _ in range(3)]
+
+
+def assert_trees_end(job: Job, timeout_s: float = 30.0) -> None:
+    """Every process of the job (torchrun, agents, fork servers, workers) is gone within ``timeout_s``."""
+    wait_for("every process of the job to end", lambda: not _processes_of(job.token), timeout_s=timeout_s)
+
+
+def summary(job: Job) -> dict:
+    return json.loads((job.run_dir / "summary.json").read_text())
+
+
+# -- configuration ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fault", ["kill_node", "wipe_shm", "corrupt_snapshot", "chaos"])
+def test_per_host_refuses_faults_that_act_on_another_hosts_memory_or_agent(fault):
+    from runner.launcher import check_mode
+
+    cfg = OmegaConf.create({"launcher": {"mode": "per_host", "secret_file": None}, "parallel": {"procs_per_node": 2},
+                            "fault": {"kind": fault, "rank": 3, "extra": []}})
+    with pytest.raises(ConfigError, match="launcher.mode=per_host"):
+        check_mode(cfg, "torchrun")
+    cfg.fault.kind = "kill_rank"  # any rank: the controller reaches every host's workers through their agents
+    check_mode(cfg, "torchrun")
+
+
+# -- three hosts ----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_three_hosts_complete_with_the_local_launchers_checksum(make_job, local_checksum):
+    job = make_job()
+    three_hosts(job)
+    assert job.wait() == [0, 0, 0], job.output()
+    s = summary(job)
+    assert s["status"] == "completed" and s["recoveries"] == [] and s["param_checksum"] == local_checksum
+    joined = events(job.run_dir, "host_joined")
+    assert sorted((e["node"], e["role"]) for e in joined) == [(0, "controller"), (1, "agent"), (2, "agent")]
+    assert len({e["pid"] for e in joined}) == 3 and len({e["control_store"] for e in joined}) == 1
+    assert_trees_end(job)
+
+
+def test_a_killed_worker_restarts_on_its_own_host_and_loses_nothing(make_job, local_checksum):
+    job = make_job()
+    three_hosts(job, "fault=kill_rank", "fault.rank=3", "fault.step=5")  # logical rank 3 lives on node 1
+    assert job.wait() == [0, 0, 0], job.output()
+    s = summary(job)
+    assert s["status"] == "completed", job.output()
+    (rec,) = s["recoveries"]
+    assert (rec["fault"], rec["victims"], rec["action"], rec["rpo_steps"]) == ("process_crash", [3], "restart_rank", 0)
+    assert s["param_checksum"] == local_checksum
+    started = events(job.run_dir, "worker_started")
+    (joiner,) = [e for e in started if e["role"] == "joiner"]
+    killed_node = next(e["node"] for e in started if e["role"] == "initial" and e["wid"] == 3)
+    assert joiner["node"] == killed_node == 1  # restarted by host 1's agent; nobody else restarted
+    assert len(started) == 4 + 2 + 1
+    assert_trees_end(job)
+
+
+@pytest.mark.slow
+def test_when_the_controllers_host_dies_every_other_host_stops_its_workers_and_exits_non_zero(make_job):
+    job = make_job()
+    hosts = three_hosts(job, "trainer.max_steps=100000")
+    wait_for("training", lambda: max_step(job.run_dir) >= 2, procs=hosts)
+    node0 = _torchrun_of_node_0(job)
+    tree = [node0] + node0.children(recursive=True)
+    for p in tree:  # the host's power goes: every process at once, nothing reported
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    others = [p for p in hosts if p.pid != node0.pid]
+    deadline = time.monotonic() + 60
+    for p in others:
+        p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    assert all(p.returncode != 0 for p in others), job.output()
+    assert_trees_end(job)
+
+
+def _torchrun_of_node_0(job: Job) -> psutil.Process:
+    """The torchrun tree whose process runs the controller."""
+    (controller,) = [e for e in events(job.run_dir, "host_joined") if e["node"] == 0]
+    pid = controller["pid"]
+    for proc in job.procs:
+        if any(c.pid == pid for c in psutil.Process(proc.pid).children(recursive=True)):
+            return psutil.Process(proc.pid)
+    raise AssertionError(f"no torchrun tree holds the controller (pid {pid})")
+
+
+def test_a_host_without_the_jobs_secret_is_refused_before_anything_starts(make_job):
+    job = make_job()
+    assert "RESILIENT_RUNNER_SECRET" not in os.environ
+    job.torchrun(1, 1, ["--standalone"], 0, "launcher.mode=per_host", "parallel.nodes=1", "parallel.procs_per_node=1")
+    assert job.wait() != [0]
+    assert "set RESILIENT_RUNNER_SECRET on every host" in job.output()
+    assert not (job.run_dir / "events.jsonl").exists()
