@@ -17,7 +17,7 @@ from tests.conftest import _processes_of, run_cli
 from tests.torchrun_jobs import BASE, Job, c10d_rendezvous, events, max_step, wait_for
 
 LAYOUT = ["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[flashrecovery,deadpool]",
-          "trainer.max_steps=12"]
+          "trainer.max_steps=30"]
 SECRET = {"RESILIENT_RUNNER_SECRET": "per-host-test-secret"}  # every host holds the job's secret
 
 
@@ -93,13 +93,8 @@ def test_when_the_controllers_host_dies_every_other_host_stops_its_workers_and_e
     job = make_job()
     hosts = three_hosts(job, "trainer.max_steps=100000")
     wait_for("training", lambda: max_step(job.run_dir) >= 2, procs=hosts)
-    node0 = _torchrun_of_node_0(job)
-    tree = [node0] + node0.children(recursive=True)
-    for p in tree:  # the host's power goes: every process at once, nothing reported
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
+    node0 = _torchrun_of_node(job, 0)
+    _power_off(node0)
     others = [p for p in hosts if p.pid != node0.pid]
     deadline = time.monotonic() + 60
     for p in others:
@@ -108,14 +103,54 @@ def test_when_the_controllers_host_dies_every_other_host_stops_its_workers_and_e
     assert_trees_end(job)
 
 
-def _torchrun_of_node_0(job: Job) -> psutil.Process:
-    """The torchrun tree whose process runs the controller."""
-    (controller,) = [e for e in events(job.run_dir, "host_joined") if e["node"] == 0]
-    pid = controller["pid"]
+@pytest.mark.slow
+def test_a_lost_training_host_is_replaced_by_the_spare_host(make_job, local_checksum):
+    job = make_job()
+    rdzv = c10d_rendezvous()
+    port = int(rdzv[1].rsplit(":", 1)[1])
+    first = job.torchrun(3, 1, rdzv, 0, "launcher.mode=per_host", *LAYOUT, extra_env=SECRET)
+    # the first tree hosts torchrun's rendezvous store, whose loss torchrun itself does not survive
+    wait_for("the rendezvous store", lambda: _listens(first.pid, port), procs=[first])
+    hosts = [first] + [job.torchrun(3, 1, rdzv, 0, "launcher.mode=per_host", *LAYOUT, extra_env=SECRET)
+                       for _ in range(2)]
+    wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=hosts)
+    host1 = _torchrun_of_node(job, 1)
+    assert host1.pid != first.pid
+    _power_off(host1)
+    rest = [p for p in hosts if p.pid != host1.pid]
+    wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=rest)
+    s = summary(job)
+    assert s["status"] == "completed", job.output()
+    (rec,) = s["recoveries"]
+    assert (rec["fault"], rec["action"], rec["victims"]) == ("node_loss", "swap_spare", [2, 3])
+    assert s["samples_lost"] == 0 and s["param_checksum"] == local_checksum
+    # every process of the job ends but the survivors' torchrun, which waits in its exit barrier for the lost
+    # host's (300 s, torchrun's own; the fixture ends them)
+    launchers = {p.pid for p in rest}
+    wait_for("the agents and workers to end", lambda: not _processes_of(job.token) - launchers, timeout_s=60)
+    assert all(p.poll() is None or p.returncode == 0 for p in rest)
+
+
+def _listens(pid: int, port: int) -> bool:
+    return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.Process(pid).net_connections())
+
+
+def _power_off(torchrun: psutil.Process) -> None:
+    """The host's power goes: every process of its tree at once, nothing reported."""
+    for p in [torchrun] + torchrun.children(recursive=True):
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _torchrun_of_node(job: Job, node: int) -> psutil.Process:
+    """The torchrun tree whose process is node ``node``'s (the controller for node 0, else the host's agent)."""
+    (joined,) = [e for e in events(job.run_dir, "host_joined") if e["node"] == node]
     for proc in job.procs:
-        if any(c.pid == pid for c in psutil.Process(proc.pid).children(recursive=True)):
+        if any(c.pid == joined["pid"] for c in psutil.Process(proc.pid).children(recursive=True)):
             return psutil.Process(proc.pid)
-    raise AssertionError(f"no torchrun tree holds the controller (pid {pid})")
+    raise AssertionError(f"no torchrun tree holds node {node}'s process (pid {joined['pid']})")
 
 
 def test_a_host_without_the_jobs_secret_is_refused_before_anything_starts(make_job):
