@@ -1,11 +1,13 @@
 """launcher.mode=per_host under real torchrun: three torchrun process trees as three hosts (two training hosts and a
-spare host), each process a host's node agent, node 0's also the controller; what per_host refuses."""
+spare host), each process a host's node agent, node 0's also the controller; the same under SLURM (its variables set
+by hand); what per_host refuses."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import sys
 import time
 
 import psutil
@@ -14,7 +16,7 @@ from omegaconf import OmegaConf
 
 from runner.config import ConfigError
 from tests.conftest import _processes_of, run_cli
-from tests.torchrun_jobs import BASE, Job, c10d_rendezvous, events, max_step, wait_for
+from tests.torchrun_jobs import BASE, Job, c10d_rendezvous, events, free_port, max_step, wait_for
 
 LAYOUT = ["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[flashrecovery,deadpool]",
           "trainer.max_steps=30"]
@@ -68,6 +70,23 @@ def test_three_hosts_complete_with_the_local_launchers_checksum(make_job, local_
     joined = events(job.run_dir, "host_joined")
     assert sorted((e["node"], e["role"]) for e in joined) == [(0, "controller"), (1, "agent"), (2, "agent")]
     assert len({e["pid"] for e in joined}) == 3 and len({e["control_store"] for e in joined}) == 1
+    assert_trees_end(job)
+
+
+@pytest.mark.slow
+def test_under_slurm_three_hosts_complete_with_the_local_launchers_checksum(make_job, local_checksum):
+    job = make_job()
+    port = free_port()
+    for node in range(3):  # srun --ntasks-per-node=1, its variables set by hand
+        job.start([sys.executable, "-m", "runner", *BASE, "launcher.mode=per_host", *LAYOUT,
+                   f"hydra.run.dir={job.run_dir}"],
+                  {"SLURM_PROCID": str(node), "SLURM_NTASKS": "3", "SLURM_NNODES": "3", "SLURM_LOCALID": "0",
+                   "SLURM_NODEID": str(node), "SLURM_JOB_ID": "4243", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), **SECRET})
+    assert job.wait() == [0, 0, 0], job.output()
+    s = summary(job)
+    assert s["status"] == "completed" and s["param_checksum"] == local_checksum
+    assert sorted(e["node"] for e in events(job.run_dir, "host_joined")) == [0, 1, 2]
     assert_trees_end(job)
 
 

@@ -127,6 +127,7 @@ class NodeAgent:
         self.cfg_dict: dict = {}
         self.persister: Optional[NodePersisterHandle] = None
         self.exits = 0
+        self._stop_beat = threading.Event()
 
     def run(self) -> int:
         refusal = self._load_config()
@@ -138,7 +139,8 @@ class NodeAgent:
         self.store.set(protocol.agent_key(self.node, "hb"), repr(time.time()))  # exists before anyone reads it
         protocol.set_json(self.store, protocol.agent_key(self.node),
                           {"node": self.node, "pid": os.getpid(), "host": socket.gethostname()})
-        threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True).start()
+        beat = threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True)
+        beat.start()
         self.reports = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
         self.watch = WorkerWatch(self._report_exit, self.interval_s)
         try:
@@ -148,6 +150,9 @@ class NodeAgent:
                   file=sys.stderr)
             self._shutdown(completed=False)
             return 3
+        finally:  # never left inside a store call at exit (a daemon thread in C++ then aborts the process)
+            self._stop_beat.set()
+            beat.join(timeout=self.interval_s)
 
     def _load_config(self) -> Optional[str]:
         """Read the config file, check it against the controller's signed digest, start the fork server
@@ -222,8 +227,7 @@ class NodeAgent:
         beats = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
         key = protocol.agent_key(self.node, "hb")
         try:
-            while True:
-                time.sleep(self.interval_s / 2)  # a beat seen at most half an interval old
+            while not self._stop_beat.wait(self.interval_s / 2):  # a beat seen at most half an interval old
                 beats.set(key, repr(time.time()))  # when: a beat seen late still proves life only until then
         except DistError:
             return  # the controller is gone; the command loop notices too
