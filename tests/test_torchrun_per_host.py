@@ -172,6 +172,20 @@ def _torchrun_of_node(job: Job, node: int) -> psutil.Process:
     raise AssertionError(f"no torchrun tree holds node {node}'s process (pid {joined['pid']})")
 
 
+@pytest.mark.slow
+def test_a_host_whose_command_line_differs_is_refused(make_job):
+    job = make_job()
+    rdzv = c10d_rendezvous()
+    layout = ["launcher.mode=per_host", "parallel.nodes=2", "parallel.procs_per_node=1", "ft=[flashrecovery]"]
+    for lr in ("3e-3", "4e-3"):  # whichever host is not node 0 composes another config than the controller's
+        job.torchrun(2, 1, rdzv, 0, *layout, f"trainer.lr={lr}", extra_env=SECRET)
+    assert all(rc != 0 for rc in job.wait()), job.output()
+    (refused,) = events(job.run_dir, "agent_refused")
+    assert refused["node"] == 1 and "differs from the config the controller signed" in refused["reason"]
+    assert "the node agent of host 1 refused to start" in job.output()
+    assert_trees_end(job)
+
+
 def test_a_host_without_the_jobs_secret_is_refused_before_anything_starts(make_job):
     job = make_job()
     assert "RESILIENT_RUNNER_SECRET" not in os.environ
