@@ -1,9 +1,10 @@
-"""Start the job: on one host, a controller with simulated nodes; under torchrun/SLURM, one rank.
+"""Start the job: on one host, a controller with simulated nodes; under torchrun/SLURM, one rank or one host.
 
-``launcher.mode`` says what a process the external launcher started is: ``per_rank`` (one rank; the
-default for now) or ``per_host`` (a host's node agent, not available yet). Under ``per_rank`` the
-controller runs in rank 0 and can signal only the ranks of its own host: faults it would have to
-carry out on any other rank are refused here, before anything starts.
+``launcher.mode`` says what a process the external launcher started is: ``per_rank`` (one rank; what
+``auto`` means) or ``per_host`` (a host's node agent, node 0's also the controller: ``runner.per_host``).
+Under ``per_rank`` the controller runs in rank 0 and can signal only the ranks of its own host; under
+``per_host`` it reaches every host's workers but no host's memory or agent: faults it could not carry
+out are refused here, before anything starts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from runner.control.controller import Controller
 
 CONTROLLER_CARRIED = ("kill_rank", "hang_rank")  # rank faults the controller carries out by signalling the victim
 NO_PER_RANK = ("kill_node", "kill_all", "wipe_shm", "corrupt_snapshot", "chaos")  # need a process on every host
+NO_PER_HOST = ("kill_node", "wipe_shm", "corrupt_snapshot", "chaos")  # lose a host, or act on another host's memory
 
 
 def external_launcher() -> str | None:
@@ -37,6 +39,10 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     check_mode(cfg, kind)
     if cfg.runner.resume:  # the workers get the checked file's absolute path
         cfg.runner.resume = str(resume_checkpoint(cfg.runner.resume, Path(run_dir), cfg.trainer.max_steps))
+    if kind != "local" and cfg.launcher.mode == "per_host":
+        from runner.per_host import run_host
+
+        return run_host(cfg, Path(run_dir), kind)
     if kind != "local":
         from runner.external import run_rank
 
@@ -55,8 +61,13 @@ def check_mode(cfg: DictConfig, kind: str) -> None:
                               "simulated nodes) leave launcher.mode=auto.")
         return
     if mode == "per_host":
-        raise ConfigError("launcher.mode=per_host (one node agent per host) is not available yet; use "
-                          "launcher.mode=per_rank (or auto): each process is one rank and the launcher restarts them.")
+        for f in all_faults(cfg):
+            if f.kind in NO_PER_HOST:
+                raise ConfigError(f"fault={f.kind} cannot be carried out under {kind} with launcher.mode=per_host: "
+                                  "the controller reaches the other hosts' workers through their agents, not their "
+                                  "memory or the agents themselves; kill the host's processes from outside, or "
+                                  "simulate it with the local launcher.")
+        return
     if cfg.launcher.secret_file:
         raise ConfigError(f"launcher.secret_file={cfg.launcher.secret_file} signs the commands to node agents, and "
                           "launcher.mode=per_rank starts none (the launcher owns the processes): drop "

@@ -106,3 +106,20 @@ def job():
     leaked = job_files(job_id)
     cleanup(job_id)
     assert not leaked, f"segments left in /dev/shm: {leaked}"
+
+
+@pytest.fixture
+def make_job(tmp_path):
+    """Jobs under torchrun or SLURM's variables (``tests/torchrun_jobs.py``); every process of each is gone at the
+    end of the test."""
+    from tests.torchrun_jobs import Job
+
+    jobs: list[Job] = []
+
+    def make(name: str = "run") -> Job:
+        jobs.append(Job(tmp_path / name))
+        return jobs[-1]
+
+    yield make
+    for j in jobs:
+        j.close()

@@ -13,6 +13,10 @@ that imports the agent's and the workers' modules, so that N simulated hosts pay
 2N times (each agent's own host fork server is then a plain fork of the agent). The zygote dies with
 the controller; the agents' arguments and the job's secret reach them over its socket, never on a
 command line.
+
+Under ``launcher.mode=per_host`` (``runner.per_host``) the fleet starts only node 0's agent and awaits the
+others: each host's launcher started its agent, which writes its own copy of the config file and
+registers. Such a remote agent has no process handle here: only its heartbeat says it lives.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from runner.recovery.flash_ckpt.persister import NodePersist
 
 ACK_SLICE = timedelta(seconds=1)  # how long an ack is awaited before looking whether the agent still lives
 ACK_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_S = 60.0  # an agent's workers' grace, then its persister's last breakpoint writes
 EXIT_REPORT_TIMEOUT_S = 5.0  # a SIGKILLed worker's exit reaches the queue in milliseconds
 ZYGOTE_PRELOAD = ["runner.agents.node_agent"]  # before the workers' modules
 
@@ -74,8 +79,10 @@ class AgentProcess:
 class AgentHandle:
     """One agent process as the controller sees it: its workers, the exits it reported, its heartbeat."""
 
-    def __init__(self, node: int, proc: AgentProcess) -> None:
-        self.node, self.proc = node, proc
+    def __init__(self, node: int, proc: Optional[AgentProcess], silence_s: float) -> None:
+        self.node, self.proc = node, proc  # proc: None for an agent another host's launcher started
+        self.silence_s = silence_s  # a remote agent silent this long is taken as gone
+        self.silent = False  # a remote agent's beat, when last read, was older than silence_s
         self.workers: dict[int, int] = {}  # wid -> pid, as the agent acknowledged the spawn
         self.reported: set[int] = set()  # wids whose exit is in the controller's queue (or, once lost, gone)
         self.lost = False
@@ -87,20 +94,26 @@ class AgentHandle:
     def exit_reported(self, wid: int) -> bool:
         """The worker is gone and the controller has its exit in the queue (a lost node reports none)."""
         with self.lock:
-            return wid not in self.workers or wid in self.reported or self.lost
+            return wid not in self.workers or wid in self.reported or not self.alive()
 
     def alive(self) -> bool:
-        return not self.lost and self.proc.poll() is None
+        if self.lost:
+            return False
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return not self.silent  # as of the controller's last look at the heartbeats
 
 
 class AgentFleet:
     """One node agent process per node, reached through the store; the controller's fleet under
-    ``launcher=local``."""
+    ``launcher=local`` (every agent started here) and ``launcher.mode=per_host`` (node 0's started here,
+    the others awaited: ``started_here``)."""
 
     can_spawn = True
 
     def __init__(self, cfg: DictConfig, run_dir: Path, store, address: tuple[str, int], events: Queue,
-                 preload: list[str], persist: Optional[NodePersist], nodes: int) -> None:
+                 preload: list[str], persist: Optional[NodePersist], nodes: int,
+                 started_here: Optional[list[int]] = None) -> None:
         if not sys.platform.startswith("linux") and any(f.kind == "kill_node" for f in all_faults(cfg)):
             raise ConfigError("fault kill_node needs Linux under launcher=local: a lost node's workers die with "
                               "its agent through the parent-death signal (prctl), which this OS lacks.")
@@ -109,20 +122,25 @@ class AgentFleet:
         secret_text = secret.decode() if secret is not None else auth.new_secret()
         self.secret = secret_text.encode()
         self._publish_config(cfg, Path(run_dir), preload, persist)
-        gpus = _gpu_shares(nodes, cfg.parallel.procs_per_node)
+        here = set(range(nodes) if started_here is None else started_here)
+        gpus = _gpu_shares(nodes, cfg.parallel.procs_per_node) if started_here is None else []
+        silence_s = cfg.heartbeat.interval_s * cfg.heartbeat.misses
         self.zygote = ForkServer.exec_preloaded(ZYGOTE_PRELOAD + preload)
         self.agents: list[AgentHandle] = []
         try:
             for n in range(nodes):
-                argv = ["--store", f"{address[0]}:{address[1]}", "--node", str(n), "--run-dir", str(run_dir)] \
-                    + (["--gpus", gpus[n]] if gpus else [])
-                agent = self.zygote.start(node_agent.main, (argv, self.secret))
-                self.agents.append(AgentHandle(n, AgentProcess(agent)))
+                proc = None  # an agent another host's launcher started
+                if n in here:
+                    argv = ["--store", f"{address[0]}:{address[1]}", "--node", str(n), "--run-dir", str(run_dir)] \
+                        + (["--gpus", gpus[n]] if gpus else [])
+                    proc = AgentProcess(self.zygote.start(node_agent.main, (argv, self.secret)))
+                self.agents.append(AgentHandle(n, proc, silence_s))
             self._await_registration(cfg.launcher.start_timeout_s)
         except BaseException:
             for a in self.agents:
-                a.proc.kill()
-                a.proc.wait()
+                if a.proc is not None:
+                    a.proc.kill()
+                    a.proc.wait()
             self.zygote.close()
             raise
         for a in self.agents:
@@ -155,6 +173,9 @@ class AgentFleet:
         """Simulate the host going down: its agent SIGKILLed, its workers and persister dying with it.
         Returns the workers it took (once they are gone)."""
         agent = self.agents[node]
+        if agent.proc is None:
+            raise ConfigError(f"node {node}'s agent runs on another host: kill_node cannot be simulated there "
+                              "(launcher.mode=per_host refuses it at start-up)")
         with agent.lock:
             victims = [wid for wid in agent.workers if wid not in agent.reported]
             agent.lost = True
@@ -178,19 +199,24 @@ class AgentFleet:
         for agent, value in zip(self.agents, values):
             if value != agent.hb_value:
                 agent.hb_value, agent.last_beat = value, now - max(0.0, wall - float(value))
+            agent.silent = now - agent.last_beat > agent.silence_s
         return {a.node: a.last_beat for a in self.agents}
 
     def shutdown(self, completed: bool) -> None:
-        """Every agent ends its workers (killed at once unless the run completed) and exits."""
+        """Every agent ends its workers (killed at once unless the run completed) and exits; a remote agent
+        is awaited until it acknowledged (it then has reported its workers' exits)."""
+        sent = {agent.node: self._send(agent, {"op": "shutdown", "completed": completed})
+                for agent in self.agents if agent.alive()}
         for agent in self.agents:
-            if agent.alive():
-                self._command(agent, {"op": "shutdown", "completed": completed}, ack=False)
-        for agent in self.agents:
-            try:
-                agent.proc.wait(timeout=60)  # its workers' grace, then its persister's last breakpoint writes
-            except subprocess.TimeoutExpired:
-                agent.proc.kill()
-                agent.proc.wait()
+            if agent.proc is None:
+                if agent.node in sent:
+                    self._await_ack(agent, sent[agent.node], SHUTDOWN_TIMEOUT_S)
+            else:
+                try:
+                    agent.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)  # its workers' grace, then its persister's writes
+                except subprocess.TimeoutExpired:
+                    agent.proc.kill()
+                    agent.proc.wait()
             if not agent.lost:
                 self._end_exits(agent)
             if agent.watcher is not None:
@@ -201,10 +227,7 @@ class AgentFleet:
     def _publish_config(self, cfg: DictConfig, run_dir: Path, preload: list[str],
                         persist: Optional[NodePersist]) -> None:
         """Write what the agents run to the run dir, and its signed digest to the store."""
-        agent_cfg = {"config": OmegaConf.to_container(cfg, resolve=True), "preload": preload,
-                     "persist": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(persist).items()}
-                     if persist is not None else None}
-        raw = json.dumps(agent_cfg).encode()
+        raw = agent_config(cfg, preload, persist)
         (run_dir / protocol.AGENT_CONFIG_FILE).write_bytes(raw)
         self.store.set(protocol.AGENT_CONFIG, auth.sign(self.secret, {"sha256": auth.digest(raw)}))
 
@@ -213,18 +236,27 @@ class AgentFleet:
         agent's answer (None when the agent is gone)."""
         if not agent.alive():
             return None
+        seq = self._send(agent, body)
+        return self._await_ack(agent, seq, ACK_TIMEOUT_S) if ack else None
+
+    def _send(self, agent: AgentHandle, body: dict) -> int:
+        """Queue a signed command for ``agent``; returns its place in the queue."""
         seq = self.store.add(protocol.agent_key(agent.node, "cmds"), 1)
         self.store.set(protocol.agent_key(agent.node, "cmd", seq),
                        auth.sign(self.secret, {**body, "node": agent.node, "seq": seq}))
-        if not ack:
-            return None
+        return seq
+
+    def _await_ack(self, agent: AgentHandle, seq: int, timeout_s: float) -> Optional[bytes]:
+        """The agent's answer to command ``seq``, or None when it is gone or did not answer in time."""
         key = protocol.agent_key(agent.node, "ack", seq)
-        deadline = time.monotonic() + ACK_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while agent.alive() and time.monotonic() < deadline:
             try:
                 self.store.wait([key], ACK_SLICE)
                 return self.store.get(key)
             except DistStoreError:
+                if agent.proc is None:
+                    self.node_beats()  # a remote agent's life shows only in its beat
                 continue
         return None
 
@@ -233,16 +265,23 @@ class AgentFleet:
         waiting = list(self.agents)
         while waiting:
             for agent in list(waiting):
+                refused = protocol.agent_key(agent.node, "refused")
                 if self.store.check([protocol.agent_key(agent.node)]):
                     waiting.remove(agent)
-                elif agent.proc.poll() is not None:
-                    refused = protocol.agent_key(agent.node, "refused")
+                    agent.last_beat = time.monotonic()
+                elif agent.proc is not None and agent.proc.poll() is not None:
                     why = self.store.get(refused).decode() if self.store.check([refused]) else "see its output"
                     raise RuntimeError(f"node agent {agent.node} exited with code {agent.proc.returncode} before "
                                        f"registering: {why}")
+                elif agent.proc is None and self.store.check([refused]):
+                    raise RuntimeError(f"the node agent of host {agent.node} refused to start: "
+                                       f"{self.store.get(refused).decode()}")
             if waiting and time.monotonic() > deadline:
+                remote = [a.node for a in waiting if a.proc is None]
+                hint = (f" (hosts {remote}: start the same command on every host, one process per host)"
+                        if remote else "")
                 raise RuntimeError(f"node agents {[a.node for a in waiting]} did not register within "
-                                   f"launcher.start_timeout_s={timeout_s}")
+                                   f"launcher.start_timeout_s={timeout_s}{hint}")
             time.sleep(0.01)
 
     def _watch_exits(self, agent: AgentHandle) -> None:
@@ -268,6 +307,15 @@ class AgentFleet:
         """The agent is gone: end its exit list after the last record it wrote."""
         last = self.store.add(protocol.agent_key(agent.node, "exits"), 0)
         protocol.set_json(self.store, protocol.agent_key(agent.node, "exit", last + 1), {"end": True})
+
+
+def agent_config(cfg: DictConfig, preload: list[str], persist: Optional[NodePersist]) -> bytes:
+    """The config file an agent runs: the job's config, its fork server's preloads, its node's persister.
+    Every host composes it from its own command line; the controller signs its digest."""
+    agent_cfg = {"config": OmegaConf.to_container(cfg, resolve=True), "preload": preload,
+                 "persist": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(persist).items()}
+                 if persist is not None else None}
+    return json.dumps(agent_cfg).encode()
 
 
 def _running(pid: int) -> bool:

@@ -122,15 +122,17 @@ class NodeAgent:
     """Node ``node``'s agent: verifies its config, registers, then serves the controller's commands."""
 
     def __init__(self, node: int, address: tuple[str, int], secret: bytes, run_dir: Path,
-                 gpus: Optional[list[int]]) -> None:
+                 gpus: Optional[list[int]], config_file: Optional[Path] = None) -> None:
         self.node, self.address, self.secret, self.run_dir = node, address, secret, run_dir
         self.gpus = gpus
+        self.config_file = config_file or run_dir / protocol.AGENT_CONFIG_FILE  # per_host: this host's own copy
         self.events = EventLog(run_dir / "events.jsonl", rank=lambda: f"agent-{node}", step=lambda: -1)
         self.store = protocol.connect(*address, CONNECT_TIMEOUT_S)
         self.cfg_dict: dict = {}
         self.persister: Optional[NodePersisterHandle] = None
         self.fork_server: Optional[ForkServer] = None
         self.exits = 0
+        self._stop_beat = threading.Event()
 
     def run(self) -> int:
         refusal = self._load_config()
@@ -142,7 +144,8 @@ class NodeAgent:
         self.store.set(protocol.agent_key(self.node, "hb"), repr(time.time()))  # exists before anyone reads it
         protocol.set_json(self.store, protocol.agent_key(self.node),
                           {"node": self.node, "pid": os.getpid(), "host": socket.gethostname()})
-        threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True).start()
+        beat = threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True)
+        beat.start()
         self.reports = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
         self.watch = WorkerWatch(self._report_exit, self.interval_s)
         try:
@@ -152,17 +155,21 @@ class NodeAgent:
                   file=sys.stderr)
             self._shutdown(completed=False)
             return 3
+        finally:  # never left inside a store call at exit (a daemon thread in C++ then aborts the process)
+            self._stop_beat.set()
+            beat.join(timeout=self.interval_s)
 
     def _load_config(self) -> Optional[str]:
         """Read the config file, check it against the controller's signed digest, import the worker's
         modules, fork the host's fork server and start the node's persister from it. Returns why the agent
         refuses to start, or None."""
-        raw = (self.run_dir / protocol.AGENT_CONFIG_FILE).read_bytes()
+        raw = self.config_file.read_bytes()
         signed = auth.verify(self.secret, self.store.get(protocol.AGENT_CONFIG))
         if signed is None:
             return "the controller's config digest does not carry a valid MAC for this job's secret"
         if signed.get("sha256") != auth.digest(raw):
-            return f"{protocol.AGENT_CONFIG_FILE} differs from the config the controller signed"
+            return (f"{self.config_file.name} differs from the config the controller signed (every host must run "
+                    "the same command, with the same hydra.run.dir)")
         agent_cfg = json.loads(raw)
         self.cfg_dict = agent_cfg["config"]
         self.interval_s = float(self.cfg_dict["heartbeat"]["interval_s"])
@@ -193,6 +200,7 @@ class NodeAgent:
                 continue
             if body["op"] == "shutdown":
                 self._shutdown(body["completed"])
+                self.store.set(protocol.agent_key(self.node, "ack", seq), "0")  # its workers' exits are reported
                 return 0
             ack = self._spawn(body["spec"]) if body["op"] == "spawn" else self._signal(body["wid"], body["sig"])
             self.store.set(protocol.agent_key(self.node, "ack", seq), str(ack))
@@ -223,8 +231,7 @@ class NodeAgent:
         beats = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
         key = protocol.agent_key(self.node, "hb")
         try:
-            while True:
-                time.sleep(self.interval_s / 2)  # a beat seen at most half an interval old
+            while not self._stop_beat.wait(self.interval_s / 2):  # a beat seen at most half an interval old
                 beats.set(key, repr(time.time()))  # when: a beat seen late still proves life only until then
         except DistError:
             return  # the controller is gone; the command loop notices too

@@ -162,7 +162,8 @@ class LauncherConfig:
     """auto = simulate the cluster locally unless torchrun or SLURM is detected (then run as one rank of it)."""
     mode: LauncherMode = "auto"
     """Under torchrun/SLURM, what one launched process is: per_rank = one rank (the launcher owns restarts);
-    per_host = a host's node agent (not available yet); auto = per_rank. Must be auto under launcher=local."""
+    per_host = a host's node agent (node 0 also runs the controller); auto = per_rank. Must be auto under
+    launcher=local."""
     start_timeout_s: float = 120.0
     """A worker's first heartbeat must come within this; also the initial rendezvous."""
     collective_timeout_s: float = 30.0
@@ -178,6 +179,9 @@ class LauncherConfig:
     secret_file: Optional[str] = None
     """File holding the job's secret that signs commands to node agents; unset: env RESILIENT_RUNNER_SECRET, else
     launcher=local generates one per job."""
+    control_host: Optional[str] = None
+    """launcher.mode=per_host: the address of node 0 the control-plane store listens on (the port comes from the
+    OS), one the other hosts reach; unset: node 0's address on its route to MASTER_ADDR."""
 
 
 @dataclass

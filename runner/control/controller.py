@@ -33,6 +33,7 @@ from runner.control.stop import StopOnSignal
 from runner.events import EventLog
 from runner.faults.chaos_injector import ChaosInjector
 from runner.faults.injector import FaultInjector
+from runner.recovery.flash_ckpt.persister import NodePersist
 from runner.recovery.registry import build_actions
 from runner.summary import write_summary
 from runner.topology import Topology
@@ -40,15 +41,25 @@ from runner.topology import Topology
 FORKSERVER_PRELOAD = ["runner.worker"]
 
 
+def agent_setup(actions: dict) -> tuple[list[str], Optional[NodePersist]]:
+    """What every node agent runs beside its workers: its fork server's preloads and its node's persister."""
+    preload = FORKSERVER_PRELOAD + [m for a in actions.values() for m in a.worker_preload()]
+    persist = next((p for a in actions.values() if (p := a.node_persister()) is not None), None)
+    return preload, persist
+
+
 class Controller:
-    """``fleet`` starts and signals workers (AgentFleet, or ExternalFleet under torchrun/SLURM);
-    ``store`` is given when the job already has one (torchrun's agent store), else hosted here."""
+    """``fleet`` starts and signals workers (AgentFleet, or ExternalFleet under per_rank);
+    ``store`` is given when the job already has one (torchrun's agent store, or the one node 0 hosts
+    under per_host), else hosted here."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, fleet=None, store=None,
-                 address: Optional[tuple[str, int]] = None, namespace: str = "") -> None:
+                 address: Optional[tuple[str, int]] = None, namespace: str = "",
+                 agents_started_here: Optional[list[int]] = None) -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.fleet, self.store, self.namespace = fleet, store, namespace
-        self.host, self.port = address or ("127.0.0.1", 0)
+        self.host, self.port = address or ("127.0.0.1", 0)  # the store's address, as workers and agents reach it
+        self.agents_started_here = agents_started_here  # per_host: node 0's agent only; None: every node's
         self.topo = Topology.from_cfg(cfg)
         self.ft = ft_names(cfg)
         self.queue: Queue = Queue()
@@ -93,10 +104,9 @@ class Controller:
             self.store = protocol.host_store(self.host, self.cfg.launcher.start_timeout_s)
             self.port = self.store.port
         if self.fleet is None:
-            preload = FORKSERVER_PRELOAD + [m for a in self.actions.values() for m in a.worker_preload()]
-            persist = next((p for a in self.actions.values() if (p := a.node_persister()) is not None), None)
+            preload, persist = agent_setup(self.actions)
             self.fleet = AgentFleet(self.cfg, self.run_dir, self.store, (self.host, self.port), self.queue, preload,
-                                    persist, self.topo.total_nodes)
+                                    persist, self.topo.total_nodes, self.agents_started_here)
         self._wire()
         self.events.emit("run_start", world_size=self.topo.world, nodes=self.cfg.parallel.nodes, ft=self.ft,
                          recipe=self.cfg.recipe_name, store_port=self.port, policy=policy.table(self.cfg, self.ft))

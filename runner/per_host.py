@@ -1,0 +1,141 @@
+"""One process per host under torchrun or SLURM (``launcher.mode=per_host``): that process is the host's node agent.
+
+Every host runs the same command, one process each (``torchrun --nproc_per_node=1``, ``srun
+--ntasks-per-node=1``); its node index is the launcher's node rank (torchrun's ``GROUP_RANK``, SLURM's
+``SLURM_NODEID``). Node 0 hosts the control-plane store on ``launcher.control_host`` (a port from the OS),
+publishes that address in the launcher's own store and runs the controller, which starts node 0's agent
+as a process of its own (never in the controller's multithreaded process) and awaits the other hosts'
+agents. Every other host reads the address, composes the agent config from its own command line into
+a file of its own, and becomes the agent: it refuses to start when that config's digest differs from the
+one the controller signed. The launcher's store is torchrun's (reached through MASTER_ADDR/MASTER_PORT),
+or under SLURM one that node 0 hosts at MASTER_ADDR:MASTER_PORT; the address lives under the job's id
+(the rendezvous run id), never under the restart count, which differs between hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig
+from torch.distributed import TCPStore
+
+from runner import protocol
+from runner.agents import auth, spawned
+from runner.config import ConfigError
+from runner.config.validate import ft_names
+from runner.events import EventLog
+from runner.topology import Topology
+
+
+@dataclass
+class HostEnv:
+    """What the launcher tells the process it started on one host."""
+
+    node: int
+    hosts: int
+    addr: str  # the launcher's store
+    port: int
+    launcher_store: bool  # the launcher hosts that store (torchrun); else node 0 does (SLURM)
+    job_id: str
+
+
+def host_env(kind: str) -> HostEnv:
+    e = os.environ
+    if kind == "torchrun":
+        if int(e.get("LOCAL_WORLD_SIZE", "1")) != 1:
+            raise ConfigError(f"launcher.mode=per_host runs one process per host, but torchrun started "
+                              f"{e['LOCAL_WORLD_SIZE']} on this one: use torchrun --nproc_per_node=1.")
+        return HostEnv(int(e.get("GROUP_RANK", 0)), int(e["WORLD_SIZE"]), e["MASTER_ADDR"], int(e["MASTER_PORT"]),
+                       e.get("TORCHELASTIC_USE_AGENT_STORE") == "True", e.get("TORCHELASTIC_RUN_ID", "job"))
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in e]
+    if missing:
+        raise ConfigError(f"Under SLURM with launcher.mode=per_host set {' and '.join(missing)} in the batch script "
+                          "(the first node's hostname and a free port): node 0 publishes the control-plane "
+                          "store's address there.")
+    hosts = int(e.get("SLURM_NNODES", e["SLURM_NTASKS"]))
+    if int(e["SLURM_NTASKS"]) != hosts:
+        raise ConfigError(f"launcher.mode=per_host runs one process per host, but SLURM started {e['SLURM_NTASKS']} "
+                          f"tasks on {hosts} nodes: use srun --ntasks-per-node=1.")
+    return HostEnv(int(e.get("SLURM_NODEID", 0)), hosts, e["MASTER_ADDR"], int(e["MASTER_PORT"]), False,
+                   e.get("SLURM_JOB_ID", "job"))
+
+
+def control_key(job_id: str) -> str:
+    """Where node 0 publishes ``HOST:PORT`` of the control-plane store, in the launcher's store."""
+    return f"resilient-runner/{job_id}/per_host/control"
+
+
+def run_host(cfg: DictConfig, run_dir: Path, kind: str) -> Optional[dict]:
+    """Node 0: the controller's summary. Any other host: None once its agent ended well (else SystemExit)."""
+    if auth.job_secret(cfg.launcher.secret_file) is None:
+        raise ConfigError(f"launcher.mode=per_host signs the controller's commands with the job's secret, which every "
+                          f"host must hold: set {auth.SECRET_ENV} on every host, or launcher.secret_file to a file "
+                          "the job distributes (python -c 'import secrets; print(secrets.token_hex(32))').")
+    env = host_env(kind)
+    topo = Topology.from_cfg(cfg)
+    if env.hosts != topo.total_nodes:
+        raise ConfigError(f"{kind} started {env.hosts} hosts but the config asks for {topo.total_nodes} "
+                          f"(parallel.nodes={topo.nodes} and {topo.spare_nodes} spare host(s) for "
+                          f"parallel.spares={topo.spares}): make them equal (torchrun --nnodes={topo.total_nodes}).")
+    timeout = timedelta(seconds=cfg.launcher.start_timeout_s)
+    launcher = TCPStore(env.addr, env.port, is_master=env.node == 0 and not env.launcher_store, timeout=timeout,
+                        wait_for_workers=False)
+    if env.node == 0:
+        return _run_controller(cfg, run_dir, env, launcher)
+    address = launcher.get(control_key(env.job_id)).decode()  # waits up to launcher.start_timeout_s
+    code = _run_agent(cfg, run_dir, env.node, address)
+    if code:
+        raise SystemExit(code)
+    return None
+
+
+def _run_controller(cfg: DictConfig, run_dir: Path, env: HostEnv, launcher: TCPStore) -> dict:
+    from runner.control.controller import Controller
+    from runner.launcher import refuse_used_dir
+
+    refuse_used_dir(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    host = cfg.launcher.control_host or own_address_towards(env.addr, env.port)
+    store = protocol.host_store(host, cfg.launcher.start_timeout_s)
+    _joined(run_dir, 0, f"{host}:{store.port}", "controller")
+    launcher.set(control_key(env.job_id), f"{host}:{store.port}")
+    return Controller(cfg, run_dir, store=store, address=(host, store.port), agents_started_here=[0]).run()
+
+
+def _run_agent(cfg: DictConfig, run_dir: Path, node: int, address: str) -> int:
+    """This host's node agent, in this process (it dies with its launcher), with its own config file."""
+    from runner.agents.fleet import agent_config
+    from runner.agents.node_agent import NodeAgent, _gpus
+    from runner.control.controller import agent_setup
+    from runner.recovery.registry import build_actions
+
+    spawned.die_with_parent()
+    secret = auth.job_secret(cfg.launcher.secret_file, pop_env=True)  # no worker inherits it
+    assert secret is not None  # checked by run_host
+    run_dir.mkdir(parents=True, exist_ok=True)
+    preload, persist = agent_setup(build_actions(ft_names(cfg), cfg, Topology.from_cfg(cfg), run_dir))
+    config_file = run_dir / f"agent_config.node{node}.json"
+    config_file.write_bytes(agent_config(cfg, preload, persist))
+    _joined(run_dir, node, address, "agent")
+    host, port = address.rsplit(":", 1)
+    return NodeAgent(node, (host, int(port)), secret, run_dir, _gpus(None), config_file).run()
+
+
+def _joined(run_dir: Path, node: int, address: str, role: str) -> None:
+    """``host_joined`` in this host's events.jsonl: which process of which host is which node."""
+    events = EventLog(run_dir / "events.jsonl", rank=lambda: f"host-{node}", step=lambda: -1)
+    events.emit("host_joined", node=node, pid=os.getpid(), host=socket.gethostname(), control_store=address, role=role)
+    events.close()
+
+
+def own_address_towards(addr: str, port: int) -> str:
+    """This host's address on its route to ``addr`` (a UDP connect sends nothing): one the hosts that reach
+    the launcher's store reach too."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(addr), port))
+        return s.getsockname()[0]

@@ -1,0 +1,195 @@
+"""launcher.mode=per_host under real torchrun: three torchrun process trees as three hosts (two training hosts and a
+spare host), each process a host's node agent, node 0's also the controller; the same under SLURM (its variables set
+by hand); what per_host refuses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+from omegaconf import OmegaConf
+
+from runner.config import ConfigError
+from tests.conftest import _processes_of, run_cli
+from tests.torchrun_jobs import BASE, Job, c10d_rendezvous, events, free_port, max_step, wait_for
+
+LAYOUT = ["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[flashrecovery,deadpool]",
+          "trainer.max_steps=30"]
+SECRET = {"RESILIENT_RUNNER_SECRET": "per-host-test-secret"}  # every host holds the job's secret
+
+
+@pytest.fixture(scope="module")
+def local_checksum(tmp_path_factory) -> str:
+    """The fault-free checksum of the same layout under launcher=local."""
+    run = run_cli(*BASE, *LAYOUT, run_dir=tmp_path_factory.mktemp("local") / "run")
+    assert run.summary["status"] == "completed", run.output[-3000:]
+    return run.summary["param_checksum"]
+
+
+def three_hosts(job: Job, *overrides: str) -> list:
+    rdzv = c10d_rendezvous()
+    return [job.torchrun(3, 1, rdzv, 0, "launcher.mode=per_host", *LAYOUT, *overrides, extra_env=SECRET)
+            for _ in range(3)]
+
+
+def assert_trees_end(job: Job, timeout_s: float = 30.0) -> None:
+    """Every process of the job (torchrun, agents, fork servers, workers) is gone within ``timeout_s``."""
+    wait_for("every process of the job to end", lambda: not _processes_of(job.token), timeout_s=timeout_s)
+
+
+def summary(job: Job) -> dict:
+    return json.loads((job.run_dir / "summary.json").read_text())
+
+
+# -- configuration ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fault", ["kill_node", "wipe_shm", "corrupt_snapshot", "chaos"])
+def test_per_host_refuses_faults_that_act_on_another_hosts_memory_or_agent(fault):
+    from runner.launcher import check_mode
+
+    cfg = OmegaConf.create({"launcher": {"mode": "per_host", "secret_file": None}, "parallel": {"procs_per_node": 2},
+                            "fault": {"kind": fault, "rank": 3, "extra": []}})
+    with pytest.raises(ConfigError, match="launcher.mode=per_host"):
+        check_mode(cfg, "torchrun")
+    cfg.fault.kind = "kill_rank"  # any rank: the controller reaches every host's workers through their agents
+    check_mode(cfg, "torchrun")
+
+
+# -- three hosts ----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_three_hosts_complete_with_the_local_launchers_checksum(make_job, local_checksum):
+    job = make_job()
+    three_hosts(job)
+    assert job.wait() == [0, 0, 0], job.output()
+    s = summary(job)
+    assert s["status"] == "completed" and s["recoveries"] == [] and s["param_checksum"] == local_checksum
+    joined = events(job.run_dir, "host_joined")
+    assert sorted((e["node"], e["role"]) for e in joined) == [(0, "controller"), (1, "agent"), (2, "agent")]
+    assert len({e["pid"] for e in joined}) == 3 and len({e["control_store"] for e in joined}) == 1
+    assert_trees_end(job)
+
+
+@pytest.mark.slow
+def test_under_slurm_three_hosts_complete_with_the_local_launchers_checksum(make_job, local_checksum):
+    job = make_job()
+    port = free_port()
+    for node in range(3):  # srun --ntasks-per-node=1, its variables set by hand
+        job.start([sys.executable, "-m", "runner", *BASE, "launcher.mode=per_host", *LAYOUT,
+                   f"hydra.run.dir={job.run_dir}"],
+                  {"SLURM_PROCID": str(node), "SLURM_NTASKS": "3", "SLURM_NNODES": "3", "SLURM_LOCALID": "0",
+                   "SLURM_NODEID": str(node), "SLURM_JOB_ID": "4243", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), **SECRET})
+    assert job.wait() == [0, 0, 0], job.output()
+    s = summary(job)
+    assert s["status"] == "completed" and s["param_checksum"] == local_checksum
+    assert sorted(e["node"] for e in events(job.run_dir, "host_joined")) == [0, 1, 2]
+    assert_trees_end(job)
+
+
+def test_a_killed_worker_restarts_on_its_own_host_and_loses_nothing(make_job, local_checksum):
+    job = make_job()
+    three_hosts(job, "fault=kill_rank", "fault.rank=3", "fault.step=5")  # logical rank 3 lives on node 1
+    assert job.wait() == [0, 0, 0], job.output()
+    s = summary(job)
+    assert s["status"] == "completed", job.output()
+    (rec,) = s["recoveries"]
+    assert (rec["fault"], rec["victims"], rec["action"], rec["rpo_steps"]) == ("process_crash", [3], "restart_rank", 0)
+    assert s["param_checksum"] == local_checksum
+    started = events(job.run_dir, "worker_started")
+    (joiner,) = [e for e in started if e["role"] == "joiner"]
+    killed_node = next(e["node"] for e in started if e["role"] == "initial" and e["wid"] == 3)
+    assert joiner["node"] == killed_node == 1  # restarted by host 1's agent; nobody else restarted
+    assert len(started) == 4 + 2 + 1
+    assert_trees_end(job)
+
+
+@pytest.mark.slow
+def test_when_the_controllers_host_dies_every_other_host_stops_its_workers_and_exits_non_zero(make_job):
+    job = make_job()
+    hosts = three_hosts(job, "trainer.max_steps=100000")
+    wait_for("training", lambda: max_step(job.run_dir) >= 2, procs=hosts)
+    node0 = _torchrun_of_node(job, 0)
+    _power_off(node0)
+    others = [p for p in hosts if p.pid != node0.pid]
+    deadline = time.monotonic() + 60
+    for p in others:
+        p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    assert all(p.returncode != 0 for p in others), job.output()
+    assert_trees_end(job)
+
+
+@pytest.mark.slow
+def test_a_lost_training_host_is_replaced_by_the_spare_host(make_job, local_checksum):
+    job = make_job()
+    rdzv = c10d_rendezvous()
+    port = int(rdzv[1].rsplit(":", 1)[1])
+    first = job.torchrun(3, 1, rdzv, 0, "launcher.mode=per_host", *LAYOUT, extra_env=SECRET)
+    # the first tree hosts torchrun's rendezvous store, whose loss torchrun itself does not survive
+    wait_for("the rendezvous store", lambda: _listens(first.pid, port), procs=[first])
+    hosts = [first] + [job.torchrun(3, 1, rdzv, 0, "launcher.mode=per_host", *LAYOUT, extra_env=SECRET)
+                       for _ in range(2)]
+    wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=hosts)
+    host1 = _torchrun_of_node(job, 1)
+    assert host1.pid != first.pid
+    _power_off(host1)
+    rest = [p for p in hosts if p.pid != host1.pid]
+    wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=rest)
+    s = summary(job)
+    assert s["status"] == "completed", job.output()
+    (rec,) = s["recoveries"]
+    assert (rec["fault"], rec["action"], rec["victims"]) == ("node_loss", "swap_spare", [2, 3])
+    assert s["samples_lost"] == 0 and s["param_checksum"] == local_checksum
+    # every process of the job ends but the survivors' torchrun, which waits in its exit barrier for the lost
+    # host's (300 s, torchrun's own; the fixture ends them)
+    launchers = {p.pid for p in rest}
+    wait_for("the agents and workers to end", lambda: not _processes_of(job.token) - launchers, timeout_s=60)
+    assert all(p.poll() is None or p.returncode == 0 for p in rest)
+
+
+def _listens(pid: int, port: int) -> bool:
+    return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.Process(pid).net_connections())
+
+
+def _power_off(torchrun: psutil.Process) -> None:
+    """The host's power goes: every process of its tree at once, nothing reported."""
+    for p in [torchrun] + torchrun.children(recursive=True):
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _torchrun_of_node(job: Job, node: int) -> psutil.Process:
+    """The torchrun tree whose process is node ``node``'s (the controller for node 0, else the host's agent)."""
+    (joined,) = [e for e in events(job.run_dir, "host_joined") if e["node"] == node]
+    for proc in job.procs:
+        if any(c.pid == joined["pid"] for c in psutil.Process(proc.pid).children(recursive=True)):
+            return psutil.Process(proc.pid)
+    raise AssertionError(f"no torchrun tree holds node {node}'s process (pid {joined['pid']})")
+
+
+@pytest.mark.slow
+def test_a_host_whose_command_line_differs_is_refused(make_job):
+    job = make_job()
+    rdzv = c10d_rendezvous()
+    layout = ["launcher.mode=per_host", "parallel.nodes=2", "parallel.procs_per_node=1", "ft=[flashrecovery]"]
+    for lr in ("3e-3", "4e-3"):  # whichever host is not node 0 composes another config than the controller's
+        job.torchrun(2, 1, rdzv, 0, *layout, f"trainer.lr={lr}", extra_env=SECRET)
+    assert all(rc != 0 for rc in job.wait()), job.output()
+    (refused,) = events(job.run_dir, "agent_refused")
+    assert refused["node"] == 1 and "differs from the config the controller signed" in refused["reason"]
+    assert "the node agent of host 1 refused to start" in job.output()
+    assert_trees_end(job)
+
+
+def test_a_host_without_the_jobs_secret_is_refused_before_anything_starts(make_job):
+    job = make_job()
+    assert "RESILIENT_RUNNER_SECRET" not in os.environ
+    job.torchrun(1, 1, ["--standalone"], 0, "launcher.mode=per_host", "parallel.nodes=1", "parallel.procs_per_node=1")
+    assert job.wait() != [0]
+    assert "set RESILIENT_RUNNER_SECRET on every host" in job.output()
+    assert not (job.run_dir / "events.jsonl").exists()
