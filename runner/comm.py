@@ -238,7 +238,7 @@ def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: tim
     all-reduce opens two connections per member instead of a full mesh of N - 1 (docs/recovery.md)."""
     lazy = None if "TORCH_GLOO_LAZY_INIT" in os.environ else True  # None: torch reads the user's setting
     interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stubs call it Options
     opts._devices = ([dist.ProcessGroupGloo.create_device(interface=name, lazy_init=lazy) for name in interfaces]
                      or [dist.ProcessGroupGloo.create_default_device(lazy_init=lazy)])
     opts._threads, opts._timeout = 2 * len(opts._devices), rendezvous  # as torch's defaults
