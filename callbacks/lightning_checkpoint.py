@@ -11,8 +11,11 @@ loops, epoch, global_step, hyper_parameters) plus the corruption guard's history
 under ``RUNNER_KEY`` (the data position, which is the committed step, and the seed: data and RNG
 are functions of (seed, step, logical rank), so these two restore both). Under ZeRO-1 every member
 first brings its parameters up to date and the optimizer shards are gathered, so the file holds the
-whole optimizer state, as one unsharded optimizer would (``runner.checkpoint.zero_state``). A fault
-during that gather is recovered from like any other and the checkpoint of that step is skipped.
+whole optimizer state, as one unsharded optimizer would (``runner.checkpoint.zero_state``). With
+tensor parallelism the TP group of the writing replica gathers its slices of the parameters and of their
+optimizer state over that group (``runner.checkpoint.tp_state``), so the file holds the full model as at
+tp = 1. A fault during either gather is recovered from like any other and the checkpoint of that step
+is skipped.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from typing import Optional
 from lightning.pytorch.callbacks import Callback
 
 from runner.checkpoint import RUNNER_KEY, last_checkpoint
+from runner.checkpoint.tp_state import gather_tp_state
 from runner.checkpoint.writer import CheckpointWriter, cpu_copy
 from runner.checkpoint.zero_state import gather_full_state
-from runner.comm import CollectiveFailure
+from runner.comm import CollectiveFailure, Comm
 from runner.events import EventLog
 from runner.strategy import ResilientStrategy
 
@@ -69,29 +73,28 @@ class LightningCheckpoint(Callback):
             self._writer = None
 
     def _save(self, trainer, strategy: ResilientStrategy, step: int) -> None:
-        if strategy.comm.tp > 1:  # the file holds one unsharded model; the slices are not gathered into it yet
-            if strategy.comm.rank == 0 and step != self._saved_step:
-                self.events.emit("checkpoint_skipped", at_step=step, reason="parallel.tp > 1: no checkpoint file "
-                                 "holds a tensor-parallel model yet (flash_ckpt snapshots each rank's slice)")
-            self._saved_step = step
-            return
-        full_optimizer = None
+        full_optimizer, full_tp = None, None
         zero = strategy.update.zero
-        if zero is not None:
-            strategy.commit.sync_params()  # the other owners' parameters of this step's update
-            try:
+        try:
+            if zero is not None:
+                strategy.commit.sync_params()  # the other owners' parameters of this step's update
                 full_optimizer = gather_full_state(zero, strategy.logical_rank, strategy.comm)
-            except CollectiveFailure as err:
-                strategy.commit.recover_from(err)
-                if strategy.comm.rank == 0:
-                    self.events.emit("checkpoint_skipped", at_step=step, reason=f"a fault during the gather: {err}")
-                return
+            if strategy.comm.tp > 1 and _in_writing_replica(strategy.comm):
+                full_tp = gather_tp_state(trainer.lightning_module, trainer.optimizers)
+        except CollectiveFailure as err:
+            strategy.commit.recover_from(err)
+            if strategy.comm.rank == 0:
+                self.events.emit("checkpoint_skipped", at_step=step, reason=f"a fault during the gather: {err}")
+            return
         self._saved_step = step
         if strategy.comm.rank != 0:
             return
         ckpt = strategy.state.dump_state()
         if full_optimizer is not None:
             ckpt["optimizer_states"] = [full_optimizer]
+        if full_tp is not None:
+            full_params, ckpt["optimizer_states"] = full_tp
+            ckpt["state_dict"] = {**ckpt["state_dict"], **full_params}
         ckpt[RUNNER_KEY] = {"data_step": step, "seed": self.seed, "dp": strategy.dp_size, "optimizer": "unsharded"}
         if self._writer is None:
             self._writer = CheckpointWriter(self.path, self._written)
@@ -99,3 +102,9 @@ class LightningCheckpoint(Callback):
 
     def _written(self, step: int, path: Path, seconds: float) -> None:
         self.events.emit("checkpoint_saved", at_step=step, path=str(path), seconds=seconds)
+
+
+def _in_writing_replica(comm: Comm) -> bool:
+    """Whether this rank holds a slice of the replica that writes (the one of process-group rank 0): only
+    that replica's TP group gathers, over its own group, so the other replicas run no collective for it."""
+    return comm.coords_of(comm.joined.logical[0])[0] == comm.dp_rank

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from runner.checkpoint import RUNNER_KEY
+from runner.checkpoint.tp_state import slice_model_state, slice_optimizer_state
 from runner.checkpoint.zero_state import shard_of_full_state
 from runner.checksum import state_checksum
 from runner.comm import CollectiveFailure, Comm
@@ -341,17 +342,25 @@ class ResilientStrategy(ParallelStrategy):
                 self.update.zero.stale = True
             return ckpt
         ckpt = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # runner.resume, a user's file
+        if self.comm.tp > 1:  # the file holds the full model: this rank's slice of it
+            ckpt["state_dict"] = slice_model_state(ckpt["state_dict"], self._module)
         self.state.adopt_guard_history(ckpt)
         if self.logical_rank == 0:
             self.events.emit("resumed", path=str(checkpoint_path), at_step=int(ckpt.get("global_step", 0)))
         return ckpt
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Under ZeRO-1 a checkpoint file's unsharded optimizer state is cut to this rank's shard."""
+        """A checkpoint file's unsharded optimizer state cut to this rank's ZeRO-1 shard, or to the state of its
+        tensor-parallel slice of the parameters."""
         zero = self.update.zero
-        if zero is not None and checkpoint.get(RUNNER_KEY, {}).get("optimizer") == "unsharded":
+        unsharded = checkpoint.get(RUNNER_KEY, {}).get("optimizer") == "unsharded"
+        if zero is not None and unsharded:
             shard = shard_of_full_state(zero, self.logical_rank, checkpoint["optimizer_states"][0])
             checkpoint = {**checkpoint, "optimizer_states": [shard]}
+        elif self.comm.tp > 1 and unsharded:
+            checkpoint = {**checkpoint, "optimizer_states": [
+                slice_optimizer_state(full, self._module, opt)
+                for full, opt in zip(checkpoint["optimizer_states"], self.optimizers)]}
         super().load_optimizer_state_dict(checkpoint)
 
     # -- data: every loader follows the (seed, step, logical rank) contract ---------------------

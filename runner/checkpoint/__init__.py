@@ -1,7 +1,8 @@
 """The run's Lightning checkpoint, ``<run dir>/checkpoints/last.ckpt``: the file, and resuming from it.
 
 ``writer`` writes it off the training thread and atomically; ``zero_state`` turns ZeRO-1 shards into
-the optimizer state of one unsharded optimizer and back; ``resume`` checks a ``runner.resume`` target
+the optimizer state of one unsharded optimizer and back; ``tp_state`` turns tensor-parallel slices of the
+parameters and their optimizer state into the full model's and back; ``resume`` checks a ``runner.resume`` target
 in the launching process, before any worker starts. The Lightning callback that decides when to save
 is ``callbacks.lightning_checkpoint.LightningCheckpoint``.
 """

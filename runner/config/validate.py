@@ -174,10 +174,6 @@ def tp_problems(cfg: DictConfig) -> list[str]:
     elif cfg.model.dropout:
         out.append(f"model.dropout={cfg.model.dropout} with parallel.tp={p.tp}: the tensor-parallel layers keep no "
                    "dropout stream per TP rank yet; set model.dropout=0 or parallel.tp=1.")
-    if cfg.checkpoint.every_n_steps or cfg.runner.resume:
-        out.append(f"parallel.tp={p.tp}: checkpoint files hold one unsharded model and the slices are not gathered "
-                   "into it yet; set checkpoint.every_n_steps=0 and leave runner.resume unset (flash_ckpt snapshots "
-                   "each rank's slice), or set parallel.tp=1.")
     return out
 
 

@@ -19,7 +19,7 @@ back a ``DeviceMesh`` (docs/parallelism.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -176,24 +176,34 @@ def shard_gpt_for_tp(model: GPT, group) -> GPT:
     return model
 
 
+def shard_layouts(module: nn.Module) -> dict[str, tuple[ShardLayout, Any]]:
+    """Every TP-sharded parameter of ``module`` by name (as ``named_parameters`` gives it): how it is cut, and
+    the TP group it is cut over (that group's ``rank()`` is this process's slice)."""
+    return {f"{prefix}.{name}" if prefix else name: (layout, sub.group) for prefix, sub in module.named_modules()
+            if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)) for name, layout in sub.layouts.items()}
+
+
+def gather_shards(tensor: torch.Tensor, layout: ShardLayout, group) -> torch.Tensor:
+    """The full tensor whose slice over ``group`` is ``tensor`` (one all-gather: every rank of the group
+    calls it with its own slice of the same tensor)."""
+    shards = [torch.empty_like(tensor) for _ in range(group.size())]
+    group.allgather([shards], [tensor.contiguous()]).wait()
+    return layout.unshard(shards)
+
+
 def gather_full(model: nn.Module, group, *, grads: bool = False) -> dict[str, Optional[torch.Tensor]]:
     """The full parameters (or, with ``grads``, their gradients) of a TP-sharded ``model`` by name, as the
     unsharded model has them: sharded ones gathered over ``group``, replicated ones as they are. Every
     rank of the group must call it (it runs one all-gather per sharded parameter)."""
-    layouts = {f"{prefix}.{name}": layout for prefix, module in model.named_modules()
-               if isinstance(module, (ColumnParallelLinear, RowParallelLinear))
-               for name, layout in module.layouts.items()}
+    layouts = shard_layouts(model)
     full: dict[str, Optional[torch.Tensor]] = {}
     for name, param in model.named_parameters():
         tensor = param.grad if grads else param.detach()
         if name not in layouts or tensor is None:
             full[name] = None if tensor is None else tensor.clone()
             continue
-        shards = [torch.empty_like(tensor) for _ in range(group.size())]
-        group.allgather([shards], [tensor.contiguous()]).wait()
-        full[name] = layouts[name].unshard(shards)
+        full[name] = gather_shards(tensor, layouts[name][0], group)
     return full
-
 
 
 def grad_squares(model: nn.Module) -> torch.Tensor:
