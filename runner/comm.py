@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -25,6 +26,7 @@ from runner import protocol, store_counts
 from runner.protocol import Layout
 from runner.topology import Topology
 
+_CUT_OFF_POLL = timedelta(seconds=0.1)  # how often a long wait asks whether its peers were cut off
 _WAIT_MARGIN = timedelta(seconds=5)  # a launched op fails by itself at the collective timeout; waits allow this more
 
 
@@ -56,6 +58,10 @@ class Comm:
         self.layout: Layout | None = None
         self._in_flight: list = []  # work objects of launched collectives not waited for yet
         self._failure: str | None = None  # why a launch failed, raised by the next wait_all
+        self._stuck: list = []  # gloo work given up on (a peer cut off): its group must outlive it
+        self._retired: list[tuple] = []  # (groups, stuck work): dropped once the work ends by itself
+        # NCCL's abort() ends in-flight work itself, and its waits are not sliced
+        self._cut_off_check = None if backend == "nccl" else self._cut_off
 
     # -- membership -----------------------------------------------------------------------------
     @property
@@ -188,6 +194,10 @@ class Comm:
         if self.backend != "nccl":  # NCCL's abort() ends in-flight work itself
             self._drain()  # gloo: nothing may be in flight when the group goes (see the collectives below)
         self._in_flight, self._failure = [], None
+        if self._stuck:  # gloo's destructor would wait for the stuck work: keep its groups until it ends
+            self._retired.append((self.pg, self.tp_pg, self.dp_pg, self.side_pg, self._stuck))
+            self._stuck = []
+        self._retired = [r for r in self._retired if not all(w.is_completed() for w in r[-1])]
         if self.pg is not None:
             if self.backend == "nccl":
                 self.pg.abort()  # NCCL: abort the communicator instead of waiting for its timeout
@@ -242,7 +252,10 @@ class Comm:
             work = op(self.tp_pg)
         except Exception as err:
             return _first_line(err)
-        return _wait_each([work], self.collective_timeout + _WAIT_MARGIN)
+        failure = _wait_each([work], self.collective_timeout + _WAIT_MARGIN, self._cut_off_check)
+        if not work.is_completed():
+            self._stuck.append(work)
+        return failure
 
     def wait_all(self) -> None:
         """Wait for every launched collective; on any failure drop the group and raise."""
@@ -260,10 +273,24 @@ class Comm:
 
     def _drain(self) -> str | None:
         """Wait for every launched collective, failed or not; the reason of the first failure."""
-        failed = _wait_each(self._in_flight, self.collective_timeout + _WAIT_MARGIN)
+        failed = _wait_each(self._in_flight, self.collective_timeout + _WAIT_MARGIN, self._cut_off_check)
         failure = self._failure or failed
+        self._stuck += [w for w in self._in_flight if not w.is_completed()]
         self._in_flight, self._failure = [], None
         return failure
+
+    def _cut_off(self) -> str | None:
+        """Why this generation's collectives are given up on: the controller found members of it cut off
+        silently (``protocol.cut_off_key``), or already announced the next generation. A silent peer
+        neither answers nor closes its connections, and gloo's own abort() leaves a pending collective
+        waiting to the timeout; a peer that dropped its group closes only the connections it opened,
+        which with lazily connected groups need not include this rank's."""
+        gen = self.gen
+        if self.store.check([protocol.cut_off_key(gen)]):
+            return f"gen {gen}: {self.store.get(protocol.cut_off_key(gen)).decode()}"
+        if self.store.check([f"gen/{gen + 1}"]):
+            return f"gen {gen} was replaced while this collective waited"
+        return None
 
     def _run(self, ops) -> None:
         for op in ops:
@@ -295,16 +322,34 @@ class Comm:
         self.allreduce([torch.zeros(1, device=self.device)])
 
 
-def _wait_each(works: list, bound: timedelta) -> str | None:
-    """Wait for every work object (each at most ``bound``); the first error message, if any.
+def _wait_each(works: list, bound: timedelta, cut_off: Callable[[], str | None] | None) -> str | None:
+    """Wait for every work object (each at most ``bound``), the first error message, if any; once
+    ``cut_off`` (asked every ``_CUT_OFF_POLL`` of a wait, when given) gives a reason, stop waiting and return it.
     A function of its own so that no frame holds on to a work object after it returns."""
     failure = None
     for work in works:
+        failure = failure or _wait_one(work, bound, cut_off)
+    return failure
+
+
+def _wait_one(work, bound: timedelta, cut_off: Callable[[], str | None] | None) -> str | None:
+    if cut_off is None:
         try:
             work.wait(bound)
+            return None
         except Exception as err:
-            failure = failure or _first_line(err)
-    return failure
+            return _first_line(err)
+    deadline = time.monotonic() + bound.total_seconds()
+    while True:
+        try:
+            work.wait(min(_CUT_OFF_POLL, timedelta(seconds=max(0.0, deadline - time.monotonic()))))
+            return None
+        except Exception as err:
+            if work.is_completed() or time.monotonic() >= deadline:
+                return _first_line(err)
+            reason = cut_off()
+            if reason is not None:
+                return reason
 
 
 def _first_line(err: Exception) -> str:

@@ -12,6 +12,8 @@ Node agents (runner.agents; one process per host, reached only through the store
 Keys (all under the job's store, or a namespace of it under torchrun):
   gen                 latest generation number (decimal string), written after gen/<g>
   gen/<g>             the Layout of generation g (JSON)
+  cut_off/<g>         members of generation g were lost silently (a host's heartbeat stopped): its collectives
+                      are given up on, not waited out (the controller's reason)
   pg/<g>/...          generation g's process-group rendezvous (a PrefixStore: arrived/<rank> first)
   ready/<wid>         a replacement finished its start-up and can join
   hb/<wid>            heartbeat payload (JSON: seq, step, phase, rss, t)
@@ -36,6 +38,10 @@ from torch.distributed import PrefixStore, TCPStore
 from runner.store_counts import counted
 
 STOP = "stop"
+
+
+def cut_off_key(gen: int) -> str:
+    return f"cut_off/{gen}"
 
 
 @dataclass

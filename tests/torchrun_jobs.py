@@ -76,8 +76,9 @@ class Job:
         return proc
 
     def torchrun(self, nnodes: int, nproc: int, rdzv: list[str], max_restarts: int, *overrides: str,
-                 extra_env: dict | None = None):
-        return self.start([sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                 extra_env: dict | None = None, prefix: tuple[str, ...] = ()):
+        """A torchrun tree; ``prefix`` runs it through another command first (``ip netns exec NS``)."""
+        return self.start([*prefix, sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
                            f"--nproc_per_node={nproc}", *rdzv, f"--max-restarts={max_restarts}",
                            "--monitor-interval=0.1", "-m", "runner", *BASE, f"hydra.run.dir={self.run_dir}",
                            *overrides], extra_env)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from runner import protocol
 from runner.control.context import RunContext
 from runner.decision import Decision, decide
 from runner.recovery.actions import RecoveryAction
@@ -48,6 +49,8 @@ class Executor:
         incidents.decide_at = None
         detector.silent_reported |= set(lost_nodes)  # handled now: their silence is no new symptom later
         detector.nodes_lost |= set(lost_nodes)
+        if lost_nodes:  # a host cut off silently neither answers nor resets its connections: survivors stop waiting
+            self.ctx.store.set(protocol.cut_off_key(members.gen), f"node(s) {lost_nodes} went silent")
         for action in self.actions.values():
             action.on_nodes_lost(self.ctx, lost_nodes)
         lost_ranks = [w.logical for w in members.live() if w.node in lost_nodes]

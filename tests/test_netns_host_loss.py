@@ -1,0 +1,122 @@
+"""A host cut off silently, as in a power loss, under launcher.mode=per_host: three torchrun trees as three hosts,
+each in a network namespace of its own with its own address on a bridge; host 1's processes are frozen and its
+link taken down, so that no connection is reset. The controller sees the host's heartbeat stop, the survivors'
+collectives blocked on the frozen peers are aborted (not waited out to the collective timeout), and the spare
+host takes over as when a host is killed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from runner import protocol
+from runner.comm import CollectiveFailure, Comm
+from runner.protocol import Layout
+from tests import netns
+from tests import test_torchrun_per_host as per_host
+from tests.torchrun_jobs import Job, events, free_port, max_step, wait_for
+
+LAYOUT, SECRET = per_host.LAYOUT, per_host.SECRET
+local_checksum = per_host.local_checksum  # the fixture: the same layout's fault-free checksum under launcher=local
+
+COLLECTIVE_TIMEOUT_S = 30.0  # launcher.collective_timeout_s's default: what the survivors must not wait out
+
+
+def test_a_collective_waiting_on_a_peer_cut_off_is_given_up_once_the_controller_says_so():
+    """Two gloo members; the second never joins the collective (silent, its connection open). Once the
+    generation is marked cut off, the first stops waiting at once, far from the collective timeout."""
+    store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    timeouts = SimpleNamespace(collective_timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_timeout_s=30.0,
+                               recovery_timeout_s=30.0)
+    live, silent = (Comm(store, wid, "gloo", torch.device("cpu"), timeouts) for wid in (0, 1))
+    layout = Layout(gen=0, members=[0, 1], logical=[0, 1], dp=2)
+    joining = threading.Thread(target=silent.join, args=(layout,))
+    joining.start()
+    live.join(layout)
+    joining.join()
+    store.set(protocol.cut_off_key(0), "node(s) [1] went silent")
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveFailure, match=r"gen 0: node\(s\) \[1\] went silent"):
+        live.allreduce([torch.ones(4)])
+    assert time.monotonic() - t0 < 2.0 and live.pg is None  # given up on, its group aborted
+    (retired,) = live._retired  # kept: gloo's destructor would wait for the stuck collective
+    silent.allreduce([torch.ones(4)])  # the peer comes back: the abandoned collective completes, and its group can go
+    retired[-1][0].wait()
+    silent.abort()
+    live.abort()
+    assert live._retired == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason()))
+def test_a_host_cut_off_silently_is_detected_by_heartbeat_and_replaced_by_the_spare_host(make_job, local_checksum):
+    job = make_job()
+    with netns.Hosts(3) as hosts:
+        try:
+            _run(job, hosts, local_checksum)
+        finally:
+            job.close()  # SIGKILL ends the frozen tree too
+
+
+def _run(job: Job, hosts: netns.Hosts, checksum: str) -> None:
+    head = hosts.address(0)
+    port = free_port()
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{port}", f"--rdzv-id={job.token[:8]}"]
+    overrides = ["launcher.mode=per_host", *LAYOUT, f"launcher.control_host={head}"]
+    env = {**SECRET, "GLOO_SOCKET_IFNAME": hosts.IFNAME}  # gloo on the host's own link, not the hostname's address
+    trees = []
+    for i in range(3):
+        # host 0 hosts torchrun's rendezvous store and, started first, gets node rank 0 (ranks follow pids)
+        # (the hosts share one host name: --local-addr is what torchrun hands out as MASTER_ADDR)
+        conf = [f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={hosts.address(i)}"]
+        trees.append(job.torchrun(3, 1, rdzv + conf, 0, *overrides, extra_env=env, prefix=tuple(hosts.exec_prefix(i))))
+        if i == 0:
+            wait_for("the rendezvous store", lambda: _listens(trees[0].pid, port), procs=trees, timeout_s=60)
+    wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=trees)
+    joined = {e["node"]: e["pid"] for e in events(job.run_dir, "host_joined")}
+    assert sorted(joined) == [0, 1, 2]
+    for node, tree in enumerate(trees):
+        assert joined[node] in _tree_pids(tree.pid), f"node {node} is not the tree started on host {node}"
+
+    frozen = [psutil.Process(p) for p in _tree_pids(trees[1].pid)]
+    for p in frozen:
+        p.send_signal(signal.SIGSTOP)
+    hosts.cut_off(1)
+    t_cut = time.time()
+
+    survivors = [trees[0], trees[2]]
+    wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=survivors)
+    s = json.loads((job.run_dir / "summary.json").read_text())
+    assert s["status"] == "completed", job.output()
+    (rec,) = s["recoveries"]
+    assert (rec["fault"], rec["action"], rec["victims"]) == ("node_loss", "swap_spare", [2, 3])
+    assert s["samples_lost"] == 0 and s["param_checksum"] == checksum
+
+    detected = events(job.run_dir, "fault_detected")[0]  # the first symptom: host 1's heartbeat stopped
+    assert (detected["symptom"], detected.get("node")) == ("node_silent", 1), detected
+    hb = 0.1 * 10  # heartbeat.interval_s x heartbeat.misses (the defaults)
+    print(f"host 1 cut off: detected after {detected['t'] - t_cut:.2f}s, recovery rto {rec['rto_s']:.2f}s")
+    assert detected["t"] - t_cut <= hb + 1.5, f"detected {detected['t'] - t_cut:.2f}s after the cut"
+    # the survivors' collectives with the frozen host were aborted, not waited out to the collective timeout
+    assert rec["rto_s"] < COLLECTIVE_TIMEOUT_S / 5, rec
+    assert all(p.status() == psutil.STATUS_STOPPED for p in frozen)  # no process of host 1 ever ran again
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether a socket listens on ``port`` in the network namespace of ``pid`` (psutil sees only its own)."""
+    tables = [open(f"/proc/{pid}/net/{t}").read().splitlines()[1:] for t in ("tcp", "tcp6")]
+    rows = [line.split() for table in tables for line in table]
+    return any(int(local.rsplit(":", 1)[1], 16) == port and state == "0A" for _, local, _, state, *_ in rows)
+
+
+def _tree_pids(pid: int) -> set[int]:
+    root = psutil.Process(pid)
+    return {root.pid} | {c.pid for c in root.children(recursive=True)}
