@@ -13,7 +13,6 @@ dropped with the world group, so a replacement rank joins them like any other me
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -363,16 +362,7 @@ def _opts(op) -> dist.AllreduceOptions:
 
 
 def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta) -> dist.ProcessGroupGloo:
-    """Gloo over loopback (or the host's interfaces); the rendezvous waits at most ``rendezvous``.
-
-    Pairs connect lazily, on their first use, unless ``TORCH_GLOO_LAZY_INIT`` says otherwise: a ring
-    all-reduce opens two connections per member instead of a full mesh of N - 1 (docs/recovery.md)."""
-    lazy = None if "TORCH_GLOO_LAZY_INIT" in os.environ else True  # None: torch reads the user's setting
-    interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
-    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stubs call it Options
-    opts._devices = ([dist.ProcessGroupGloo.create_device(interface=name, lazy_init=lazy) for name in interfaces]
-                     or [dist.ProcessGroupGloo.create_default_device(lazy_init=lazy)])
-    opts._threads, opts._timeout = 2 * len(opts._devices), rendezvous  # as torch's defaults
-    pg = dist.ProcessGroupGloo(store, rank, size, opts)
+    """Gloo over loopback (or the host's interface); the rendezvous waits at most ``rendezvous``."""
+    pg = dist.ProcessGroupGloo(store, rank, size, rendezvous)
     pg.set_timeout(timeout)
     return pg
