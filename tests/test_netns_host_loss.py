@@ -7,8 +7,8 @@ host takes over as when a host is killed."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import signal
-import threading
 import time
 from types import SimpleNamespace
 
@@ -30,29 +30,49 @@ local_checksum = per_host.local_checksum  # the fixture: the same layout's fault
 COLLECTIVE_TIMEOUT_S = 30.0  # launcher.collective_timeout_s's default: what the survivors must not wait out
 
 
+TIMEOUTS = SimpleNamespace(collective_timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_timeout_s=30.0,
+                           recovery_timeout_s=30.0)
+PAIR = Layout(gen=0, members=[0, 1], logical=[0, 1], dp=2)
+
+
+def _silent_member(port: int, resume) -> None:
+    """The second member, in a process of its own (a group's constructor holds the GIL while it waits for its
+    peers, so two members in one process's threads can deadlock): joins, stays silent until told, then joins
+    the collective the first one gave up on."""
+    silent = Comm(TCPStore("127.0.0.1", port, is_master=False), 1, "gloo", torch.device("cpu"), TIMEOUTS)
+    silent.join(PAIR)
+    if resume.wait(60):
+        silent.allreduce([torch.ones(4)])
+    silent.abort()
+
+
 def test_a_collective_waiting_on_a_peer_cut_off_is_given_up_once_the_controller_says_so():
     """Two gloo members; the second never joins the collective (silent, its connection open). Once the
     generation is marked cut off, the first stops waiting at once, far from the collective timeout."""
     store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
-    timeouts = SimpleNamespace(collective_timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_timeout_s=30.0,
-                               recovery_timeout_s=30.0)
-    live, silent = (Comm(store, wid, "gloo", torch.device("cpu"), timeouts) for wid in (0, 1))
-    layout = Layout(gen=0, members=[0, 1], logical=[0, 1], dp=2)
-    joining = threading.Thread(target=silent.join, args=(layout,))
-    joining.start()
-    live.join(layout)
-    joining.join()
-    store.set(protocol.cut_off_key(0), "node(s) [1] went silent")
-    t0 = time.monotonic()
-    with pytest.raises(CollectiveFailure, match=r"gen 0: node\(s\) \[1\] went silent"):
-        live.allreduce([torch.ones(4)])
-    assert time.monotonic() - t0 < 2.0 and live.pg is None  # given up on, its group aborted
-    (retired,) = live._retired  # kept: gloo's destructor would wait for the stuck collective
-    silent.allreduce([torch.ones(4)])  # the peer comes back: the abandoned collective completes, and its group can go
-    retired[-1][0].wait()
-    silent.abort()
-    live.abort()
-    assert live._retired == []
+    ctx = multiprocessing.get_context("spawn")
+    resume = ctx.Event()
+    peer = ctx.Process(target=_silent_member, args=(store.port, resume))
+    peer.start()
+    try:
+        live = Comm(store, 0, "gloo", torch.device("cpu"), TIMEOUTS)
+        live.join(PAIR)
+        store.set(protocol.cut_off_key(0), "node(s) [1] went silent")
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveFailure, match=r"gen 0: node\(s\) \[1\] went silent"):
+            live.allreduce([torch.ones(4)])
+        assert time.monotonic() - t0 < 2.0 and live.pg is None  # given up on, its group aborted
+        (retired,) = live._retired  # kept: gloo's destructor would wait for the stuck collective
+        resume.set()  # the peer comes back: the abandoned collective completes, and its group can go
+        retired[-1][0].wait()
+        peer.join(60)
+        assert peer.exitcode == 0
+        live.abort()
+        assert live._retired == []
+    finally:
+        if peer.is_alive():
+            peer.kill()
+            peer.join()
 
 
 @pytest.mark.slow
