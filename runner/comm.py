@@ -344,11 +344,22 @@ def _wait_one(work, bound: timedelta, cut_off: Callable[[], str | None] | None) 
             work.wait(min(_CUT_OFF_POLL, timedelta(seconds=max(0.0, deadline - time.monotonic()))))
             return None
         except Exception as err:
-            if work.is_completed() or time.monotonic() >= deadline:
+            if work.is_completed():  # it ended as the slice ran out: its own outcome, not the slice's timeout
+                return _outcome(work)
+            if time.monotonic() >= deadline:
                 return _first_line(err)
             reason = cut_off()
             if reason is not None:
                 return reason
+
+
+def _outcome(work) -> str | None:
+    """A completed work object's error message, or None when it succeeded (waiting returns at once)."""
+    try:
+        work.wait()
+        return None
+    except Exception as err:
+        return _first_line(err)
 
 
 def _first_line(err: Exception) -> str:

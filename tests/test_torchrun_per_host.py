@@ -179,15 +179,22 @@ def test_when_the_controllers_host_dies_every_other_host_exits_non_zero_and_a_re
     assert_trees_end(again)
 
 
-@pytest.mark.slow
-def test_a_lost_training_host_is_replaced_by_the_spare_host(make_job, local_checksum):
-    job = make_job()
-    hosts = hosts_behind_the_rendezvous_store(job, 3, *LAYOUT)
-    wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=hosts)
-    rest = lose_host(job, hosts, 1)
+def _complete_after_losing_host_1(job: Job, hosts: int, *overrides: str) -> tuple[dict, list]:
+    """Start the hosts, power off host 1 once training runs, and return the completed run's summary and the
+    other trees."""
+    trees = hosts_behind_the_rendezvous_store(job, hosts, *overrides)
+    wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=trees)
+    rest = lose_host(job, trees, 1)
     wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=rest)
     s = summary(job)
     assert s["status"] == "completed", job.output()
+    return s, rest
+
+
+@pytest.mark.slow
+def test_a_lost_training_host_is_replaced_by_the_spare_host(make_job, local_checksum):
+    job = make_job()
+    s, rest = _complete_after_losing_host_1(job, 3, *LAYOUT)
     (rec,) = s["recoveries"]
     assert (rec["fault"], rec["action"], rec["victims"]) == ("node_loss", "swap_spare", [2, 3])
     assert s["samples_lost"] == 0 and s["param_checksum"] == local_checksum
@@ -197,12 +204,7 @@ def test_a_lost_training_host_is_replaced_by_the_spare_host(make_job, local_chec
 @pytest.mark.slow
 def test_ndb_neighbours_take_over_a_lost_hosts_ranks(make_job, local_fault_free):
     job = make_job()
-    hosts = hosts_behind_the_rendezvous_store(job, 2, *TWO_HOSTS, "ft=[ndb]")
-    wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=hosts)
-    rest = lose_host(job, hosts, 1)
-    wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=rest)
-    s = summary(job)
-    assert s["status"] == "completed", job.output()
+    s, rest = _complete_after_losing_host_1(job, 2, *TWO_HOSTS, "ft=[ndb]")
     (rec,) = s["recoveries"]
     assert (rec["fault"], rec["action"], rec["victims"]) == ("node_loss", "takeover", [2, 3])
     assert len(events(job.run_dir, "worker_started")) == 4  # nobody restarted: node 0's ranks compute node 1's too
