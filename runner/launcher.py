@@ -55,6 +55,11 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
 def check_mode(cfg: DictConfig, kind: str) -> None:
     """``launcher.mode`` fits the launcher, and under ``per_rank`` every configured fault can be carried out."""
     mode = cfg.launcher.mode
+    if cfg.launcher.get("control_host") and (kind == "local" or mode != "per_host"):
+        raise ConfigError(f"launcher.control_host={cfg.launcher.control_host} is where node 0 of a "
+                          "launcher.mode=per_host job listens for the other hosts' agents; this run "
+                          f"({kind}, launcher.mode={mode}) has no such agents: drop launcher.control_host, or "
+                          "start the job under torchrun/SLURM with launcher.mode=per_host.")
     if kind == "local":
         if mode != "auto":
             raise ConfigError(f"launcher.mode={mode} applies under torchrun or SLURM; with launcher=local (one host, "

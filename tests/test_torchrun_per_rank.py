@@ -32,8 +32,8 @@ def fault_free(tmp_path_factory) -> str:
 
 # -- configuration ------------------------------------------------------------------------------------
 def _cfg(**keys):
-    cfg = OmegaConf.create({"launcher": {"mode": "auto", "secret_file": None}, "parallel": {"procs_per_node": 2},
-                            "fault": {"kind": "none", "rank": 0, "extra": []}})
+    cfg = OmegaConf.create({"launcher": {"mode": "auto", "secret_file": None, "control_host": None},
+                            "parallel": {"procs_per_node": 2}, "fault": {"kind": "none", "rank": 0, "extra": []}})
     for key, value in keys.items():
         OmegaConf.update(cfg, key, value)
     return cfg
@@ -46,6 +46,8 @@ def _cfg(**keys):
     ({"fault.kind": "kill_node"}, "torchrun", "only the ranks of its own host"),
     ({"fault.kind": "kill_all"}, "slurm", "only the ranks of its own host"),
     ({"launcher.secret_file": "/etc/hostname"}, "torchrun", "drop launcher.secret_file"),
+    ({"launcher.control_host": "10.0.0.1"}, "torchrun", "drop launcher.control_host"),
+    ({"launcher.control_host": "127.0.0.1"}, "local", "drop launcher.control_host"),
 ])
 def test_what_per_rank_cannot_do_is_refused_before_anything_starts(keys, kind, refused):
     from runner.launcher import check_mode
@@ -54,6 +56,7 @@ def test_what_per_rank_cannot_do_is_refused_before_anything_starts(keys, kind, r
         check_mode(_cfg(**keys), kind)
     check_mode(_cfg(**{"fault.kind": "kill_rank", "fault.rank": 1}), "torchrun")  # a rank of rank 0's host
     check_mode(_cfg(**{"launcher.mode": "per_rank"}), "torchrun")
+    check_mode(_cfg(**{"launcher.mode": "per_host", "launcher.control_host": "10.0.0.1"}), "torchrun")
 
 
 # -- the attempt id and the attempts' accounting, in process --------------------------------------------------
