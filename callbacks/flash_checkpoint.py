@@ -16,12 +16,14 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from time import perf_counter
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from runner.comm import Comm
 from runner.recovery.flash_ckpt import (
     Event,
     PersistClient,
@@ -29,6 +31,7 @@ from runner.recovery.flash_ckpt import (
     backup_to_partner,
     cleanup_stale,
     connect_persister,
+    exchange_with_partners,
     spawn_persister,
 )
 from runner.recovery.flash_ckpt.events import emit
@@ -58,7 +61,11 @@ class FlashCheckpoint(Callback):
     TORCHELASTIC_RUN_ID). `rank` names the segment (default: the trainer's global rank). With
     `partner` set (a rank, or a function of this rank), each committed snapshot is copied into the
     backup segment that rank keeps for this one (neighbour backup), in the background during the
-    next step. Segments are unlinked after a successful fit and kept after a failure, for a restart
+    next step: with `comm` (then `partner` must be a function of the rank), over the generation's
+    side group into the partner's own host memory, each rank sending its snapshot and receiving
+    those of the ranks whose partner it is; without, by a copy on this host. A copy that fails or
+    takes longer than the collective timeout is reported (``backup_failed``) and never stops
+    training. Segments are unlinked after a successful fit and kept after a failure, for a restart
     or a breakpoint persist.
     """
 
@@ -78,16 +85,19 @@ class FlashCheckpoint(Callback):
         on_event=None,
         rank: int | None = None,
         partner: int | Callable[[int], int | None] | None = None,
+        comm: Comm | None = None,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
         if persist_every_n_steps is not None and (persist_every_n_steps < 1 or persist_every_n_steps % every_n_steps):
             raise ValueError("persist_every_n_steps must be a positive multiple of every_n_steps")
+        if comm is not None and partner is not None and not callable(partner):
+            raise ValueError("with comm, partner must be a function of the rank: each rank also receives copies")
         self.every_n_steps, self.persist_every_n_steps = every_n_steps, persist_every_n_steps
         self.dir, self.overlap, self.keep = Path(dir), overlap, keep
         self.job_id = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
         self.exclude_keys, self.unlink_on_success = exclude_keys, unlink_on_success
-        self.rank, self.partner = rank, partner
+        self.rank, self.partner, self._comm = rank, partner, comm
         self._partner_rank: int | None = None  # ``partner`` resolved for this rank at setup
         self.blocked_s: list[float] = []  # per snapshot: time the training loop was held
         self._user_sink = on_event
@@ -184,8 +194,10 @@ class FlashCheckpoint(Callback):
         """Finish the snapshot in flight, then hand a committed step to the partner copy and the persister."""
         waited = self._snapshotter.wait() + self._settle_backup()
         if self._to_backup is not None and self._backup_pool is not None:
-            self._to_backup = None
-            self._backup = self._backup_pool.submit(self._copy_to_partner)
+            step, self._to_backup = self._to_backup, None
+            copy = self._copy_to_partner if self._comm is None else self._exchange(self._comm, step)
+            if copy is not None:
+                self._backup = self._backup_pool.submit(copy)
         if self._to_persist is not None:
             step, self._to_persist = self._to_persist, None
             # a persist step is only reached with a persister: setup joins or spawns one whenever the fit reaches one
@@ -194,13 +206,45 @@ class FlashCheckpoint(Callback):
         return waited
 
     def _settle_backup(self) -> float:
-        """Wait for the partner copy in flight (started one step earlier, normally long done)."""
+        """Wait for the partner copy in flight (started one step earlier, normally long done). An
+        exchange still running after the collective timeout is given up: its thread ends once its own
+        waits time out, and the next copy runs on a new one."""
         if self._backup is None:
             return 0.0
         t0 = perf_counter()
         backup, self._backup = self._backup, None
-        backup.result()
+        timeout = self._comm.collective_timeout.total_seconds() if self._comm is not None else None
+        try:
+            backup.result(timeout=timeout)
+        except FutureTimeout:
+            emit(self._on_event, "backup_failed", None, f"rank {self.rank}",
+                 f"the exchange with the partners took longer than {timeout:.0f}s")
+            assert self._backup_pool is not None  # copies only start on the pool
+            self._backup_pool.shutdown(wait=False)
+            self._backup_pool = ThreadPoolExecutor(1, thread_name_prefix=f"flash-backup-r{self.rank}")
         return perf_counter() - t0
+
+    def _exchange(self, comm: Comm, step: int) -> Callable[[], None] | None:
+        """The exchange of the snapshot of `step` on this generation's side group, its routes taken now
+        (in the training thread, where the generation does not change under it); None, reported, if
+        there is no group or the partner is not in it."""
+        assert callable(self.partner) and self.rank is not None  # checked in __init__, resolved in setup
+        holder, pg = self._partner_rank, comm.side_pg
+        group_rank = {logical: i for i, logical in enumerate(comm.joined.logical)} if comm.layout else {}
+        if pg is None or holder not in group_rank:
+            emit(self._on_event, "backup_failed", None, f"rank {holder}",
+                 "no side group" if pg is None else "the partner is not in this generation")
+            return None
+        owners = [(r, group_rank[r]) for r in comm.joined.logical if r != self.rank and self.partner(r) == self.rank]
+        job_id, rank, timeout, sink = self.job_id, self.rank, comm.collective_timeout, self._on_event
+
+        def exchange() -> None:
+            try:
+                exchange_with_partners(pg, job_id, rank, (holder, group_rank[holder]), owners, step, timeout, sink)
+            except Exception as e:
+                emit(sink, "backup_failed", None, f"rank {holder}", f"{type(e).__name__}: {e}")
+
+        return exchange
 
     def _copy_to_partner(self) -> None:
         """A failed copy leaves the previous one in place: reported, never fatal to training."""

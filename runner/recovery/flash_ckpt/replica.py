@@ -1,20 +1,39 @@
 """Neighbour backup: a copy of a rank's newest snapshot in a segment held by a partner rank.
 
-In a real multi-node job the bytes would travel over torch.distributed (or the partner would
-read the owner's segment over the network) and land in the partner's /dev/shm. In the CPU
-simulation every node shares this host's /dev/shm, so the copy is a local memcpy into the
-segment named ``rrflash.<job>.r<owner>.b<holder>``: the name says whose memory it stands for,
-and losing the owner's own segment (a lost node) leaves the backup to restore from.
+The copy lives in the segment ``rrflash.<job>.r<owner>.b<holder>``: the name says whose memory it
+stands for, and losing the owner's host (its own segments) leaves the backup to restore from, in the
+same verified-chunks format as the owner's segment, so restores read it like any other.
+
+In a job the bytes travel over torch.distributed (``exchange_with_partners``): after each snapshot
+every rank sends its newest committed snapshot to its holder (a rank on the partner node) and
+receives the snapshots of the ranks it holds copies for, on the generation's side group (gloo,
+beside the main group). The HOLDER's process writes what it receives into its own host's
+/dev/shm and commits it only once all of it arrived and every chunk verifies; anything less
+leaves the previous copy in place. ``backup_to_partner`` is the same copy by memcpy, for a
+partner on the same host (a single process, no group).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from .chunks import Plan
-from .segment import Slot, encode_meta
+from .events import EventSink, emit
+from .segment import CorruptSnapshot, Slot, encode_meta
 from .shm import segment_name
-from .slots import SlotWriter, newest_verified
+from .slots import SlotWriter, committed_steps, newest_verified
+
+_TAG_BASE = 8  # message tags below are DeadPool's shard replication, on the same side group
+_PARTS = 3  # header (step, metadata length, data length), metadata JSON, data region
 
 
 def backup_to_partner(job_id: str, owner: int, holder: int) -> int:
@@ -31,22 +50,112 @@ def _copy(path: Path, step: int, target: str, holder: int) -> int:
     src = Slot.open(path)
     try:
         src.lock(exclusive=False)
-        meta = {**src.committed_meta(step), "holder": holder}
-        plan = src.plan(meta)
-        writer = SlotWriter(target)
-        try:
-            dst = writer.begin(len(encode_meta(meta)), plan.data_len)
-            try:  # the region moves as one piece per chunk; the chunk checksums carry over
-                region = [{"path": "data region", "offset": 0, "nbytes": plan.data_len}]
-                whole = Plan.of(region, plan.data_len, plan.chunk_bytes)
-                whole.drain(src.region(), [dst.region().ctypes.data], meta["digests"],
-                            lambda c: src.mismatch(meta, plan, c))
-            except BaseException:
-                writer.abort(dst)
-                raise
-            writer.commit(dst, step, meta)
-        finally:
-            writer.close()
+        meta = src.committed_meta(step)
+        return _write_backup(target, step, meta, holder,
+                             lambda dst, plan: _whole(plan).drain(src.region(), [dst.region().ctypes.data],
+                                                                  meta["digests"],
+                                                                  lambda c: src.mismatch(meta, plan, c)))
     finally:
         src.close()
+
+
+def exchange_with_partners(pg: dist.ProcessGroup, job_id: str, rank: int, holder: tuple[int, int],
+                           owners: list[tuple[int, int]], step: int, timeout: timedelta,
+                           on_event: EventSink = None) -> None:
+    """Send this rank's newest snapshot to `holder` and receive the snapshot of each of `owners`.
+
+    `holder` and `owners` are (logical rank, rank in `pg`). Every message of this exchange is
+    tagged with `step` (the snapshot step both sides just took), so an exchange one side gave up
+    never pairs with a later one. All sends are posted before the first receive and every wait
+    ends within `timeout`, so the pairs cannot deadlock. Failures are reported as
+    ``backup_failed`` (a copy of this rank's that did not leave, or one of an owner's that did not
+    arrive whole), received copies as ``backed_up``; neither raises.
+    """
+    tags = [_TAG_BASE + _PARTS * step + part for part in range(_PARTS)]
+    with _outgoing(job_id, rank) as (sent_step, messages):
+        sends = [pg.send([message], holder[1], tag) for message, tag in zip(messages, tags) if message.numel()]
+        for owner, src in owners:
+            try:
+                got = _receive(pg, job_id, owner, rank, src, tags, timeout)
+                emit(on_event, "backed_up", got, f"rank {rank}", f"copy of rank {owner}")
+            except Exception as e:
+                emit(on_event, "backup_failed", None, f"rank {rank}", f"copy of rank {owner}: {_reason(e)}")
+        failure = None
+        for work in sends:
+            try:
+                work.wait(timeout)
+            except Exception as e:
+                failure = failure or _reason(e)
+    if sent_step < 0 or failure is not None:
+        detail = "no committed snapshot to send" if sent_step < 0 else f"sending step {sent_step}: {failure}"
+        emit(on_event, "backup_failed", None, f"rank {holder[0]}", detail)
+
+
+@contextmanager
+def _outgoing(job_id: str, owner: int) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    """The newest committed snapshot of `owner` as messages (header, metadata, data region), its
+    slot read-locked while they are in flight; only a header with step -1 if there is none."""
+    for step, path in committed_steps(segment_name(job_id, owner)):
+        src = Slot.open(path)
+        try:
+            src.lock(exclusive=False)
+            try:
+                meta = src.committed_meta(step)
+            except CorruptSnapshot:
+                continue  # the data of one that is sent is verified by the holder
+            raw = encode_meta(meta)
+            header = torch.tensor([step, len(raw), meta["data_len"]], dtype=torch.int64)
+            yield step, [header, torch.frombuffer(bytearray(raw), dtype=torch.uint8), src.data()[: meta["data_len"]]]
+            return
+        finally:
+            src.close()
+    yield -1, [torch.tensor([-1, 0, 0], dtype=torch.int64)]
+
+
+def _receive(pg: dist.ProcessGroup, job_id: str, owner: int, holder: int, src: int, tags: list[int],
+             timeout: timedelta) -> int:
+    """Receive `owner`'s snapshot straight into the backup segment in this host's memory; returns its step."""
+    header = torch.empty(3, dtype=torch.int64)
+    pg.recv([header], src, tags[0]).wait(timeout)
+    step, meta_len, data_len = header.tolist()
+    if step < 0:
+        raise LookupError(f"rank {owner} has no committed snapshot")
+    raw = torch.empty(meta_len, dtype=torch.uint8)
+    pg.recv([raw], src, tags[1]).wait(timeout)
+    meta = json.loads(raw.numpy().tobytes())
+    if meta.get("step") != step or meta.get("data_len") != data_len:
+        raise CorruptSnapshot(f"metadata of rank {owner}'s copy does not match its header")
+
+    def receive_and_verify(dst: Slot, plan: Plan) -> None:
+        if data_len:
+            pg.recv([dst.data()[:data_len]], src, tags[2]).wait(timeout)
+        _whole(plan).drain(dst.region(), [None], meta["digests"], lambda c: dst.mismatch(meta, plan, c))
+
+    return _write_backup(segment_name(job_id, owner, holder), step, meta, holder, receive_and_verify)
+
+
+def _write_backup(target: str, step: int, owner_meta: dict, holder: int, fill) -> int:
+    """Fill (`fill(slot, plan)`, which raises on any chunk that does not verify) and commit the next
+    slot of the backup segment `target`; its metadata names the holder and the process that wrote it."""
+    meta = {**owner_meta, "holder": holder, "written_by": {"host": socket.gethostname(), "pid": os.getpid()}}
+    writer = SlotWriter(target)
+    try:
+        dst = writer.begin(len(encode_meta(meta)), meta["data_len"])
+        try:
+            fill(dst, dst.plan(meta))
+        except BaseException:
+            writer.abort(dst)
+            raise
+        writer.commit(dst, step, meta)
+    finally:
+        writer.close()
     return step
+
+
+def _whole(plan: Plan) -> Plan:
+    """The data region as one piece per chunk: it moves whole, and the chunk checksums carry over."""
+    return Plan.of([{"path": "data region", "offset": 0, "nbytes": plan.data_len}], plan.data_len, plan.chunk_bytes)
+
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
