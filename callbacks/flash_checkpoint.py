@@ -192,12 +192,17 @@ class FlashCheckpoint(Callback):
 
     def _settle(self) -> float:
         """Finish the snapshot in flight, then hand a committed step to the partner copy and the persister."""
-        waited = self._snapshotter.wait() + self._settle_backup()
+        # an exchange with the partners is never waited for here: a partner that does not take part
+        # (restarted, hung) must not hold up training; the local copy is a memcpy and is
+        waited = self._snapshotter.wait() + (self._settle_backup() if self._comm is None else 0.0)
         if self._to_backup is not None and self._backup_pool is not None:
             step, self._to_backup = self._to_backup, None
-            copy = self._copy_to_partner if self._comm is None else self._exchange(self._comm, step)
-            if copy is not None:
-                self._backup = self._backup_pool.submit(copy)
+            if self._backup is not None and not self._backup.done():
+                emit(self._on_event, "backup_failed", step, f"rank {self._partner_rank}",
+                     "the exchange of the previous snapshot is still in flight")
+            else:
+                copy = self._copy_to_partner if self._comm is None else self._exchange(self._comm, step)
+                self._backup = self._backup_pool.submit(copy) if copy is not None else None
         if self._to_persist is not None:
             step, self._to_persist = self._to_persist, None
             # a persist step is only reached with a persister: setup joins or spawns one whenever the fit reaches one
@@ -207,21 +212,23 @@ class FlashCheckpoint(Callback):
 
     def _settle_backup(self) -> float:
         """Wait for the partner copy in flight (started one step earlier, normally long done). An
-        exchange still running after the collective timeout is given up: its thread ends once its own
-        waits time out, and the next copy runs on a new one."""
+        exchange is waited for at most the collective timeout, and not at all after a failed fit; one
+        still running then is given up: its thread ends once its own waits time out."""
         if self._backup is None:
             return 0.0
         t0 = perf_counter()
         backup, self._backup = self._backup, None
-        timeout = self._comm.collective_timeout.total_seconds() if self._comm is not None else None
+        timeout = None
+        if self._comm is not None:
+            timeout = 0.0 if self._failed else self._comm.collective_timeout.total_seconds()
         try:
             backup.result(timeout=timeout)
         except FutureTimeout:
-            emit(self._on_event, "backup_failed", None, f"rank {self.rank}",
-                 f"the exchange with the partners took longer than {timeout:.0f}s")
+            emit(self._on_event, "backup_failed", None, f"rank {self._partner_rank}",
+                 f"the exchange with the partners did not end within {timeout:.0f}s")
             assert self._backup_pool is not None  # copies only start on the pool
             self._backup_pool.shutdown(wait=False)
-            self._backup_pool = ThreadPoolExecutor(1, thread_name_prefix=f"flash-backup-r{self.rank}")
+            self._backup_pool = None  # no more copies after the fit's last one
         return perf_counter() - t0
 
     def _exchange(self, comm: Comm, step: int) -> Callable[[], None] | None:

@@ -74,9 +74,12 @@ def exchange_with_partners(pg: dist.ProcessGroup, job_id: str, rank: int, holder
     tags = [_TAG_BASE + _PARTS * step + part for part in range(_PARTS)]
     with _outgoing(job_id, rank) as (sent_step, messages):
         sends = [pg.send([message], holder[1], tag) for message, tag in zip(messages, tags) if message.numel()]
-        for owner, src in owners:
+        headers = [torch.empty(3, dtype=torch.int64) for _ in owners]  # every owner's header is awaited at once
+        arrivals = [pg.recv([header], src, tags[0]) for header, (_, src) in zip(headers, owners)]
+        for (owner, src), header, arrival in zip(owners, headers, arrivals):
             try:
-                got = _receive(pg, job_id, owner, rank, src, tags, timeout)
+                arrival.wait(timeout)
+                got = _receive(pg, job_id, owner, rank, src, header, tags, timeout)
                 emit(on_event, "backed_up", got, f"rank {rank}", f"copy of rank {owner}")
             except Exception as e:
                 emit(on_event, "backup_failed", None, f"rank {rank}", f"copy of rank {owner}: {_reason(e)}")
@@ -93,8 +96,10 @@ def exchange_with_partners(pg: dist.ProcessGroup, job_id: str, rank: int, holder
 
 @contextmanager
 def _outgoing(job_id: str, owner: int) -> Iterator[tuple[int, list[torch.Tensor]]]:
-    """The newest committed snapshot of `owner` as messages (header, metadata, data region), its
-    slot read-locked while they are in flight; only a header with step -1 if there is none."""
+    """The newest committed snapshot of `owner` as messages (header, metadata, data region); only a
+    header with step -1 if there is none. The slot is read-locked only while its metadata is read: a
+    send to a partner that does not answer must not hold up the snapshot that reuses the slot. The
+    holder verifies every chunk, so data overwritten while in flight is never committed."""
     for step, path in committed_steps(segment_name(job_id, owner)):
         src = Slot.open(path)
         try:
@@ -102,7 +107,9 @@ def _outgoing(job_id: str, owner: int) -> Iterator[tuple[int, list[torch.Tensor]
             try:
                 meta = src.committed_meta(step)
             except CorruptSnapshot:
-                continue  # the data of one that is sent is verified by the holder
+                continue
+            finally:
+                src.unlock()
             raw = encode_meta(meta)
             header = torch.tensor([step, len(raw), meta["data_len"]], dtype=torch.int64)
             yield step, [header, torch.frombuffer(bytearray(raw), dtype=torch.uint8), src.data()[: meta["data_len"]]]
@@ -112,11 +119,10 @@ def _outgoing(job_id: str, owner: int) -> Iterator[tuple[int, list[torch.Tensor]
     yield -1, [torch.tensor([-1, 0, 0], dtype=torch.int64)]
 
 
-def _receive(pg: dist.ProcessGroup, job_id: str, owner: int, holder: int, src: int, tags: list[int],
-             timeout: timedelta) -> int:
-    """Receive `owner`'s snapshot straight into the backup segment in this host's memory; returns its step."""
-    header = torch.empty(3, dtype=torch.int64)
-    pg.recv([header], src, tags[0]).wait(timeout)
+def _receive(pg: dist.ProcessGroup, job_id: str, owner: int, holder: int, src: int, header: torch.Tensor,
+             tags: list[int], timeout: timedelta) -> int:
+    """After its `header` arrived, receive `owner`'s snapshot straight into the backup segment in this
+    host's memory; returns its step."""
     step, meta_len, data_len = header.tolist()
     if step < 0:
         raise LookupError(f"rank {owner} has no committed snapshot")
