@@ -193,7 +193,7 @@ class FlashCheckpoint(Callback):
     def _settle(self) -> float:
         """Finish the snapshot in flight, then hand a committed step to the partner copy and the persister."""
         # an exchange with the partners is never waited for here: a partner that does not take part
-        # (restarted, hung) must not hold up training; the local copy is a memcpy and is
+        # (restarted, hung) must not hold up training; a copy on this host (no comm) is a memcpy, waited for
         waited = self._snapshotter.wait() + (self._settle_backup() if self._comm is None else 0.0)
         if self._to_backup is not None and self._backup_pool is not None:
             step, self._to_backup = self._to_backup, None

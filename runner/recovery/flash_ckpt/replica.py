@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .chunks import Plan
 from .events import EventSink, emit
@@ -59,12 +59,13 @@ def _copy(path: Path, step: int, target: str, holder: int) -> int:
         src.close()
 
 
-def exchange_with_partners(pg: dist.ProcessGroup, job_id: str, rank: int, holder: tuple[int, int],
+def exchange_with_partners(pg: Any, job_id: str, rank: int, holder: tuple[int, int],
                            owners: list[tuple[int, int]], step: int, timeout: timedelta,
                            on_event: EventSink = None) -> None:
     """Send this rank's newest snapshot to `holder` and receive the snapshot of each of `owners`.
 
-    `holder` and `owners` are (logical rank, rank in `pg`). Every message of this exchange is
+    `pg` is a gloo group (``Comm.side_pg``; its stubs declare no send/recv), `holder` and `owners`
+    are (logical rank, rank in `pg`). Every message of this exchange is
     tagged with `step` (the snapshot step both sides just took), so an exchange one side gave up
     never pairs with a later one. All sends are posted before the first receive and every wait
     ends within `timeout`, so the pairs cannot deadlock. Failures are reported as
@@ -119,7 +120,7 @@ def _outgoing(job_id: str, owner: int) -> Iterator[tuple[int, list[torch.Tensor]
     yield -1, [torch.tensor([-1, 0, 0], dtype=torch.int64)]
 
 
-def _receive(pg: dist.ProcessGroup, job_id: str, owner: int, holder: int, src: int, header: torch.Tensor,
+def _receive(pg: Any, job_id: str, owner: int, holder: int, src: int, header: torch.Tensor,
              tags: list[int], timeout: timedelta) -> int:
     """After its `header` arrived, receive `owner`'s snapshot straight into the backup segment in this
     host's memory; returns its step."""
