@@ -4,13 +4,13 @@ The copy lives in the segment ``rrflash.<job>.r<owner>.b<holder>``: the name say
 stands for, and losing the owner's host (its own segments) leaves the backup to restore from, in the
 same verified-chunks format as the owner's segment, so restores read it like any other.
 
-In a job the bytes travel over torch.distributed (``exchange_with_partners``): after each snapshot
+Over torch.distributed (``exchange_with_partners``, the callback's ``comm=``): after each snapshot
 every rank sends its newest committed snapshot to its holder (a rank on the partner node) and
 receives the snapshots of the ranks it holds copies for, on the generation's side group (gloo,
 beside the main group). The HOLDER's process writes what it receives into its own host's
 /dev/shm and commits it only once all of it arrived and every chunk verifies; anything less
-leaves the previous copy in place. ``backup_to_partner`` is the same copy by memcpy, for a
-partner on the same host (a single process, no group).
+leaves the previous copy in place. ``backup_to_partner`` is the same copy by memcpy on this host
+(the callback without ``comm``, which is what the runner's workers still use).
 """
 
 from __future__ import annotations
