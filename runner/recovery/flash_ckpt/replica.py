@@ -10,7 +10,8 @@ receives the snapshots of the ranks it holds copies for, on the generation's sid
 beside the main group). The HOLDER's process writes what it receives into its own host's
 /dev/shm and commits it only once all of it arrived and every chunk verifies; anything less
 leaves the previous copy in place. ``backup_to_partner`` is the same copy by memcpy on this host
-(the callback without ``comm``, which is what the runner's workers still use).
+(the callback without ``comm``). A recovery abandons an exchange in flight (``Abandonment``): it
+waits for nothing more and commits nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -59,38 +62,86 @@ def _copy(path: Path, step: int, target: str, holder: int) -> int:
         src.close()
 
 
-def exchange_with_partners(pg: Any, job_id: str, rank: int, holder: tuple[int, int],
+class ExchangeFailed(RuntimeError):
+    """A message of a partner exchange did not arrive or leave in time, or a recovery abandoned the exchange."""
+
+
+class Abandonment:
+    """Whether a recovery abandoned an exchange: it starts no more waits, and a received copy is committed
+    only under the lock ``abandon`` takes, so none is committed after it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._abandoned = False
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+
+    def reason(self) -> str | None:
+        return "abandoned: a recovery replaced its generation" if self._abandoned else None
+
+    @contextmanager
+    def unless_abandoned(self) -> Iterator[None]:
+        with self._lock:
+            if self._abandoned:
+                raise ExchangeFailed(self.reason())
+            yield
+
+
+def exchange_with_partners(pg: Any, job_id: str, rank: int, holder: tuple[int, int] | None,
                            owners: list[tuple[int, int]], step: int, timeout: timedelta,
-                           on_event: EventSink = None) -> None:
+                           on_event: EventSink = None, abandonment: Abandonment | None = None) -> None:
     """Send this rank's newest snapshot to `holder` and receive the snapshot of each of `owners`.
 
-    `pg` is a gloo group (``Comm.side_pg``; its stubs declare no send/recv), `holder` and `owners`
-    are (logical rank, rank in `pg`). Every message of this exchange is
-    tagged with `step` (the snapshot step both sides just took), so an exchange one side gave up
-    never pairs with a later one. All sends are posted before the first receive and every wait
-    ends within `timeout`, so the pairs cannot deadlock. Failures are reported as
-    ``backup_failed`` (a copy of this rank's that did not leave, or one of an owner's that did not
-    arrive whole), received copies as ``backed_up``; neither raises.
+    `pg` is a gloo group (``Comm.side_pg``; its stubs declare no send/recv), `holder` (None: this
+    rank sends nothing) and `owners` are (logical rank, rank in `pg`). Every message of this exchange
+    is tagged with `step` (the snapshot step both sides just took), so an exchange one side gave up
+    never pairs with a later one. All sends are posted before the first receive and the whole
+    exchange ends within `timeout`, so the pairs cannot deadlock; once `abandonment` is set it waits
+    for nothing more and commits nothing. Failures are reported as ``backup_failed`` (a copy
+    of this rank's that did not leave, or one of an owner's that did not arrive whole), received
+    copies as ``backed_up``; neither raises.
     """
+    abandonment = abandonment or Abandonment()
+    deadline = time.monotonic() + timeout.total_seconds()
+
+    def wait(work: Any) -> None:
+        """Wait for `work` until the deadline (not at all once abandoned), then drop it, so that a receive
+        given up on never lands in a slot a later exchange reuses; raises ExchangeFailed if it did not end
+        well. A gloo send or receive cannot be woken (and a wait that times out closes the connection),
+        so a wait under way when the exchange is abandoned ends when the peer answers or at the deadline."""
+        left = deadline - time.monotonic()
+        failure = abandonment.reason() or (f"timed out after {timeout.total_seconds():.0f}s" if left < 1e-3 else None)
+        if failure is None:  # a wait under a millisecond would be read as none at all
+            try:
+                work.wait(timedelta(seconds=left))
+            except RuntimeError as e:
+                failure = _reason(e)
+        del work
+        if failure is not None:
+            raise ExchangeFailed(failure)
+
     tags = [_TAG_BASE + _PARTS * step + part for part in range(_PARTS)]
     with _outgoing(job_id, rank) as (sent_step, messages):
-        sends = [pg.send([message], holder[1], tag) for message, tag in zip(messages, tags) if message.numel()]
+        sends = [] if holder is None else [pg.send([message], holder[1], tag)
+                                           for message, tag in zip(messages, tags) if message.numel()]
         headers = [torch.empty(3, dtype=torch.int64) for _ in owners]  # every owner's header is awaited at once
         arrivals = [pg.recv([header], src, tags[0]) for header, (_, src) in zip(headers, owners)]
-        for (owner, src), header, arrival in zip(owners, headers, arrivals):
+        for (owner, src), header in zip(owners, headers):
             try:
-                arrival.wait(timeout)
-                got = _receive(pg, job_id, owner, rank, src, header, tags, timeout)
+                wait(arrivals.pop(0))
+                got = _receive(pg, job_id, owner, rank, src, header, tags, wait, abandonment)
                 emit(on_event, "backed_up", got, f"rank {rank}", f"copy of rank {owner}")
             except Exception as e:
                 emit(on_event, "backup_failed", None, f"rank {rank}", f"copy of rank {owner}: {_reason(e)}")
         failure = None
-        for work in sends:
+        while sends:  # every send ends or is dropped here: none outlives the mapping it reads
             try:
-                work.wait(timeout)
-            except Exception as e:
+                wait(sends.pop(0))
+            except ExchangeFailed as e:
                 failure = failure or _reason(e)
-    if sent_step < 0 or failure is not None:
+    if holder is not None and (sent_step < 0 or failure is not None):
         detail = "no committed snapshot to send" if sent_step < 0 else f"sending step {sent_step}: {failure}"
         emit(on_event, "backup_failed", None, f"rank {holder[0]}", detail)
 
@@ -120,40 +171,44 @@ def _outgoing(job_id: str, owner: int) -> Iterator[tuple[int, list[torch.Tensor]
     yield -1, [torch.tensor([-1, 0, 0], dtype=torch.int64)]
 
 
-def _receive(pg: Any, job_id: str, owner: int, holder: int, src: int, header: torch.Tensor,
-             tags: list[int], timeout: timedelta) -> int:
+def _receive(pg: Any, job_id: str, owner: int, holder: int, src: int, header: torch.Tensor, tags: list[int],
+             wait: Callable[[Any], None], abandonment: Abandonment) -> int:
     """After its `header` arrived, receive `owner`'s snapshot straight into the backup segment in this
-    host's memory; returns its step."""
+    host's memory, committed unless the exchange was abandoned; returns its step."""
     step, meta_len, data_len = header.tolist()
     if step < 0:
         raise LookupError(f"rank {owner} has no committed snapshot")
     raw = torch.empty(meta_len, dtype=torch.uint8)
-    pg.recv([raw], src, tags[1]).wait(timeout)
+    wait(pg.recv([raw], src, tags[1]))
     meta = json.loads(raw.numpy().tobytes())
     if meta.get("step") != step or meta.get("data_len") != data_len:
         raise CorruptSnapshot(f"metadata of rank {owner}'s copy does not match its header")
 
     def receive_and_verify(dst: Slot, plan: Plan) -> None:
         if data_len:
-            pg.recv([dst.data()[:data_len]], src, tags[2]).wait(timeout)
+            wait(pg.recv([dst.data()[:data_len]], src, tags[2]))
         _whole(plan).drain(dst.region(), [None], meta["digests"], lambda c: dst.mismatch(meta, plan, c))
 
-    return _write_backup(segment_name(job_id, owner, holder), step, meta, holder, receive_and_verify)
+    target = segment_name(job_id, owner, holder)
+    return _write_backup(target, step, meta, holder, receive_and_verify, abandonment.unless_abandoned)
 
 
-def _write_backup(target: str, step: int, owner_meta: dict, holder: int, fill) -> int:
+def _write_backup(target: str, step: int, owner_meta: dict, holder: int, fill,
+                  committing: Callable[[], AbstractContextManager] = nullcontext) -> int:
     """Fill (`fill(slot, plan)`, which raises on any chunk that does not verify) and commit the next
-    slot of the backup segment `target`; its metadata names the holder and the process that wrote it."""
+    slot of the backup segment `target`, inside `committing()` (which may refuse it by raising); its
+    metadata names the holder and the process that wrote it."""
     meta = {**owner_meta, "holder": holder, "written_by": {"host": socket.gethostname(), "pid": os.getpid()}}
     writer = SlotWriter(target)
     try:
         dst = writer.begin(len(encode_meta(meta)), meta["data_len"])
         try:
             fill(dst, dst.plan(meta))
+            with committing():
+                writer.commit(dst, step, meta)
         except BaseException:
             writer.abort(dst)
             raise
-        writer.commit(dst, step, meta)
     finally:
         writer.close()
     return step
