@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from runner.comm import Comm
+from runner.protocol import Layout
 from runner.recovery.flash_ckpt import (
     Event,
     PersistClient,
@@ -35,8 +36,11 @@ from runner.recovery.flash_ckpt import (
     spawn_persister,
 )
 from runner.recovery.flash_ckpt.events import emit
+from runner.recovery.flash_ckpt.replica import Abandonment
 
 log = logging.getLogger(__name__)
+
+ABANDON_AFTER_S = 1.0  # how long a recovery waits for the exchange it abandons to end (abandon_exchange)
 
 # Resuming ignores hyper-parameters, and they may hold classes (an OmegaConf type) that neither
 # JSON nor torch.load(weights_only=True) accepts, so snapshots leave them out by default.
@@ -107,7 +111,9 @@ class FlashCheckpoint(Callback):
         self._last_step = -1
         self._to_persist: int | None = None
         self._to_backup: int | None = None
+        self._to_backup_in: Layout | None = None  # the generation the snapshot to copy was taken in (with comm)
         self._backup: Future | None = None
+        self._abandonment: Abandonment | None = None  # of the exchange in flight (with comm)
         self._backup_pool: ThreadPoolExecutor | None = None
         self._failed = False
 
@@ -157,6 +163,7 @@ class FlashCheckpoint(Callback):
         self.blocked_s.append(save(checkpoint, step))
         self._last_step = step
         self._to_backup = step
+        self._to_backup_in = self._comm.layout if self._comm is not None else None
         if self.persist_every_n_steps and step % self.persist_every_n_steps == 0:
             self._to_persist = step
 
@@ -200,6 +207,10 @@ class FlashCheckpoint(Callback):
             if self._backup is not None and not self._backup.done():
                 emit(self._on_event, "backup_failed", step, f"rank {self._partner_rank}",
                      "the exchange of the previous snapshot is still in flight")
+            elif self._comm is not None and not _all_took_it(self._to_backup_in, self._comm.layout):
+                # a member that joined in the recovery since has no snapshot of this step: nothing would pair
+                emit(self._on_event, "backup_failed", step, f"rank {self._partner_rank}",
+                     f"a rank joined generation {self._comm.gen} after the snapshot: the exchange would not pair")
             else:
                 copy = self._copy_to_partner if self._comm is None else self._exchange(self._comm, step)
                 self._backup = self._backup_pool.submit(copy) if copy is not None else None
@@ -234,24 +245,45 @@ class FlashCheckpoint(Callback):
     def _exchange(self, comm: Comm, step: int) -> Callable[[], None] | None:
         """The exchange of the snapshot of `step` on this generation's side group, its routes taken now
         (in the training thread, where the generation does not change under it); None, reported, if
-        there is no group or the partner is not in it."""
+        there is no group. A holder outside this generation gets nothing; the owners' copies still arrive."""
         assert callable(self.partner) and self.rank is not None  # checked in __init__, resolved in setup
         holder, pg = self._partner_rank, comm.side_pg
-        group_rank = {logical: i for i, logical in enumerate(comm.joined.logical)} if comm.layout else {}
-        if pg is None or holder not in group_rank:
-            emit(self._on_event, "backup_failed", None, f"rank {holder}",
-                 "no side group" if pg is None else "the partner is not in this generation")
+        if pg is None:
+            emit(self._on_event, "backup_failed", None, f"rank {holder}", "no side group")
             return None
+        group_rank = {logical: i for i, logical in enumerate(comm.joined.logical)}
+        if holder not in group_rank:
+            emit(self._on_event, "backup_failed", None, f"rank {holder}", "the partner is not in this generation")
+        to = (holder, group_rank[holder]) if holder in group_rank else None
         owners = [(r, group_rank[r]) for r in comm.joined.logical if r != self.rank and self.partner(r) == self.rank]
+        if to is None and not owners:
+            return None
         job_id, rank, timeout, sink = self.job_id, self.rank, comm.collective_timeout, self._on_event
+        abandonment = self._abandonment = Abandonment()
 
         def exchange() -> None:
             try:
-                exchange_with_partners(pg, job_id, rank, (holder, group_rank[holder]), owners, step, timeout, sink)
+                exchange_with_partners(pg, job_id, rank, to, owners, step, timeout, sink, abandonment)
             except Exception as e:
                 emit(sink, "backup_failed", None, f"rank {holder}", f"{type(e).__name__}: {e}")
 
         return exchange
+
+    def abandon_exchange(self, timeout_s: float = ABANDON_AFTER_S) -> None:
+        """A recovery starts: the exchange in flight, on the generation it replaces, is waited for at
+        most `timeout_s` (its peers are normally just finishing theirs), then abandoned: it commits
+        nothing more and ends on its own once its waits do (a peer answers, or the collective timeout),
+        and the next exchange starts on a thread of its own. The copies committed before stay current."""
+        if self._backup is None or self._abandonment is None:  # none in flight, or a copy on this host
+            return
+        backup, self._backup = self._backup, None
+        try:
+            backup.result(timeout=timeout_s)
+        except FutureTimeout:
+            self._abandonment.abandon()
+            assert self._backup_pool is not None  # copies only start on the pool
+            self._backup_pool.shutdown(wait=False)
+            self._backup_pool = ThreadPoolExecutor(1, thread_name_prefix=f"flash-backup-r{self.rank}")
 
     def _copy_to_partner(self) -> None:
         """A failed copy leaves the previous one in place: reported, never fatal to training."""
@@ -274,3 +306,11 @@ class FlashCheckpoint(Callback):
             log.error("flash checkpoint: %s step %s at %s: %s", event.kind, event.step, event.where, event.detail)
         if self._user_sink is not None:
             self._user_sink(event)
+
+
+def _all_took_it(taken_in: Layout | None, now: Layout | None) -> bool:
+    """Whether every member of generation `now` took the snapshot taken in `taken_in` too: each was a member
+    there, computing the same logical rank (every member of a generation snapshots the same steps)."""
+    if taken_in is None or now is None:
+        return False
+    return set(zip(now.members, now.logical)) <= set(zip(taken_in.members, taken_in.logical))
