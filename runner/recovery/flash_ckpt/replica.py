@@ -136,7 +136,7 @@ def exchange_with_partners(pg: Any, job_id: str, rank: int, holder: tuple[int, i
             except Exception as e:
                 emit(on_event, "backup_failed", None, f"rank {rank}", f"copy of rank {owner}: {_reason(e)}")
         failure = None
-        while sends:  # every send ends or is dropped here: none outlives the mapping it reads
+        while sends:  # every send ends, or is given up and dropped, before the slot it reads is closed
             try:
                 wait(sends.pop(0))
             except ExchangeFailed as e:
