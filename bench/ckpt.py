@@ -3,6 +3,7 @@ torch.save and torch.distributed.checkpoint.async_save, on a GPT + AdamW state.
 
     .venv/bin/python bench/ckpt.py            # ~200 MB state (well under 2 minutes here)
     .venv/bin/python bench/ckpt.py --large    # adds a ~1 GB state
+    .venv/bin/python bench/ckpt.py --partner  # only: a step's stall with the partner copy, local vs exchanged
 
 "Blocking" is what the training loop waits for: for flash, the save call plus the wait right
 before the next optimizer step, with a real forward/backward of the model in between (the
@@ -29,6 +30,13 @@ targets), then what they would cost without their preparation:
 - the same process without a Prefetch, into tensors of its own through a mapping made afresh;
 - into new tensors without a Prefetch (page-faulting fresh private memory: compare with "copy
   into new memory").
+
+--partner measures instead what the partner copy costs a training step (save, forward/backward,
+the wait before the optimizer step, the step), in two ways: a copy on this host in a background
+thread (``backup_to_partner``), awaited before the next optimizer step; and the exchange the
+runner's workers do (``exchange_with_partners`` over a gloo group with a second process, the
+holder, which sends its own snapshot back), never awaited in a step. Both processes share this
+host's cores, as the partner's host would not.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import json
 import mmap
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -45,6 +54,7 @@ import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from time import perf_counter
@@ -57,7 +67,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runner.model import GPT, GPTConfig  # noqa: E402
-from runner.recovery.flash_ckpt import Prefetch, Snapshotter, cleanup, load_newest  # noqa: E402
+from runner.recovery.flash_ckpt import (  # noqa: E402
+    Prefetch,
+    Snapshotter,
+    backup_to_partner,
+    cleanup,
+    exchange_with_partners,
+    load_newest,
+)
 from runner.recovery.flash_ckpt.checksum import digest  # noqa: E402
 from runner.recovery.flash_ckpt.chunks import Plan  # noqa: E402
 from runner.recovery.flash_ckpt.codec import flatten  # noqa: E402
@@ -251,11 +268,88 @@ def run_size(label: str, cfg: GPTConfig, repeats: int) -> dict:
     return {"bytes": total, "seconds": dict(res)}
 
 
+def _holder(job: str, store: str, cfg: GPTConfig, conn) -> None:
+    """Child process: rank 1 on the partner host, with a snapshot of its own; takes part in the exchange
+    of each step the parent names, as a rank's background thread does."""
+    torch.set_num_threads(1)
+    snap = Snapshotter(job, 1)
+    snap.save(Trainer(cfg).checkpoint(0), 0)
+    snap.wait()
+    pg = dist.ProcessGroupGloo(dist.FileStore(store, 2), 1, 2, timedelta(seconds=60))
+    conn.send("ready")
+    while (step := conn.recv()) is not None:
+        exchange_with_partners(pg, job, 1, (0, 0), [(0, 0)], step, timedelta(seconds=60))
+    snap.close(unlink=True)
+
+
+def partner_copy_stall(label: str, cfg: GPTConfig, repeats: int, steps: int = 5) -> dict:
+    """Steps with overlapped snapshots, each followed by a partner copy, local or exchanged; rounds interleaved."""
+    tr = Trainer(cfg)
+    job = f"benchp{os.getpid()}"
+    store_dir = tempfile.mkdtemp(prefix="rr-bench-partner")
+    store = str(Path(store_dir) / "store")
+    snap = Snapshotter(job, 0)
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_holder, args=(job, store, cfg, child_conn), daemon=True)
+    child.start()
+    pg = dist.ProcessGroupGloo(dist.FileStore(store, 2), 0, 2, timedelta(seconds=60))
+    pool = ThreadPoolExecutor(1, thread_name_prefix="bench-partner")
+    res: dict[str, list[float]] = defaultdict(list)
+    step = 0
+    try:
+        if not conn.poll(300) or conn.recv() != "ready":
+            raise RuntimeError("the holder process did not start within 300 s")
+        snap.save(tr.checkpoint(0), 0)  # both slots exist before anything is timed
+        snap.wait()
+        for _ in range(repeats):
+            for mode in ("local copy", "exchange"):
+                copy = None
+                for _ in range(steps):
+                    step += 1
+                    t0 = perf_counter()
+                    blocked = snap.save_async(tr.checkpoint(step), step)
+                    tr.forward_backward()
+                    t1 = perf_counter()
+                    snap.wait()
+                    if copy is not None and mode == "local copy":
+                        copy.result()  # the callback waits for a copy on this host before the optimizer step
+                    blocked += perf_counter() - t1
+                    if copy is None or copy.done():  # an exchange still in flight: this snapshot is not copied
+                        if mode == "local copy":
+                            copy = pool.submit(backup_to_partner, job, 0, 1)
+                        else:
+                            conn.send(step)
+                            copy = pool.submit(exchange_with_partners, pg, job, 0, (1, 1), [(1, 1)], step,
+                                               timedelta(seconds=60))
+                    tr.opt.step()
+                    res[f"{mode}: blocked"].append(blocked)
+                    res[f"{mode}: step"].append(perf_counter() - t0)
+                assert copy is not None
+                copy.result()
+        conn.send(None)
+        child.join(60)
+    finally:
+        pool.shutdown()
+        if child.is_alive():
+            child.kill()
+        snap.close(unlink=True)
+        cleanup(job)
+        shutil.rmtree(store_dir, ignore_errors=True)
+    print(f"\n== {label}, partner copy: {steps} steps x {repeats} rounds per way")
+    for name, xs in res.items():
+        print(f"{name:44s} {median(xs) * 1e3:10.1f} ms median {min(xs) * 1e3:8.1f} ms min")
+    ratio = median(res["exchange: step"]) / median(res["local copy: step"])
+    print(f"{'step time, exchange / local copy':44s} {ratio:10.2f}")
+    return {"seconds": dict(res), "step_ratio": ratio}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--large", action="store_true", help="also run the ~1 GB state")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, help="write the raw timings here")
+    ap.add_argument("--partner", action="store_true", help="only the partner copy's step stall, local vs exchanged")
     args = ap.parse_args()
     store = Path(tempfile.mkdtemp(prefix="rr-bench-store")) / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)  # DCP wants a group
@@ -263,8 +357,8 @@ def main() -> None:
         torch.set_num_threads(1)  # as a rank sharing the cores; the floor copies use all (all_cores)
         print(f"torch {torch.__version__}, 1 intra-op thread ({os.cpu_count()} for the floor copies), "
               f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, files in {tempfile.gettempdir()}")
-        results = {label: run_size(label, cfg, args.repeats)
-                   for label, cfg in SIZES.items() if args.large or label != "1GB"}
+        run = partner_copy_stall if args.partner else run_size
+        results = {label: run(label, cfg, args.repeats) for label, cfg in SIZES.items() if args.large or label != "1GB"}
     finally:
         dist.destroy_process_group()
         store.parent.rmdir()

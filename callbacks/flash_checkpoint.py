@@ -16,12 +16,15 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from time import perf_counter
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from runner.comm import Comm
+from runner.protocol import Layout
 from runner.recovery.flash_ckpt import (
     Event,
     PersistClient,
@@ -29,11 +32,15 @@ from runner.recovery.flash_ckpt import (
     backup_to_partner,
     cleanup_stale,
     connect_persister,
+    exchange_with_partners,
     spawn_persister,
 )
 from runner.recovery.flash_ckpt.events import emit
+from runner.recovery.flash_ckpt.replica import Abandonment
 
 log = logging.getLogger(__name__)
+
+ABANDON_AFTER_S = 1.0  # how long a recovery waits for the exchange it abandons to end (abandon_exchange)
 
 # Resuming ignores hyper-parameters, and they may hold classes (an OmegaConf type) that neither
 # JSON nor torch.load(weights_only=True) accepts, so snapshots leave them out by default.
@@ -58,7 +65,11 @@ class FlashCheckpoint(Callback):
     TORCHELASTIC_RUN_ID). `rank` names the segment (default: the trainer's global rank). With
     `partner` set (a rank, or a function of this rank), each committed snapshot is copied into the
     backup segment that rank keeps for this one (neighbour backup), in the background during the
-    next step. Segments are unlinked after a successful fit and kept after a failure, for a restart
+    next step: with `comm` (then `partner` must be a function of the rank), over the generation's
+    side group into the partner's own host memory, each rank sending its snapshot and receiving
+    those of the ranks whose partner it is; without, by a copy on this host. A copy that fails or
+    takes longer than the collective timeout is reported (``backup_failed``) and never stops
+    training. Segments are unlinked after a successful fit and kept after a failure, for a restart
     or a breakpoint persist.
     """
 
@@ -78,16 +89,19 @@ class FlashCheckpoint(Callback):
         on_event=None,
         rank: int | None = None,
         partner: int | Callable[[int], int | None] | None = None,
+        comm: Comm | None = None,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
         if persist_every_n_steps is not None and (persist_every_n_steps < 1 or persist_every_n_steps % every_n_steps):
             raise ValueError("persist_every_n_steps must be a positive multiple of every_n_steps")
+        if comm is not None and partner is not None and not callable(partner):
+            raise ValueError("with comm, partner must be a function of the rank: each rank also receives copies")
         self.every_n_steps, self.persist_every_n_steps = every_n_steps, persist_every_n_steps
         self.dir, self.overlap, self.keep = Path(dir), overlap, keep
         self.job_id = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or f"pid{os.getpid()}"
         self.exclude_keys, self.unlink_on_success = exclude_keys, unlink_on_success
-        self.rank, self.partner = rank, partner
+        self.rank, self.partner, self._comm = rank, partner, comm
         self._partner_rank: int | None = None  # ``partner`` resolved for this rank at setup
         self.blocked_s: list[float] = []  # per snapshot: time the training loop was held
         self._user_sink = on_event
@@ -97,7 +111,9 @@ class FlashCheckpoint(Callback):
         self._last_step = -1
         self._to_persist: int | None = None
         self._to_backup: int | None = None
+        self._to_backup_in: Layout | None = None  # the generation the snapshot to copy was taken in (with comm)
         self._backup: Future | None = None
+        self._abandonment: Abandonment | None = None  # of the exchange in flight (with comm)
         self._backup_pool: ThreadPoolExecutor | None = None
         self._failed = False
 
@@ -147,6 +163,7 @@ class FlashCheckpoint(Callback):
         self.blocked_s.append(save(checkpoint, step))
         self._last_step = step
         self._to_backup = step
+        self._to_backup_in = self._comm.layout if self._comm is not None else None
         if self.persist_every_n_steps and step % self.persist_every_n_steps == 0:
             self._to_persist = step
 
@@ -182,10 +199,21 @@ class FlashCheckpoint(Callback):
 
     def _settle(self) -> float:
         """Finish the snapshot in flight, then hand a committed step to the partner copy and the persister."""
-        waited = self._snapshotter.wait() + self._settle_backup()
+        # an exchange with the partners is never waited for here: a partner that does not take part
+        # (restarted, hung) must not hold up training; a copy on this host (no comm) is a memcpy, waited for
+        waited = self._snapshotter.wait() + (self._settle_backup() if self._comm is None else 0.0)
         if self._to_backup is not None and self._backup_pool is not None:
-            self._to_backup = None
-            self._backup = self._backup_pool.submit(self._copy_to_partner)
+            step, self._to_backup = self._to_backup, None
+            if self._backup is not None and not self._backup.done():
+                emit(self._on_event, "backup_failed", step, f"rank {self._partner_rank}",
+                     "the exchange of the previous snapshot is still in flight")
+            elif self._comm is not None and not _all_took_it(self._to_backup_in, self._comm.layout):
+                # a member that joined in the recovery since has no snapshot of this step: nothing would pair
+                emit(self._on_event, "backup_failed", step, f"rank {self._partner_rank}",
+                     f"a rank joined generation {self._comm.gen} after the snapshot: the exchange would not pair")
+            else:
+                copy = self._copy_to_partner if self._comm is None else self._exchange(self._comm, step)
+                self._backup = self._backup_pool.submit(copy) if copy is not None else None
         if self._to_persist is not None:
             step, self._to_persist = self._to_persist, None
             # a persist step is only reached with a persister: setup joins or spawns one whenever the fit reaches one
@@ -194,13 +222,68 @@ class FlashCheckpoint(Callback):
         return waited
 
     def _settle_backup(self) -> float:
-        """Wait for the partner copy in flight (started one step earlier, normally long done)."""
+        """Wait for the partner copy in flight (started one step earlier, normally long done). An
+        exchange is waited for at most the collective timeout, and not at all after a failed fit; one
+        still running then is given up: its thread ends once its own waits time out."""
         if self._backup is None:
             return 0.0
         t0 = perf_counter()
         backup, self._backup = self._backup, None
-        backup.result()
+        timeout = None
+        if self._comm is not None:
+            timeout = 0.0 if self._failed else self._comm.collective_timeout.total_seconds()
+        try:
+            backup.result(timeout=timeout)
+        except FutureTimeout:
+            emit(self._on_event, "backup_failed", None, f"rank {self._partner_rank}",
+                 f"the exchange with the partners did not end within {timeout:.0f}s")
+            assert self._backup_pool is not None  # copies only start on the pool
+            self._backup_pool.shutdown(wait=False)
+            self._backup_pool = None  # no more copies after the fit's last one
         return perf_counter() - t0
+
+    def _exchange(self, comm: Comm, step: int) -> Callable[[], None] | None:
+        """The exchange of the snapshot of `step` on this generation's side group, its routes taken now
+        (in the training thread, where the generation does not change under it); None, reported, if
+        there is no group. A holder outside this generation gets nothing; the owners' copies still arrive."""
+        assert callable(self.partner) and self.rank is not None  # checked in __init__, resolved in setup
+        holder, pg = self._partner_rank, comm.side_pg
+        if pg is None:
+            emit(self._on_event, "backup_failed", None, f"rank {holder}", "no side group")
+            return None
+        group_rank = {logical: i for i, logical in enumerate(comm.joined.logical)}
+        if holder not in group_rank:
+            emit(self._on_event, "backup_failed", None, f"rank {holder}", "the partner is not in this generation")
+        to = (holder, group_rank[holder]) if holder in group_rank else None
+        owners = [(r, group_rank[r]) for r in comm.joined.logical if r != self.rank and self.partner(r) == self.rank]
+        if to is None and not owners:
+            return None
+        job_id, rank, timeout, sink = self.job_id, self.rank, comm.collective_timeout, self._on_event
+        abandonment = self._abandonment = Abandonment()
+
+        def exchange() -> None:
+            try:
+                exchange_with_partners(pg, job_id, rank, to, owners, step, timeout, sink, abandonment)
+            except Exception as e:
+                emit(sink, "backup_failed", None, f"rank {holder}", f"{type(e).__name__}: {e}")
+
+        return exchange
+
+    def abandon_exchange(self, timeout_s: float = ABANDON_AFTER_S) -> None:
+        """A recovery starts: the exchange in flight, on the generation it replaces, is waited for at
+        most `timeout_s` (its peers are normally just finishing theirs), then abandoned: it commits
+        nothing more and ends on its own once its waits do (a peer answers, or the collective timeout),
+        and the next exchange starts on a thread of its own. The copies committed before stay current."""
+        if self._backup is None or self._abandonment is None:  # none in flight, or a copy on this host
+            return
+        backup, self._backup = self._backup, None
+        try:
+            backup.result(timeout=timeout_s)
+        except FutureTimeout:
+            self._abandonment.abandon()
+            assert self._backup_pool is not None  # copies only start on the pool
+            self._backup_pool.shutdown(wait=False)
+            self._backup_pool = ThreadPoolExecutor(1, thread_name_prefix=f"flash-backup-r{self.rank}")
 
     def _copy_to_partner(self) -> None:
         """A failed copy leaves the previous one in place: reported, never fatal to training."""
@@ -223,3 +306,11 @@ class FlashCheckpoint(Callback):
             log.error("flash checkpoint: %s step %s at %s: %s", event.kind, event.step, event.where, event.detail)
         if self._user_sink is not None:
             self._user_sink(event)
+
+
+def _all_took_it(taken_in: Layout | None, now: Layout | None) -> bool:
+    """Whether every member of generation `now` took the snapshot taken in `taken_in` too: each was a member
+    there, computing the same logical rank (every member of a generation snapshots the same steps)."""
+    if taken_in is None or now is None:
+        return False
+    return set(zip(now.members, now.logical)) <= set(zip(taken_in.members, taken_in.logical))

@@ -17,7 +17,7 @@ from .persister import (
     spawn_persister,
 )
 from .prefetch import Prefetch
-from .replica import backup_to_partner
+from .replica import backup_to_partner, exchange_with_partners
 from .restore import (
     Candidate,
     NoSnapshot,
@@ -50,6 +50,7 @@ __all__ = [
     "cleanup",
     "cleanup_stale",
     "connect_persister",
+    "exchange_with_partners",
     "invalidate_newer",
     "list_snapshots",
     "load_newest",

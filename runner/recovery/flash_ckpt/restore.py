@@ -38,6 +38,7 @@ class Restored:
     state: Any
     candidate: Candidate
     skipped: list[Skipped] = field(default_factory=list)
+    written_by: dict | None = None  # a partner's copy: host and pid of the holder's process that wrote it
 
 
 class NoSnapshot(LookupError):
@@ -73,18 +74,19 @@ def load_newest(job_id: str, rank: int, ckpt_dir: str | Path | None = None, *, s
     for cand in list_snapshots(job_id, rank, ckpt_dir):
         if step is not None and cand.step != step:
             continue
+        meta: dict = {}
         try:
             if cand.source == "disk":
                 state = read_verified(cand.location)
             else:
                 if prefetch is not None and new is not None:  # new comes from the prefetch
                     prefetch.rewind()
-                state = load_slot(cand.location, step=cand.step, into=into, new=new)[1]
+                meta, state = load_slot(cand.location, step=cand.step, into=into, new=new)
         except (CorruptSnapshot, OSError) as e:
             skipped.append(Skipped(cand, str(e)))
             emit(on_event, "skipped", cand.step, str(cand.location), str(e))
             continue
-        return Restored(state, cand, skipped)
+        return Restored(state, cand, skipped, meta.get("written_by"))
     wanted = "any step" if step is None else f"step {step}"
     raise NoSnapshot(f"no valid snapshot of rank {rank} for {wanted}: {[s.reason for s in skipped]}", skipped)
 

@@ -89,7 +89,7 @@ class SnapshotRestore:
         c = restored.candidate
         self.events.emit("snapshot_restored", step=step, source=c.source, location=str(c.location),
                          restore_s=time.time() - t0, skipped=len(restored.skipped), refused=sorted(refused),
-                         invalidated=sorted({d.step for d in dropped}))
+                         invalidated=sorted({d.step for d in dropped}), written_by=restored.written_by)
         return restored.state
 
     def _gather(self, values: list[int]) -> list[list[int]]:

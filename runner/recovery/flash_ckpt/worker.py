@@ -32,7 +32,12 @@ class FlashCkptWorker:
         ctx = self.ctx
         flash = self._callback()
         restore = SnapshotRestore(ctx.comm, ctx.events, ctx.recovery, flash.job_id, flash.dir, self.prefetch)
-        return WorkerHooks(callbacks=[flash], restore_snapshot=restore)
+        # the partner copies travel on the side group, beside the main group's collectives; a recovery
+        # abandons the exchange in flight on the generation it replaces
+        partners = ctx.cfg.ft.flash_ckpt.neighbour_backup and Topology.from_cfg(ctx.cfg).nodes > 1
+        if partners:
+            ctx.recovery.on_groups_dropped.append(flash.abandon_exchange)
+        return WorkerHooks(callbacks=[flash], restore_snapshot=restore, side_group=partners)
 
     def _callback(self) -> FlashCheckpoint:
         """Snapshots of this logical rank, a copy on the partner node, persists to <run dir>/checkpoints."""
@@ -50,5 +55,5 @@ class FlashCkptWorker:
         job_id = flash_job_id(ctx.run_dir)
         return FlashCheckpoint(fc.every_n_steps, fc.persist_every_n_steps or None, Path(ctx.run_dir) / "checkpoints",
                                overlap=fc.overlap, job_id=job_id, keep=fc.keep, rank=None, partner=partner,
-                               on_event=on_event,  # a spare learns its rank when given one
+                               on_event=on_event, comm=ctx.comm,  # a spare learns its rank when given one
                                persister_address=persister_address(job_id, ctx.node))

@@ -5,7 +5,8 @@ when the controller published a planned generation (``reason == "planned"``: a r
 rejoining), and by a replacement process when it restores (``reason == "join"``). The loop runs until this worker is
 in a complete generation whose members all hold the same committed state:
 
-1. abort the broken group (peers' pending collectives fail at once) and report the symptom;
+1. abort the broken group (peers' pending collectives fail at once), end what techniques still run on
+   its groups (a flash checkpoint's partner exchange: ``on_groups_dropped``) and report the symptom;
 2. wait at the controller for the next generation that includes this worker;
 3. build that generation's group (a rendezvous with a timeout);
 4. reconcile: every member shares (committed steps, needs state). A member that committed one
@@ -42,12 +43,13 @@ class ReplicaRecovery:
         self.comm, self.events, self.status = comm, events, status
         self.recovery_timeout_s = recovery_timeout_s
         self.on_start = on_start  # the fault injector's hook for faults that strike during a recovery
+        self.on_groups_dropped: list[Callable[[], None]] = []  # techniques end their work on the dropped groups
 
     def __call__(self, state: ReplicaState, reason: str) -> Optional[dict]:
         joining = reason == "join"
         need_new_group = not joining
         if reason == "planned":  # the controller published a new generation; nothing failed
-            self.comm.abort()
+            self._drop_groups()
         elif not joining:
             self.abandon(state, reason)
             self.on_start()
@@ -69,12 +71,19 @@ class ReplicaRecovery:
                 need_new_group = True
 
     def abandon(self, state: ReplicaState, reason: str) -> None:
-        self.comm.abort()
+        self._drop_groups()
         self.status.phase = "recovering"
         protocol.report(self.comm.store, {
             "wid": self.comm.wid, "gen": self.comm.gen, "reason": reason, "t": time.time(),
             "step": state.global_step,
         })
+
+    def _drop_groups(self) -> None:
+        """Drop this generation's groups, then end what techniques still run on them (``on_groups_dropped``),
+        before the next generation's groups are built."""
+        self.comm.abort()
+        for end in self.on_groups_dropped:
+            end()
 
     def _reconcile(self, state: ReplicaState, joining: bool) -> Optional[dict]:
         committed = -1 if joining else state.committed_steps()
