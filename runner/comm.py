@@ -341,7 +341,8 @@ def _wait_one(work, bound: timedelta, cut_off: Callable[[], str | None] | None) 
     deadline = time.monotonic() + bound.total_seconds()
     while True:
         try:
-            work.wait(min(_CUT_OFF_POLL, timedelta(seconds=max(0.0, deadline - time.monotonic()))))
+            # at least 1 ms: gloo rounds a wait to whole milliseconds and reads 0 as "the group's own timeout"
+            work.wait(min(_CUT_OFF_POLL, timedelta(seconds=max(0.001, deadline - time.monotonic()))))
             return None
         except Exception as err:
             if work.is_completed():  # it ended as the slice ran out: its own outcome, not the slice's timeout
