@@ -213,3 +213,14 @@ def test_master_weights_resume_bit_identically_at_tp2(tp2_master, tmp_path):
     assert s["status"] == "completed", resumed.output[-4000:]
     assert [e["at_step"] for e in resumed.events("resumed")] == [half]
     assert s["param_checksum"] == tp2_master.summary["param_checksum"]
+
+
+@pytest.mark.slow
+def test_flash_ckpt_kill_all_at_tp2_with_zero1_restores_every_shard_exactly(tp2_zero, run_dir):
+    run = run_cli(*TP2, "parallel.zero=1", CONSTANT_LR, f"trainer.max_steps={STEPS}", "ft=[flash_ckpt]",
+                  "fault=kill_all", "fault.step=7", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["global_step"] == STEPS and len(s["recoveries"]) == 1
+    assert s["param_checksum"] == tp2_zero.summary["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
