@@ -125,8 +125,8 @@ def test_the_plan_counts_bf16_weights_and_gradients_and_fp32_masters_and_moments
 @pytest.mark.parametrize("overrides, says", [
     (["trainer.precision=bf16-true", "trainer.master_weights=true"], "set parallel.zero=1"),
     (["parallel.zero=1", "trainer.master_weights=true"], "set trainer.precision=bf16-true"),
-    (["parallel.zero=1", "trainer.precision=bf16-true", "trainer.master_weights=true", "ft=[flash_ckpt]"],
-     "trains with ft=[] only"),
+    (["parallel.zero=1", "trainer.precision=bf16-true", "trainer.master_weights=true", "ft=[flashrecovery]"],
+     "trains with ft=[] or ft=[flash_ckpt] only"),
     ([*TP2[1:], "parallel.zero=1", "ft=[flashrecovery]"], "add deadpool to ft"),
     ([*TP2[1:], "parallel.zero=1", "ft=[deadpool]", "parallel.spares=0"], "remove deadpool from ft"),
 ])
@@ -138,7 +138,7 @@ def test_what_zero_and_master_weights_do_not_train_is_refused(overrides, says):
 @pytest.mark.parametrize("overrides", [TP2[1:], [*TP2[1:], "ft=[flash_ckpt]"], []])
 def test_zero1_trains_at_tp2_and_with_master_weights(overrides):
     validate(_compose("+recipe=gpt_tiny", "parallel.zero=1", *overrides))
-    validate(_compose("+recipe=gpt_tiny", *MASTER, *[o for o in overrides if not o.startswith("ft")]))
+    validate(_compose("+recipe=gpt_tiny", *MASTER, *overrides))
 
 
 STEPS = 12
@@ -223,4 +223,15 @@ def test_flash_ckpt_kill_all_at_tp2_with_zero1_restores_every_shard_exactly(tp2_
     assert s["status"] == "completed", run.output[-4000:]
     assert s["global_step"] == STEPS and len(s["recoveries"]) == 1
     assert s["param_checksum"] == tp2_zero.summary["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
+
+
+@pytest.mark.slow
+def test_flash_ckpt_kill_all_with_master_weights_restores_the_fp32_masters_exactly(tp2_master, run_dir):
+    run = run_cli(*TP2, *MASTER, CONSTANT_LR, f"trainer.max_steps={STEPS}", "ft=[flash_ckpt]", "fault=kill_all",
+                  "fault.step=7", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["global_step"] == STEPS and len(s["recoveries"]) == 1
+    assert s["param_checksum"] == tp2_master.summary["param_checksum"]
     assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)

@@ -218,11 +218,13 @@ def master_weight_problems(cfg: DictConfig) -> list[str]:
                    f"trainer.precision={t.precision}: set trainer.precision=bf16-true (16-true would need loss "
                    "scaling, which the runner does not do; under 32-true or a -mixed precision the fp32 weights are "
                    "already the optimizer's own).")
-    if names:
-        out.append(f"trainer.master_weights=true trains with ft=[] only: DeadPool's shard replicas and replays, NDB "
-                   f"and the state a recovery hands between replicas carry the bf16 parameters, not the fp32 masters "
-                   f"the optimizer steps, so ft={names} would resume from rounded weights; drop ft or set "
-                   "trainer.master_weights=false.")
+    other = [n for n in names if n != "flash_ckpt"]
+    if other:
+        out.append(f"trainer.master_weights=true trains with ft=[] or ft=[flash_ckpt] only (a snapshot holds the "
+                   f"optimizer's state_dict, masters included): DeadPool's shard replicas and replays, NDB and the "
+                   f"state a recovery hands between replicas carry the bf16 parameters, not the fp32 masters the "
+                   f"optimizer steps, so {other} would resume from rounded weights; remove {', '.join(other)} from ft "
+                   "or set trainer.master_weights=false.")
     return out
 
 
