@@ -14,8 +14,8 @@ first brings its parameters up to date and the optimizer shards are gathered, so
 whole optimizer state, as one unsharded optimizer would (``runner.checkpoint.zero_state``). With
 tensor parallelism the TP group of the writing replica gathers its slices of the parameters and of their
 optimizer state over that group (``runner.checkpoint.tp_state``), so the file holds the full model as at
-tp = 1. A fault during either gather is recovered from like any other and the checkpoint of that step
-is skipped.
+tp = 1 (under ZeRO-1 too: the DP group gathers the shards first, then the TP group the slices). A fault
+during either gather is recovered from like any other and the checkpoint of that step is skipped.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Optional
 from lightning.pytorch.callbacks import Callback
 
 from runner.checkpoint import RUNNER_KEY, last_checkpoint
-from runner.checkpoint.tp_state import gather_tp_state
+from runner.checkpoint.tp_state import gather_tp_state, optimizer_params
 from runner.checkpoint.writer import CheckpointWriter, cpu_copy
 from runner.checkpoint.zero_state import gather_full_state
 from runner.comm import CollectiveFailure, Comm
@@ -78,9 +78,11 @@ class LightningCheckpoint(Callback):
         try:
             if zero is not None:
                 strategy.commit.sync_params()  # the other owners' parameters of this step's update
-                full_optimizer = gather_full_state(zero, strategy.logical_rank, strategy.comm)
+                full_optimizer = gather_full_state(zero, zero.rank, strategy.comm)
             if strategy.comm.tp > 1 and _in_writing_replica(strategy.comm):
-                full_tp = gather_tp_state(trainer.lightning_module, trainer.optimizers)
+                states = ([(full_optimizer, zero.unsharded)] if zero is not None and full_optimizer is not None
+                          else [(opt.state_dict(), optimizer_params(opt)) for opt in trainer.optimizers])
+                full_tp = gather_tp_state(trainer.lightning_module, states)
         except CollectiveFailure as err:
             strategy.commit.recover_from(err)
             if strategy.comm.rank == 0:

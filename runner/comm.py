@@ -305,6 +305,15 @@ class Comm:
         self._run([lambda pg: pg.allgather([out], [tensor])])
         return out
 
+    def allgather_replicas(self, tensor: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Every model replica's ``tensor`` by DP coordinate (ZeRO-1's shards): over the DP group with tp > 1,
+        whose group rank is the DP coordinate, else over the world, each member's by its logical rank."""
+        if self.dp_pg is None:
+            return {self.joined.logical[r]: t for r, t in enumerate(self.allgather(tensor))}
+        out = [torch.empty_like(tensor) for _ in range(self.dp_size)]
+        self._run([lambda pg: self._reduction_pg(pg).allgather([out], [tensor])])
+        return dict(enumerate(out))
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = src

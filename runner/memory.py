@@ -5,14 +5,15 @@ plugins, the optimizer built in ``runner.lightning_module``):
 
 - ``32-true``: fp32 weights, gradients and AdamW moments; fp32 activations.
 - ``bf16-mixed`` / ``16-mixed``: autocast over fp32 weights: fp32 weights, gradients and moments, and
-  16-bit activations. The fp32 weights are the optimizer's own, so there is no separate master copy
-  (Megatron's distributed optimizer would keep bf16 weights and gradients beside fp32 masters; the
-  training path does not do that, so the plan does not count it that way).
+  16-bit activations. The fp32 weights are the optimizer's own, so there is no separate master copy.
 - ``bf16-true`` / ``16-true``: 16-bit weights, gradients and moments (AdamW keeps its state in the
   parameter's dtype). ``64-true``: fp64 throughout. Any other string is counted as ``32-true``.
+- ``bf16-true`` with ``trainer.master_weights`` (Megatron's distributed optimizer, ``MASTER_WEIGHTS``):
+  bf16 weights and gradients (2 + 2 bytes per parameter), and fp32 master weights and fp32 moments (12
+  bytes per parameter) inside the ZeRO-1 shard only.
 
-ZeRO-1 (``runner.zero``) shards only the Adam moments over the data-parallel ranks: gradients are
-all-reduced in full and every rank keeps whole weights. Tensor parallelism (``runner.parallel.tensor``)
+ZeRO-1 (``runner.zero``) shards the Adam moments (and the fp32 masters) over the data-parallel ranks:
+gradients are all-reduced in full and every rank keeps whole weights. Tensor parallelism (``runner.parallel.tensor``)
 splits the attention and FFN matrices; embeddings, norms, the row-parallel biases and the head stay
 replicated, and there is no sequence parallelism. Pipeline stage ``s`` (``runner.parallel.pipeline``)
 holds blocks ``[s*L/pp, (s+1)*L/pp)``, stage 0 the embeddings, the last stage the final norm and (when
@@ -62,10 +63,14 @@ PRECISIONS = {
     "64-true": Precision(8, 8, 0, 16, 8),
 }
 ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "64": "64-true"}
+MASTER_WEIGHTS = Precision(2, 2, 4, 8, 2)  # bf16-true with trainer.master_weights: fp32 masters and moments
 
 
-def precision_of(name: str) -> tuple[str, Precision]:
-    """The canonical name and byte sizes of a Lightning precision string (unknown ones as 32-true)."""
+def precision_of(name: str, master_weights: bool = False) -> tuple[str, Precision]:
+    """The canonical name and byte sizes of a Lightning precision string (unknown ones as 32-true), or of
+    ``bf16-true`` with fp32 master weights (``trainer.master_weights``)."""
+    if master_weights:
+        return f"{name} with trainer.master_weights", MASTER_WEIGHTS
     canonical = ALIASES.get(str(name), str(name))
     if canonical in PRECISIONS:
         return canonical, PRECISIONS[canonical]
@@ -147,13 +152,14 @@ def stage_memory(gpt: GPTConfig, precision: Precision, layout: Layout, stage: in
     in_flight = min(lay.pp - stage, lay.micro_batches)
     sends = (stage < lay.pp - 1) + (stage > 0)  # activations forward, gradients back: held until the step ends
     pipeline = (in_flight - 1) * blocks * one_block + sends * lay.micro_batches * boundary if lay.pp > 1 else 0
-    moments = n * precision.moments / (lay.dp if lay.zero else 1)
+    sharded = lay.dp if lay.zero else 1  # ZeRO-1 keeps the moments and masters of the rank's own shard only
+    moments = n * precision.moments / sharded
     replicas = 0.0
     if lay.deadpool and lay.zero:
-        shard = n / lay.dp
-        replicas = 3 * shard * (precision.weights + precision.moments) + shard * precision.grads
+        shard = n / lay.dp  # the optimizer's own weights are the masters where there are any
+        replicas = 3 * shard * ((precision.master or precision.weights) + precision.moments) + shard * precision.grads
     return RankMemory(
-        stage=stage, params=n * precision.weights, grads=n * precision.grads, master=n * precision.master,
+        stage=stage, params=n * precision.weights, grads=n * precision.grads, master=n * precision.master / sharded,
         moments=moments, activations=blocks * one_block + logits, recomputed=blocks * boundary + one_block + logits,
         pipeline=pipeline, replicas=replicas,
     )

@@ -95,7 +95,7 @@ def make_plan(cfg: DictConfig) -> Plan:
     else:  # as this runner trains it: the per-rank batch in one forward
         micro_batch, micro_batches = per_rank, 1
     layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches, "deadpool" in ft_names(cfg))
-    name, precision = precision_of(cfg.trainer.precision)
+    name, precision = precision_of(cfg.trainer.precision, bool(cfg.trainer.master_weights))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return Plan(n, world_size(cfg), layout, precision.describe(name), rank_memory(gpt, precision, layout),
                 flops_per_token(gpt), gpus, spare_count(cfg), p.spares is None and spare_count(cfg) > 0)
@@ -169,6 +169,9 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
         if cfg.trainer.precision != "32-true":
             changes.append(f"precision {cfg.trainer.precision} -> 32-true")
             cfg.trainer.precision = "32-true"
+        if cfg.trainer.master_weights:
+            changes.append("trainer.master_weights true -> false (32-true weights are the optimizer's own)")
+            cfg.trainer.master_weights = False
         if p.dp_group_size:
             changes.append(f"parallel.dp_group_size {p.dp_group_size} -> 0 (not available yet)")
             p.dp_group_size = 0
@@ -187,9 +190,8 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
         why = []
         if tp < p.tp:
             why.append(f"parallel.tp {p.tp} -> {tp} (" + ("the smoke model's heads and the ranks per node allow no more"
-                       if top_tp >= p.tp else f"training runs tp <= 1 with ft={ft_names(cfg)} parallel.zero={p.zero}: "
-                       f"tensor parallelism trains with ft among {list(TP_TECHNIQUES)}, parallel.zero=0 and no "
-                       "checkpoint file yet") + ")")
+                       if top_tp >= p.tp else f"training runs tp <= 1 with ft={ft_names(cfg)}: tensor parallelism "
+                       f"trains with ft among {list(TP_TECHNIQUES)}") + ")")
         if pp < p.pp:
             why.append(f"parallel.pp {p.pp} -> {pp} (training runs pp <= {TRAINED_PP}: the pipeline stages are not "
                        "wired into training yet)")

@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from runner.checkpoint import RUNNER_KEY
-from runner.checkpoint.tp_state import slice_model_state, slice_optimizer_state
+from runner.checkpoint.tp_state import optimizer_params, slice_model_state, slice_optimizer_state
 from runner.checkpoint.zero_state import shard_of_full_state
 from runner.checksum import state_checksum
 from runner.comm import CollectiveFailure, Comm
@@ -82,6 +82,7 @@ class ResilientStrategy(ParallelStrategy):
         first_gen: int = 0,
         start_timeout_s: float = 120.0,
         zero_stage: int = 0,
+        master_weights: bool = False,
         shard_replication: ShardReplicationFactory | None = None,
         accumulate: int = 1,
         validation: StepValidation | None = None,
@@ -104,6 +105,7 @@ class ResilientStrategy(ParallelStrategy):
         self.first_gen = first_gen  # the first generation this worker may belong to
         self.start_timeout_s = start_timeout_s
         self.zero_stage = zero_stage
+        self.master_weights = master_weights  # ZeRO-1 keeps fp32 masters of the 16-bit parameters (runner.zero)
         self._shard_replication = shard_replication  # a technique copies each updated shard elsewhere
         self._source: Optional[BatchSource] = None  # the step-indexed batch source, for taken-over micro-batches
         self.accumulate = accumulate  # micro-batches per optimizer step on each rank
@@ -242,8 +244,8 @@ class ResilientStrategy(ParallelStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"parallel.zero=1 supports a module with one optimizer; configure_optimizers() returned "
                              f"{len(self.optimizers)}: use one optimizer or parallel.zero=0")
-        zero = ZeroOne(self._module, self.optimizers[0], self.dp_size)
-        zero.shard_for(self.logical_rank)
+        zero = ZeroOne(self._module, self.optimizers[0], self.dp_size, master_weights=self.master_weights)
+        zero.shard_for(self.comm.dp_rank)
         # Lightning clips the gradients of the optimizer's parameters (main_params); the norm must stay the whole
         # gradient's (every rank holds it after the full all-reduce), summed in the same order as unsharded.
         # The plugin is whichever one Lightning chose for the precision, so this one method is replaced on it.
@@ -350,17 +352,17 @@ class ResilientStrategy(ParallelStrategy):
         return ckpt
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """A checkpoint file's unsharded optimizer state cut to this rank's ZeRO-1 shard, or to the state of its
-        tensor-parallel slice of the parameters."""
+        """A checkpoint file's unsharded optimizer state cut to the state of this rank's tensor-parallel slice of
+        the parameters, then to its ZeRO-1 shard (either cut alone when the run has only one of the two)."""
         zero = self.update.zero
-        unsharded = checkpoint.get(RUNNER_KEY, {}).get("optimizer") == "unsharded"
-        if zero is not None and unsharded:
-            shard = shard_of_full_state(zero, self.logical_rank, checkpoint["optimizer_states"][0])
-            checkpoint = {**checkpoint, "optimizer_states": [shard]}
-        elif self.comm.tp > 1 and unsharded:
-            checkpoint = {**checkpoint, "optimizer_states": [
-                slice_optimizer_state(full, self._module, opt)
-                for full, opt in zip(checkpoint["optimizer_states"], self.optimizers)]}
+        if checkpoint.get(RUNNER_KEY, {}).get("optimizer") == "unsharded":
+            full = checkpoint["optimizer_states"]
+            orders = [zero.unsharded] if zero is not None else [optimizer_params(opt) for opt in self.optimizers]
+            if self.comm.tp > 1:
+                full = [slice_optimizer_state(state, self._module, order) for state, order in zip(full, orders)]
+            if zero is not None:
+                full = [shard_of_full_state(zero, zero.rank, full[0])]
+            checkpoint = {**checkpoint, "optimizer_states": full}
         super().load_optimizer_state_dict(checkpoint)
 
     # -- data: every loader follows the (seed, step, logical rank) contract ---------------------

@@ -150,7 +150,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         takeover=hooks.takeover, first_gen=spec.first_gen,
         guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
         start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
-        zero_stage=cfg.parallel.zero, shard_replication=hooks.shard_replication,
+        zero_stage=cfg.parallel.zero, master_weights=cfg.trainer.master_weights,
+        shard_replication=hooks.shard_replication,
         accumulate=cfg.trainer.accumulate_grad_batches,
         validation=StepValidation(cfg.trainer.val_check_interval, cfg.trainer.limit_val_batches),
     )

@@ -7,25 +7,41 @@ step instead of right after the update keeps every collective at a step boundary
 reduction, which is where recovery expects them; and every ZeRO-1 recovery ends with a sync of
 its own, so whichever collective a member was in when the fault struck, all leave it up to date.
 
+The shards are cut over the DP group: the ranks that hold the same parameters, one per model replica.
+With tensor parallelism each TP coordinate has a DP group of its own and shards its own slices of the
+layers; a rank's shard is named by its DP coordinate, and the all-gather runs over its DP group
+(``Comm.allgather_replicas``).
+
+With ``master_weights`` (Megatron's distributed optimizer) the module keeps 16-bit parameters and
+gradients, and the optimizer steps fp32 master copies of the rank's own parameters, with fp32 Adam
+moments: the reduced 16-bit gradients are widened into the masters' gradients, the optimizer steps the
+masters, and the masters are rounded back into the module's parameters, which the sync then hands to
+everyone. The masters travel in the optimizer's state_dict as ``MASTER_KEY`` of each parameter's state,
+so a checkpoint or a replica's state restores them exactly.
+
 Ownership is a pure function of the module's parameter list, the optimizer's groups and the DP
 size, so every process (a spare too) computes the same plan without talking to anyone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from runner.reducer import trainable_params
 
+MASTER_KEY = "master_weight"  # a parameter's fp32 master copy in the optimizer's state_dict (master_weights)
+
 
 @dataclass
 class ShardPlan:
     """Who owns which parameter; parameters are indices into the module's trainable parameter list."""
 
-    owner: list[int]  # owner[i]: the logical rank that updates parameter i
+    owner: list[int]  # owner[i]: the DP coordinate that updates parameter i
     groups: list[list[int]]  # the optimizer's param groups before sharding, as parameter indices
     dp: int
 
@@ -51,35 +67,50 @@ class ShardPlan:
 class ZeroOne:
     """A rank's sharded optimizer and the all-gather that brings everyone's parameters up to date."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, dp: int) -> None:
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, dp: int, *,
+                 master_weights: bool = False) -> None:
         self.params = trainable_params(module)
         if len({p.dtype for p in self.params}) > 1:
             raise ValueError("parallel.zero=1 needs all trainable parameters in one dtype (use a 32-true or "
                              "bf16-true precision, not a mix)")
         if optimizer.state:
             raise RuntimeError("ZeRO-1 sharding must happen before the optimizer's first step")
+        if master_weights and self.params[0].dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"trainer.master_weights=true keeps fp32 masters of 16-bit parameters, but the module's "
+                             f"parameters are {self.params[0].dtype}: use trainer.precision=bf16-true")
         index = {id(p): i for i, p in enumerate(self.params)}
         groups = [[index[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         self.plan = ShardPlan.balanced(self.params, groups, dp)
         self.unsharded = [p for group in optimizer.param_groups for p in group["params"]]  # the optimizer's own order
         self.optimizer = optimizer
+        self.master_weights = master_weights
+        self.masters: dict[int, Tensor] = {}  # master_weights: parameter index -> its fp32 master (own shard only)
         self.names = {index[id(p)]: n for n, p in module.named_parameters() if id(p) in index}
         self._width = max(1, max(sum(self.params[i].numel() for i in self.plan.flat_shard(r)) for r in range(dp)))
         self._send = torch.zeros(self._width, dtype=self.params[0].dtype, device=self.params[0].device)
         self.stale = False  # other owners' parameters are one update behind until the next sync
         self._rank = -1
 
-    def shard_for(self, logical_rank: int) -> None:
-        """Keep only ``logical_rank``'s parameters in the optimizer's groups (group indices stay).
+    @property
+    def rank(self) -> int:
+        """The DP coordinate whose shard this rank holds (set by ``shard_for``)."""
+        return self._rank
+
+    def shard_for(self, dp_rank: int) -> None:
+        """Keep only ``dp_rank``'s parameters in the optimizer's groups (group indices stay); with master
+        weights, their fp32 masters instead.
 
         ``zero_grad`` keeps clearing every parameter's gradient: all of them still go into the full
         all-reduce, and a gradient left over from the previous step would be added to the next one. It
         always drops the gradients (``set_to_none``), never zeroes them in place: DeadPool's replay
         records keep the last update's gradients by reference.
         """
-        self._rank = logical_rank
-        for group, indices in zip(self.optimizer.param_groups, self.plan.shard(logical_rank)):
-            group["params"] = [self.params[i] for i in indices]
+        self._rank = dp_rank
+        own = self.plan.shard(dp_rank)
+        if self.master_weights:
+            self.masters = {i: self.params[i].detach().float() for group in own for i in group}
+        for group, indices in zip(self.optimizer.param_groups, own):
+            group["params"] = [self.masters[i] if self.master_weights else self.params[i] for i in indices]
         params = self.params
 
         def zero_grad(set_to_none: bool = True) -> None:
@@ -87,6 +118,52 @@ class ZeroOne:
                 p.grad = None
 
         self.optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+        if self.master_weights:
+            self._step_masters()
+
+    def _own_masters(self) -> list[Tensor]:
+        """The masters in the sharded optimizer's numbering (its state_dict's parameter numbers)."""
+        return [self.masters[i] for i in self.plan.flat_shard(self._rank)]
+
+    def _step_masters(self) -> None:
+        """Route the optimizer's step through the masters, and carry them in its state_dict."""
+        optimizer, inner = self.optimizer, self.optimizer.step
+
+        def step(closure: Optional[Callable[[], Any]] = None) -> Any:
+            loss = closure() if closure is not None else None
+            with torch.no_grad():
+                for i, master in self.masters.items():
+                    grad = self.params[i].grad
+                    master.grad = None if grad is None else grad.float()
+            inner()
+            with torch.no_grad():
+                for i, master in self.masters.items():
+                    self.params[i].copy_(master)
+                    master.grad = None  # only the update needs the fp32 gradient
+            return loss
+
+        optimizer.step = step  # type: ignore[method-assign]
+        optimizer.register_state_dict_post_hook(self._with_masters)
+        optimizer.register_load_state_dict_pre_hook(self._adopt_masters)
+
+    def _with_masters(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        masters = self._own_masters()
+        state_dict["state"] = {k: {**s, MASTER_KEY: masters[k]} for k, s in state_dict["state"].items()}
+        return state_dict
+
+    def _adopt_masters(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        """Loading the optimizer: every master from its module parameter (loaded just before), then from the
+        state's own master where it has one (a parameter without optimizer state was never updated, so its
+        16-bit value is exact)."""
+        masters, own = self._own_masters(), self.plan.flat_shard(self._rank)
+        with torch.no_grad():
+            for master, i in zip(masters, own):
+                master.copy_(self.params[i])
+            for k, s in state_dict["state"].items():
+                if MASTER_KEY in s:
+                    masters[k].copy_(s[MASTER_KEY])
+        state = {k: {key: v for key, v in s.items() if key != MASTER_KEY} for k, s in state_dict["state"].items()}
+        return {**state_dict, "state": state}
 
     def load_own(self, params: list[Tensor]) -> None:
         """A joiner's shard parameters (from the replica), in place, before the sync hands them to everyone."""
@@ -95,16 +172,16 @@ class ZeroOne:
                 self.params[i].copy_(value)
 
     def sync(self, comm) -> None:
-        """All-gather: every member sends its own shard and copies the others' into its parameters."""
+        """All-gather over the DP group: every member sends its own shard and copies the others' into its
+        parameters."""
         offset = 0
         for i in self.plan.flat_shard(self._rank):
             n = self.params[i].numel()
             self._send[offset:offset + n].copy_(self.params[i].detach().reshape(-1))
             offset += n
-        gathered = comm.allgather(self._send)
+        gathered = comm.allgather_replicas(self._send)
         with torch.no_grad():
-            for pg_rank, flat in enumerate(gathered):
-                owner = comm.layout.logical[pg_rank]
+            for owner, flat in gathered.items():
                 if owner == self._rank:
                     continue
                 offset = 0
@@ -113,4 +190,3 @@ class ZeroOne:
                     p.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
         self.stale = False
-

@@ -34,10 +34,10 @@ def test_the_big_recipes_fit_an_80_gib_gpu(recipe, ft):
 @pytest.mark.parametrize("overrides, change", [
     (["+recipe=gpt13b", "parallel.tp=1"], "parallel.tp=2"),
     (["+recipe=gpt13b", "parallel.tp=1", "runner.gpu_memory_gib=45"], "parallel.tp=4"),
-    (["+recipe=gpt13b", "parallel.tp=1", "runner.gpu_memory_gib=40"], "parallel.tp=8"),
+    (["+recipe=gpt13b", "parallel.tp=1", "runner.gpu_memory_gib=25"], "parallel.tp=8"),
     (["+recipe=gpt1_2b", "parallel.zero=0", "runner.gpu_memory_gib=25"], "parallel.zero=1"),
     (["+recipe=gpt13b", "parallel.tp=1", "parallel.zero=0", "parallel.procs_per_node=2", "parallel.nodes=32",
-      "runner.gpu_memory_gib=60"], "parallel.tp=2 parallel.pp=2 parallel.zero=1"),
+      "runner.gpu_memory_gib=45"], "parallel.tp=2 parallel.pp=2 parallel.zero=1"),
 ])
 def test_an_over_full_layout_is_refused_with_the_smallest_change_that_fits(overrides, change):
     cfg = _compose(*overrides)

@@ -19,26 +19,31 @@ from torch import nn
 from runner.parallel.tensor import gather_shards, shard_layouts
 
 
-def _param_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The parameter name of each number of ``optimizer``'s state_dict (group after group)."""
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters ``optimizer``'s state_dict numbers, in that order (group after group)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _param_names(module: nn.Module, order: list[torch.Tensor]) -> list[str]:
+    """The parameter name of each number of an optimizer state_dict over the parameters ``order``."""
     names = {id(p): n for n, p in module.named_parameters()}
-    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return [names[id(p)] for p in order]
 
 
 def _own_shape(value: Any, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
-def gather_tp_state(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[dict, list[dict]]:
+def gather_tp_state(module: nn.Module, optimizers: list[tuple[dict, list[torch.Tensor]]]) -> tuple[dict, list[dict]]:
     """The full parameters by state_dict name and the unsharded optimizers' state_dicts of the TP-sharded
-    ``module``. Every rank of the TP group calls it at the same step (one all-gather per sharded tensor,
-    in the same order on every rank)."""
+    ``module``, from each optimizer's state_dict of this rank's slices with the parameters it numbers
+    (``optimizer_params``; under ZeRO-1 the DP-gathered state and the unsharded order). Every rank of the TP
+    group calls it at the same step (one all-gather per sharded tensor, in the same order on every rank)."""
     layouts, params = shard_layouts(module), dict(module.named_parameters())
     full_params = {name: gather_shards(p.detach(), *layouts[name]) for name, p in params.items() if name in layouts}
     states = []
-    for opt in optimizers:
-        sd = opt.state_dict()
-        names = _param_names(module, opt)
+    for sd, order in optimizers:
+        names = _param_names(module, order)
         state = {}
         for k in sorted(sd["state"]):
             name = names[k]
@@ -54,9 +59,10 @@ def slice_model_state(state_dict: dict, module: nn.Module) -> dict:
     return {name: _slice(t, *layouts[name]) if name in layouts else t for name, t in state_dict.items()}
 
 
-def slice_optimizer_state(full: dict, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The state_dict this rank's ``optimizer`` loads, from the unsharded optimizer's state_dict ``full``."""
-    layouts, params, names = shard_layouts(module), dict(module.named_parameters()), _param_names(module, optimizer)
+def slice_optimizer_state(full: dict, module: nn.Module, order: list[torch.Tensor]) -> dict:
+    """The state_dict of an optimizer over this rank's slices of the parameters ``order``, from the unsharded
+    optimizer's state_dict ``full``."""
+    layouts, params, names = shard_layouts(module), dict(module.named_parameters()), _param_names(module, order)
     state = {}
     for k, entry in full["state"].items():
         name = names[k]

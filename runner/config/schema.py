@@ -206,6 +206,9 @@ class TrainerConfig:
     """Global gradient-norm clip (Lightning's gradient_clip_val); 0 = off."""
     precision: str = "32-true"
     """Lightning precision string."""
+    master_weights: bool = False
+    """With precision bf16-true and parallel.zero=1: the optimizer steps fp32 master weights and fp32 Adam moments
+    of the rank's ZeRO-1 shard, beside bf16 parameters and gradients (Megatron's distributed optimizer)."""
     bucket_mb: float = 25.0
     """Gradient all-reduce bucket size (MiB); each bucket's all-reduce overlaps the rest of the backward."""
     sdc_factor: float = 100.0

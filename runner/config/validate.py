@@ -143,6 +143,7 @@ def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
             out.append(f"parallel.dp_group_size={p.dp_group_size}: DP replica groups are not available yet; set it "
                        "to 0 (a recipe's plan may still show it).")
         out += zero_problems(cfg)
+        out += master_weight_problems(cfg)
         if spare_count(cfg) and "deadpool" not in ft_names(cfg):
             out.append(f"parallel.spares={p.spares} starts hot spares that only DeadPool uses: add ft=deadpool or set "
                        "parallel.spares=0.")
@@ -165,9 +166,6 @@ def tp_problems(cfg: DictConfig) -> list[str]:
                    f"from the replica at the same TP coordinate) and flash_ckpt (every rank restores its own "
                    f"snapshot); {other} do(es) not place work or state by TP coordinate yet: remove "
                    f"{', '.join(other)} from ft or set parallel.tp=1.")
-    if p.zero:
-        out.append(f"parallel.zero={p.zero} with parallel.tp={p.tp}: the optimizer is not sharded over the DP group "
-                   "of a tensor-parallel run yet; set parallel.zero=0 or parallel.tp=1.")
     if cfg.model._target_:
         out.append(f"parallel.tp={p.tp} slices the runner's own GPT; {cfg.model._target_} has no tensor-parallel "
                    "layers: set parallel.tp=1.")
@@ -203,6 +201,30 @@ def zero_problems(cfg: DictConfig) -> list[str]:
     if "deadpool" in names and p.nodes < 2:
         out.append("parallel.zero=1 with ft=deadpool keeps each shard's replica on another node, but parallel.nodes=1: "
                    "use parallel.nodes >= 2 (e.g. parallel.nodes=2 parallel.procs_per_node=1).")
+    return out
+
+
+def master_weight_problems(cfg: DictConfig) -> list[str]:
+    """trainer.master_weights: fp32 masters of bf16 parameters, kept in the ZeRO-1 shard (``runner.zero``)."""
+    t, names = cfg.trainer, ft_names(cfg)
+    if not t.master_weights:
+        return []
+    out = []
+    if cfg.parallel.zero != 1:
+        out.append(f"trainer.master_weights=true keeps the fp32 master weights and Adam moments in each rank's ZeRO-1 "
+                   f"shard, but parallel.zero={cfg.parallel.zero}: set parallel.zero=1.")
+    if t.precision != "bf16-true":
+        out.append(f"trainer.master_weights=true keeps fp32 masters of bf16 parameters and gradients, but "
+                   f"trainer.precision={t.precision}: set trainer.precision=bf16-true (16-true would need loss "
+                   "scaling, which the runner does not do; under 32-true or a -mixed precision the fp32 weights are "
+                   "already the optimizer's own).")
+    other = [n for n in names if n != "flash_ckpt"]
+    if other:
+        out.append(f"trainer.master_weights=true trains with ft=[] or ft=[flash_ckpt] only (a snapshot holds the "
+                   f"optimizer's state_dict, masters included): DeadPool's shard replicas and replays, NDB and the "
+                   f"state a recovery hands between replicas carry the bf16 parameters, not the fp32 masters the "
+                   f"optimizer steps, so {other} would resume from rounded weights; remove {', '.join(other)} from ft "
+                   "or set trainer.master_weights=false.")
     return out
 
 
