@@ -28,12 +28,20 @@ from runner.control.controller import FORKSERVER_PRELOAD
 from runner.events import EventLog, read_jsonl
 from tests.conftest import ROOT, run_cli
 from tests.test_config import _compose
+from tests.test_torchrun_per_host import (
+    SECRET,
+    assert_agents_and_workers_end,
+    hosts_behind_the_rendezvous_store,
+    lose_host,
+)
 from tests.torchrun_jobs import BASE, events, max_step, wait_for
 
-SECRET = {"RESILIENT_RUNNER_SECRET": "late-join-test-secret"}
-STEPS = 400  # long enough for a host to join while the others train
+STEPS = 400
 LAYOUT = ["launcher.mode=per_host", "parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=0",
           "ft=[deadpool,ndb]", f"trainer.max_steps={STEPS}"]  # two training hosts, no spare host at the start
+# rank 0 sleeps 0.1 s before each step (no CPU, no change to what is computed), so that on a loaded machine the
+# job still trains for longer than a host takes to join it
+PACED = ["fault=slow_rank", "fault.rank=0", "fault.delay_s=0.1"]
 
 
 # -- configuration ------------------------------------------------------------------------------------
@@ -156,16 +164,14 @@ def test_a_granted_host_is_adopted_into_the_fleet_and_shut_down_with_it(node0):
 # -- a late host under torchrun ---------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_host_that_joins_later_takes_a_lost_hosts_ranks(make_job, tmp_path):
-    from tests.test_torchrun_per_host import assert_agents_and_workers_end, hosts_behind_the_rendezvous_store, lose_host
-
     fault_free = run_cli(*BASE, *[o for o in LAYOUT if o != "launcher.mode=per_host"], run_dir=tmp_path / "local")
     assert fault_free.summary["status"] == "completed", fault_free.output[-3000:]
     job = make_job()
-    trees = hosts_behind_the_rendezvous_store(job, 2, *LAYOUT)
+    trees = hosts_behind_the_rendezvous_store(job, 2, *LAYOUT, *PACED)
     wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=trees)
     (controller,) = [e for e in events(job.run_dir, "host_joined") if e["node"] == 0]
     before = max_step(job.run_dir)
-    late = job.join(controller["control_store"], *LAYOUT, extra_env=SECRET)
+    late = job.join(controller["control_store"], *LAYOUT, *PACED, extra_env=SECRET)
     (joined,) = wait_for("the late host", lambda: [e for e in events(job.run_dir, "host_joined") if e["node"] == 2],
                          procs=[*trees, late])
     assert joined["role"] == "late_spare" and joined["pid"] == late.pid
