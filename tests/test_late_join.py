@@ -187,7 +187,7 @@ def test_a_host_that_joins_later_takes_a_lost_hosts_ranks(make_job, tmp_path):
     s = json.loads((job.run_dir / "summary.json").read_text())
     assert s["status"] == "completed", job.output()
     (rec,) = s["recoveries"]
-    assert (rec["fault"], rec["action"], rec["victims"]) == ("node_loss", "swap_spare", [2, 3])
+    assert (rec["fault"], rec["action"], rec["victims"], rec["rpo_steps"]) == ("node_loss", "swap_spare", [2, 3], 0)
     assigned = events(job.run_dir, "spare_assigned")
     assert sorted(e["wid"] for e in assigned) == sorted(e["wid"] for e in ready)  # the late host's spares
     assert s["samples_lost"] == 0 and s["param_checksum"] == fault_free.summary["param_checksum"]
