@@ -135,24 +135,39 @@ def test_forged_replayed_and_mismatched_requests_are_refused(node0):
     assert len(node0.fleet.agents) == 1 and not node0.events("host_joined")
 
 
-def test_a_granted_host_is_adopted_into_the_fleet_and_shut_down_with_it(node0):
+def _grant(node0: Node0) -> int:
+    """A valid join request, answered with the next node index; returns it."""
     digest = node0.fleet.config_digest
-    granted = node0.request(lambda t: auth.sign(node0.secret, {"ticket": t, "sha256": digest, "host": "h", "pid": 1}))
+    ticket = node0.request(lambda t: auth.sign(node0.secret, {"ticket": t, "sha256": digest, "host": "h", "pid": 1}))
     assert node0.desk.poll() == []  # granted; its agent has not registered yet
-    answer = auth.verify(node0.secret, node0.store.get(request_key(granted, "answer")))
-    assert answer == {"ticket": granted, "node": 1}
-    # the granted host runs node 1's agent (here on the controller's config file) and registers
+    answer = auth.verify(node0.secret, node0.store.get(request_key(ticket, "answer")))
+    assert answer == {"ticket": ticket, "node": len(node0.fleet.agents)}
+    return answer["node"]
+
+
+def test_a_granted_host_whose_agent_refuses_to_start_spends_its_index(node0):
+    node = _grant(node0)
+    node0.store.set(protocol.agent_key(node, "refused"), "its config file differs")  # as its agent would write
+    assert node0.desk.poll() == []
+    (failed,) = node0.events("join_failed")
+    assert (failed["node"], failed["reason"]) == (node, "its config file differs")
+    assert len(node0.fleet.agents) == node + 1 and node not in node0.fleet.node_beats()  # nobody holds it
+
+
+def test_a_granted_host_is_adopted_into_the_fleet_and_shut_down_with_it(node0):
+    node = _grant(node0)
+    # the granted host runs that node's agent (here on the controller's config file) and registers
     env = {**os.environ, "PYTHONPATH": str(ROOT), **SECRET}
     agent = subprocess.Popen([sys.executable, "-m", "runner.agents", "--store", f"127.0.0.1:{node0.store.port}",
-                              "--node", "1", "--run-dir", str(node0.run_dir)], env=env)
+                              "--node", str(node), "--run-dir", str(node0.run_dir)], env=env)
     joined: list[int] = []
     try:
         wait_for("the granted host's agent", lambda: joined.extend(node0.desk.poll()) or joined, timeout_s=120,
                  procs=[agent])
-        assert joined == [1] and len(node0.fleet.agents) == 2 and node0.fleet.agents[1].proc is None
+        assert joined == [node] and len(node0.fleet.agents) == node + 1 and node0.fleet.agents[node].proc is None
         (host,) = node0.events("host_joined")
-        assert (host["node"], host["pid"], host["role"]) == (1, agent.pid, "late_spare")
-        assert set(node0.fleet.node_beats()) == {0, 1}
+        assert (host["node"], host["pid"], host["role"]) == (node, agent.pid, "late_spare")
+        assert node in node0.fleet.node_beats()
         node0.shutdown()  # the adopted agent is shut down with the others
         assert agent.wait(timeout=60) == 0
     finally:

@@ -135,13 +135,15 @@ class HostJoins:
                              control_store=f"{self.address[0]}:{self.address[1]}", role="late_spare")
             return granted.node
         refused = protocol.agent_key(granted.node, "refused")
-        if self.store.check([refused]) or time.monotonic() > granted.deadline:
-            why = (self.store.get(refused).decode() if self.store.check([refused])
-                   else f"did not register within launcher.start_timeout_s={self.timeout_s:g}")
-            self.granted = None
-            self.fleet.adopt(granted.node, registered=False)  # its index is spent: no later host takes it
-            self.events.emit("join_failed", ticket=granted.ticket, node=granted.node, reason=why)
+        if self.store.check([refused]):
+            why = self.store.get(refused).decode()
+        elif time.monotonic() > granted.deadline:
+            why = f"did not register within launcher.start_timeout_s={self.timeout_s:g}"
+        else:
             return None
+        self.granted = None
+        self.fleet.adopt(granted.node, registered=False)  # its index is spent: no later host takes it
+        self.events.emit("join_failed", ticket=granted.ticket, node=granted.node, reason=why)
         return None
 
     def _refuse(self, ticket: int, body: dict, reason: str) -> None:
