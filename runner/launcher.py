@@ -36,9 +36,15 @@ def external_launcher() -> str | None:
 def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     """Returns the summary, or None on a rank of an external job other than rank 0."""
     kind = cfg.launcher.kind if cfg.launcher.kind != "auto" else (external_launcher() or "local")
-    check_mode(cfg, kind)
+    if not cfg.launcher.join:  # a joining host's config is the running job's, checked by its node 0
+        check_mode(cfg, kind)
     if cfg.runner.resume:  # the workers get the checked file's absolute path
         cfg.runner.resume = str(resume_checkpoint(cfg.runner.resume, Path(run_dir), cfg.trainer.max_steps))
+    if cfg.launcher.join:  # a host started later, outside the launcher: a spare host of a running per_host job
+        from runner.per_host import join_running_job
+
+        join_running_job(cfg, Path(run_dir))
+        return None
     if kind != "local" and cfg.launcher.mode == "per_host":
         from runner.per_host import run_host
 

@@ -10,22 +10,28 @@ a file of its own, and becomes the agent: it refuses to start when that config's
 one the controller signed. The launcher's store is torchrun's (reached through MASTER_ADDR/MASTER_PORT),
 or under SLURM one that node 0 hosts at MASTER_ADDR:MASTER_PORT; the address lives under the job's id
 (the rendezvous run id), never under the restart count, which differs between hosts.
+
+A host started later, outside the launcher, joins the running job as a spare host through the controller's
+address (``launcher.join=HOST:PORT``, ``join_running_job``): torchrun would restart every worker if a node
+entered its rendezvous. It asks the controller for a node index (``runner.agents.joins``), then becomes that
+node's agent like any other host.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig
-from torch.distributed import TCPStore
+from torch.distributed import DistError, TCPStore
 
 from runner import protocol
-from runner.agents import auth, spawned
+from runner.agents import auth, joins, spawned
 from runner.config import ConfigError
 from runner.config.validate import ft_names
 from runner.events import EventLog
@@ -72,10 +78,7 @@ def control_key(job_id: str) -> str:
 
 def run_host(cfg: DictConfig, run_dir: Path, kind: str) -> Optional[dict]:
     """Node 0: the controller's summary. Any other host: None once its agent ended well (else SystemExit)."""
-    if auth.job_secret(cfg.launcher.secret_file) is None:
-        raise ConfigError(f"launcher.mode=per_host signs the controller's commands with the job's secret, which every "
-                          f"host must hold: set {auth.SECRET_ENV} on every host, or launcher.secret_file to a file "
-                          "the job distributes (python -c 'import secrets; print(secrets.token_hex(32))').")
+    _require_secret(cfg)
     env = host_env(kind)
     topo = Topology.from_cfg(cfg)
     if env.hosts != topo.total_nodes:
@@ -88,10 +91,50 @@ def run_host(cfg: DictConfig, run_dir: Path, kind: str) -> Optional[dict]:
     if env.node == 0:
         return _run_controller(cfg, run_dir, env, launcher)
     address = launcher.get(control_key(env.job_id)).decode()  # waits up to launcher.start_timeout_s
-    code = _run_agent(cfg, run_dir, env.node, address)
+    spawned.die_with_parent()
+    secret = auth.job_secret(cfg.launcher.secret_file, pop_env=True)  # no worker inherits it
+    assert secret is not None  # checked above
+    config = _agent_config(cfg, run_dir)
+    _joined(run_dir, env.node, address, "agent")
+    code = _run_agent(run_dir, env.node, address, secret, config)
     if code:
         raise SystemExit(code)
     return None
+
+
+def join_running_job(cfg: DictConfig, run_dir: Path) -> None:
+    """A host started later joins the job whose control-plane store is at ``launcher.join`` as a spare host: it
+    asks the controller for a node index, then runs that node's agent in this process until the job ends
+    (SystemExit with the agent's code, or 2 with the reason when the controller refuses it)."""
+    _require_secret(cfg)
+    address = cfg.launcher.join
+    cfg.launcher.join = None  # the rest is the job's config, as every other host composed it
+    spawned.die_with_parent()
+    secret = auth.job_secret(cfg.launcher.secret_file, pop_env=True)
+    assert secret is not None  # checked above
+    config = _agent_config(cfg, run_dir)
+    host, port = address.rsplit(":", 1)
+    try:
+        store = protocol.connect(host, int(port), cfg.launcher.start_timeout_s)
+        node = joins.request_node(store, secret, auth.digest(config), cfg.launcher.start_timeout_s)
+    except (joins.JoinRefused, DistError) as e:
+        reason = str(e).splitlines()[0]
+        events = EventLog(run_dir / "events.jsonl", rank=lambda: "joining-host", step=lambda: -1)
+        events.emit("agent_refused", node=None, control_store=address, reason=reason)
+        events.close()
+        print(f"[runner] the job at launcher.join={address} refused this host: {reason}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from e
+    print(f"[runner] joined the job at {address} as node {node}, a spare host", flush=True)
+    code = _run_agent(run_dir, node, address, secret, config)
+    if code:
+        raise SystemExit(code)
+
+
+def _require_secret(cfg: DictConfig) -> None:
+    if auth.job_secret(cfg.launcher.secret_file) is None:
+        raise ConfigError(f"launcher.mode=per_host signs the controller's commands with the job's secret, which every "
+                          f"host must hold: set {auth.SECRET_ENV} on every host, or launcher.secret_file to a file "
+                          "the job distributes (python -c 'import secrets; print(secrets.token_hex(32))').")
 
 
 def _run_controller(cfg: DictConfig, run_dir: Path, env: HostEnv, launcher: TCPStore) -> dict:
@@ -104,24 +147,28 @@ def _run_controller(cfg: DictConfig, run_dir: Path, env: HostEnv, launcher: TCPS
     store = protocol.host_store(host, cfg.launcher.start_timeout_s)
     _joined(run_dir, 0, f"{host}:{store.port}", "controller")
     launcher.set(control_key(env.job_id), f"{host}:{store.port}")
+    print(f"[runner] control plane at {host}:{store.port} (a host started later joins with the same command "
+          f"plus launcher.join={host}:{store.port})", flush=True)
     return Controller(cfg, run_dir, store=store, address=(host, store.port), agents_started_here=[0]).run()
 
 
-def _run_agent(cfg: DictConfig, run_dir: Path, node: int, address: str) -> int:
-    """This host's node agent, in this process (it dies with its launcher), with its own config file."""
+def _agent_config(cfg: DictConfig, run_dir: Path) -> bytes:
+    """The agent config this host composes from its own command line (the controller signed its digest)."""
     from runner.agents.fleet import agent_config
-    from runner.agents.node_agent import NodeAgent, _gpus
     from runner.control.controller import agent_setup
     from runner.recovery.registry import build_actions
 
-    spawned.die_with_parent()
-    secret = auth.job_secret(cfg.launcher.secret_file, pop_env=True)  # no worker inherits it
-    assert secret is not None  # checked by run_host
     run_dir.mkdir(parents=True, exist_ok=True)
     preload, persist = agent_setup(build_actions(ft_names(cfg), cfg, Topology.from_cfg(cfg), run_dir))
+    return agent_config(cfg, preload, persist)
+
+
+def _run_agent(run_dir: Path, node: int, address: str, secret: bytes, config: bytes) -> int:
+    """This host's node agent, in this process (it dies with its launcher), with its own config file."""
+    from runner.agents.node_agent import NodeAgent, _gpus
+
     config_file = run_dir / f"agent_config.node{node}.json"
-    config_file.write_bytes(agent_config(cfg, preload, persist))
-    _joined(run_dir, node, address, "agent")
+    config_file.write_bytes(config)
     host, port = address.rsplit(":", 1)
     return NodeAgent(node, (host, int(port)), secret, run_dir, _gpus(None), config_file).run()
 

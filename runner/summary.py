@@ -171,11 +171,14 @@ def _launcher_restarts(attempts: list[Attempt], metrics: list[dict]) -> list[dic
 
 def recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> dict:
     """One ``recoveries[]`` entry: the phases from the record's times, the injected fault and the groups formed
-    (``events``) and the first step committed after the recovery (``metrics``). The run logger computes the
-    same entry live, as soon as that step is committed."""
+    (``events``) and the steps committed before the fault and after the recovery (``metrics``). The run logger
+    computes the same entry live, as soon as that step is committed."""
     injected = [e for e in events if e["kind"] == "fault_injected" and e.get("t", 0) <= rec.t_detect + 1e-3]
     t_fault = injected[-1].get("t_fault", injected[-1]["t"]) if injected else rec.t_detect
-    fault_step = injected[-1].get("at_step", injected[-1]["step"]) if injected else -1
+    if injected:
+        fault_step = injected[-1].get("at_step", injected[-1]["step"])
+    else:  # a fault from outside (a host lost, a process killed): the step in progress when it was detected
+        fault_step = max((m["step"] for m in metrics if m["t"] <= t_fault), default=-1) + 1
     formed = [e for e in events if e["kind"] == "group_formed" and e.get("gen") == rec.full_gen]
     t_formed = min((e["t"] for e in formed), default=None)
     survivors = [e for e in events if e["kind"] == "group_formed" and e.get("gen") == rec.survivors_gen]

@@ -17,8 +17,10 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.config import ConfigError
+from runner.control.records import Recovery
 from runner.faults.snapshot_memory import drop_node_memory
 from runner.recovery.flash_names import flash_job_id
+from runner.summary import recovery_entry
 from tests.conftest import _processes_of, run_cli
 from tests.torchrun_jobs import BASE, Job, c10d_rendezvous, events, free_port, max_step, wait_for
 
@@ -97,6 +99,17 @@ def test_per_host_refuses_faults_that_act_on_another_hosts_memory_or_agent(fault
         check_mode(cfg, "torchrun")
     cfg.fault.kind = "kill_rank"  # any rank: the controller reaches every host's workers through their agents
     check_mode(cfg, "torchrun")
+
+
+def test_a_host_lost_from_outside_is_at_the_step_in_progress_and_its_lost_steps_counted():
+    """No injected fault names the step: it is the one after the last commit before the loss was detected."""
+    rec = Recovery(id=0, t_detect=10.0, t_detect_mono=0.0, fault="node_loss", victims=[2, 3], action="restart_all",
+                   full_gen=1)
+    metrics = [{"step": s, "t": 1.0 + s, "gen": 0} for s in range(9)] + [{"step": 5, "t": 12.0, "gen": 1}]
+    entry = recovery_entry(rec, [], metrics)
+    assert (entry["step"], entry["rpo_steps"]) == (9, 4)  # steps 5..8 are done again
+    swapped = [*metrics[:9], {"step": 9, "t": 12.0, "gen": 1}]
+    assert recovery_entry(rec, [], swapped)["rpo_steps"] == 0
 
 
 # -- three hosts ----------------------------------------------------------------------------------------
@@ -197,6 +210,7 @@ def test_a_lost_training_host_is_replaced_by_the_spare_host(make_job, local_chec
     s, rest = _complete_after_losing_host_1(job, 3, *LAYOUT)
     (rec,) = s["recoveries"]
     assert (rec["fault"], rec["action"], rec["victims"]) == ("node_loss", "swap_spare", [2, 3])
+    assert rec["step"] > 3 and rec["rpo_steps"] == 0  # the spares resumed at the step the host was lost in
     assert s["samples_lost"] == 0 and s["param_checksum"] == local_checksum
     assert_agents_and_workers_end(job, rest)
 

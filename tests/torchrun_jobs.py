@@ -83,6 +83,11 @@ class Job:
                            "--monitor-interval=0.1", "-m", "runner", *BASE, f"hydra.run.dir={self.run_dir}",
                            *overrides], extra_env)
 
+    def join(self, address: str, *overrides: str, extra_env: dict | None = None):
+        """A host started later, outside torchrun: the job's overrides plus ``launcher.join=address``."""
+        return self.start([sys.executable, "-m", "runner", *BASE, f"hydra.run.dir={self.run_dir}", *overrides,
+                           f"launcher.join={address}"], extra_env)
+
     def wait(self, timeout_s: float = 300.0) -> list[int]:
         deadline = time.monotonic() + timeout_s
         for p in self.procs:

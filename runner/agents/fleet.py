@@ -16,7 +16,9 @@ command line.
 
 Under ``launcher.mode=per_host`` (``runner.per_host``) the fleet starts only node 0's agent and awaits the
 others: each host's launcher started its agent, which writes its own copy of the config file and
-registers. Such a remote agent has no process handle here: only its heartbeat says it lives.
+registers. Such a remote agent has no process handle here: only its heartbeat says it lives. A host
+started later joins the same way once the controller granted it a node index (``runner.agents.joins``):
+``adopt`` adds it.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class AgentHandle:
         self.workers: dict[int, int] = {}  # wid -> pid, as the agent acknowledged the spawn
         self.reported: set[int] = set()  # wids whose exit is in the controller's queue (or, once lost, gone)
         self.lost = False
+        self.registered = True  # False: a late host granted this index never registered (it holds no node)
         self.hb_value: Optional[bytes] = None
         self.last_beat = time.monotonic()
         self.lock = threading.Lock()
@@ -124,7 +127,7 @@ class AgentFleet:
         self._publish_config(cfg, Path(run_dir), preload, persist)
         here = set(range(nodes) if started_here is None else started_here)
         gpus = _gpu_shares(nodes, cfg.parallel.procs_per_node) if started_here is None else []
-        silence_s = cfg.heartbeat.interval_s * cfg.heartbeat.misses
+        self.silence_s = silence_s = cfg.heartbeat.interval_s * cfg.heartbeat.misses
         self.zygote = ForkServer.exec_preloaded(ZYGOTE_PRELOAD + preload)
         self.agents: list[AgentHandle] = []
         try:
@@ -146,6 +149,18 @@ class AgentFleet:
         for a in self.agents:
             a.watcher = threading.Thread(target=self._watch_exits, args=(a,), name=f"exits-{a.node}", daemon=True)
             a.watcher.start()
+
+    def adopt(self, node: int, registered: bool = True) -> None:
+        """A host that joined the running job registered its agent as node ``node``, the next index (a remote
+        agent, seen by its heartbeat). ``registered=False``: it never did; the index stays taken, by nobody."""
+        assert node == len(self.agents), f"node {node} joins a fleet of {len(self.agents)} nodes"
+        agent = AgentHandle(node, None, self.silence_s)
+        self.agents.append(agent)
+        if not registered:
+            agent.registered, agent.lost = False, True
+            return
+        agent.watcher = threading.Thread(target=self._watch_exits, args=(agent,), name=f"exits-{node}", daemon=True)
+        agent.watcher.start()
 
     def spawn(self, target, args: tuple, wid: int, node: int) -> None:
         """Node ``node``'s agent starts worker ``wid`` from its fork server. Only the spec travels: the agent
@@ -194,13 +209,14 @@ class AgentFleet:
     def node_beats(self) -> dict[int, float]:
         """When each agent last beat (monotonic), by the time the beat carries: a beat read late (the agent's
         last one, read after its host died) proves life only until it was written."""
-        values = self.store.multi_get([protocol.agent_key(a.node, "hb") for a in self.agents])
+        agents = [a for a in self.agents if a.registered]
+        values = self.store.multi_get([protocol.agent_key(a.node, "hb") for a in agents])
         now, wall = time.monotonic(), time.time()
-        for agent, value in zip(self.agents, values):
+        for agent, value in zip(agents, values):
             if value != agent.hb_value:
                 agent.hb_value, agent.last_beat = value, now - max(0.0, wall - float(value))
             agent.silent = now - agent.last_beat > agent.silence_s
-        return {a.node: a.last_beat for a in self.agents}
+        return {a.node: a.last_beat for a in agents}
 
     def shutdown(self, completed: bool) -> None:
         """Every agent ends its workers (killed at once unless the run completed) and exits; a remote agent
@@ -229,7 +245,8 @@ class AgentFleet:
         """Write what the agents run to the run dir, and its signed digest to the store."""
         raw = agent_config(cfg, preload, persist)
         (run_dir / protocol.AGENT_CONFIG_FILE).write_bytes(raw)
-        self.store.set(protocol.AGENT_CONFIG, auth.sign(self.secret, {"sha256": auth.digest(raw)}))
+        self.config_digest = auth.digest(raw)  # what a host joining later must compose too
+        self.store.set(protocol.AGENT_CONFIG, auth.sign(self.secret, {"sha256": self.config_digest}))
 
     def _command(self, agent: AgentHandle, body: dict, ack: bool = True) -> Optional[bytes]:
         """Queue a signed command for ``agent``; with ``ack``, wait until it was carried out and return the

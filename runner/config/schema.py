@@ -182,6 +182,9 @@ class LauncherConfig:
     control_host: Optional[str] = None
     """launcher.mode=per_host: the address of node 0 the control-plane store listens on (the port comes from the
     OS), one the other hosts reach; unset: node 0's address on its route to MASTER_ADDR."""
+    join: Optional[str] = None
+    """HOST:PORT of a running launcher.mode=per_host job's control-plane store: this process, started later and
+    outside the launcher, joins that job as a spare host (same overrides as the job's hosts, plus this key)."""
 
 
 @dataclass

@@ -327,7 +327,28 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
     if secret and not os.path.isfile(secret):
         out.append(f"launcher.secret_file={secret} is not a file: point it at the job's secret (one line, the same "
                    "file on every host), or drop it to have the local launcher generate one.")
-    return out + _loop_problems(cfg)
+    return out + _loop_problems(cfg) + _join_problems(cfg)
+
+
+def _join_problems(cfg: DictConfig) -> list[str]:
+    """``launcher.join``: a host that joins a running per_host job, as a spare host for DeadPool."""
+    join = cfg.launcher.join
+    if not join:
+        return []
+    out: list[str] = []
+    host, _, port = str(join).rpartition(":")
+    if not host or not port.isdigit():
+        out.append(f"launcher.join={join} is not HOST:PORT: give the control-plane store's address, which node 0 "
+                   "logs (control_store in its host_joined event, and on its output).")
+    if cfg.launcher.kind == "local" or cfg.launcher.mode != "per_host":
+        out.append(f"launcher.join joins a running launcher.mode=per_host job as a spare host, but this command has "
+                   f"launcher.kind={cfg.launcher.kind} launcher.mode={cfg.launcher.mode}: repeat the job's own "
+                   "overrides (launcher.mode=per_host included); a launcher=local job cannot be joined (its control "
+                   "plane listens on loopback and its controller starts its hosts' agents itself).")
+    if "deadpool" not in ft_names(cfg):
+        out.append("launcher.join adds a spare host, and only ft=deadpool uses spare hosts (its warm spares take a "
+                   "lost host's ranks); this job's ft has no deadpool, so a joining host would never be used.")
+    return out
 
 
 def _loop_problems(cfg: DictConfig) -> list[str]:

@@ -4,8 +4,9 @@ It hosts the job's TCPStore (unless the job has one), starts the workers through
 every round, lets detection turn exits, reports and heartbeats into symptoms
 (``runner.control.detection``), lets the fault injectors act (``runner.faults``), lets the recovery
 actions pace their own work, and, once a recovery is due, has the executor decide and act
-(``runner.control.execution``). It is never on the training path: healthy steps cost it nothing. At
-the end it writes the summary from the run's record.
+(``runner.control.execution``). Under ``launcher.mode=per_host`` it also admits hosts that join the running
+job later (``runner.agents.joins``) and hands each to the recovery actions. It is never on the training
+path: healthy steps cost it nothing. At the end it writes the summary from the run's record.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import protocol
 from runner.agents.fleet import AgentFleet
+from runner.agents.joins import HostJoins
 from runner.config import policy
 from runner.config.validate import ft_names
 from runner.control.console import RecoveryConsole
@@ -68,6 +70,7 @@ class Controller:
         self.events = EventLog(self.run_dir / "events.jsonl", rank=lambda: "controller", step=lambda: -1,
                                echo=RecoveryConsole(cfg.trainer.progress_bar) if cfg.runner.console_events else None)
         self.run_logger = RunLogger(cfg, self.run_dir, self.record)
+        self.joins: Optional[HostJoins] = None  # per_host: hosts that join the running job
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -107,6 +110,9 @@ class Controller:
             preload, persist = agent_setup(self.actions)
             self.fleet = AgentFleet(self.cfg, self.run_dir, self.store, (self.host, self.port), self.queue, preload,
                                     persist, self.topo.total_nodes, self.agents_started_here)
+            if self.agents_started_here is not None:
+                self.joins = HostJoins(self.store, self.fleet, self.events, (self.host, self.port),
+                                       self.cfg.launcher.start_timeout_s)
         self._wire()
         self.events.emit("run_start", world_size=self.topo.world, nodes=self.cfg.parallel.nodes, ft=self.ft,
                          recipe=self.cfg.recipe_name, store_port=self.port, policy=policy.table(self.cfg, self.ft))
@@ -167,6 +173,10 @@ class Controller:
             self.chaos.poll(now)
         if heartbeats:
             self.detector.poll_heartbeats()
+            if self.joins is not None:
+                for node in self.joins.poll():  # a spare host: no generation changes, training goes on
+                    for action in self.actions.values():
+                        action.on_host_joined(self.ctx, node)
         if self.members.poll_ready() and self.incidents.active is not None and self.incidents.decide_at is None:
             self.executor.after_change()
         for action in self.actions.values():

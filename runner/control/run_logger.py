@@ -21,6 +21,7 @@ import json
 import sys
 import threading
 import traceback
+from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,6 +41,7 @@ EVENT_ROWS = frozenset({
 })
 # the controller's record gives the times of decisions and replacements; these events give the rest
 PHASE_EVENTS = frozenset({"fault_injected", "group_formed"})
+RECENT_COMMITS = 256  # more than a recovery's survivors-only generation commits before its complete one
 RECOVERY_KEYS = ("rto_s", "detect_s", "decide_s", "replace_s", "rebuild_s", "restore_s", "survivors_ready_s",
                  "rpo_steps")
 
@@ -61,6 +63,7 @@ class RunLogger:
         self._last_step = -1  # the newest committed step seen
         self._phase_events: list[dict] = []
         self._first_commit: dict[int, dict] = {}  # generation -> its first committed step's record, in time order
+        self._recent: deque[dict] = deque(maxlen=RECENT_COMMITS)  # the newest commits: a fault's last one before it
         self._recoveries_logged: set[int] = set()
 
     def start(self) -> None:
@@ -110,6 +113,7 @@ class RunLogger:
     def _on_commit(self, m: dict) -> None:
         self._last_step = m["step"]
         self._first_commit.setdefault(m["gen"], m)
+        self._recent.append(m)
         if m["step"] % self.log_every == 0:
             self._log(m["step"], m["t"], {"train/loss": m["loss"], "train/tokens_per_s": m["tokens_per_s"],
                                           "train/step_time_s": m["step_time_s"]})
@@ -143,7 +147,7 @@ class RunLogger:
             if first is None:
                 continue
             self._recoveries_logged.add(rec.id)
-            entry = recovery_entry(rec, self._phase_events, [first])
+            entry = recovery_entry(rec, self._phase_events, [m for m in self._recent if m["t"] < first["t"]] + [first])
             self._log(first["step"], first["t"], recovery_row(entry))
             self._alert(f"recovery {entry['id']}: {entry['action']}", recovery_text(entry), "WARN")
 

@@ -88,6 +88,10 @@ class RecoveryAction:
     def on_nodes_lost(self, ctx: RunContext, nodes: list[int]) -> None:
         """The decision is about to write ``nodes`` off."""
 
+    def on_host_joined(self, ctx: RunContext, node: int) -> None:
+        """A host started later joined the running job as node ``node`` (``launcher.join``): its agent registered,
+        nothing runs on it yet."""
+
     def decide_inputs(self, ctx: RunContext, lost_nodes: list[int]) -> dict:
         """The ``decide`` keywords this action's resources set (budgets, spares...)."""
         return {}

@@ -1,7 +1,8 @@
 """DeadPool's controller side: the pool of hot spares and the swap of a spare into a failed rank.
 
-Spares are started with the job on nodes of their own (``Topology.spare_place``), load everything a
-rank needs and wait, warm, for a logical rank. A swap gives each failed rank a ready spare, which joins
+Spares are started with the job on nodes of their own (``Topology.spare_place``), and on every host that
+joins the running job later (``launcher.join``), load everything a rank needs and wait, warm, for a logical
+rank (``spare_ready`` once they do). A swap gives each failed rank a ready spare, which joins
 the next generation and takes its state from a replica (ZeRO-1 shards from the neighbour that
 replicated them). A spare that dies, or whose node is lost, leaves the pool.
 """
@@ -23,6 +24,7 @@ class SwapSpare(RecoveryAction):
     def __init__(self, cfg, topo, run_dir) -> None:
         super().__init__(cfg, topo, run_dir)
         self.spares: list[int] = []  # wids: started, warm, not yet given a logical rank
+        self.warming: list[int] = []  # spares not yet seen ready
 
     @staticmethod
     def obstacle(s: Situation) -> Optional[str]:
@@ -33,6 +35,20 @@ class SwapSpare(RecoveryAction):
     def on_start(self, ctx) -> None:
         for i in range(self.topo.spares):  # hot spares live on nodes of their own
             self.spares.append(ctx.members.spawn(-1, *self.topo.spare_place(i), role="spare", first_gen=0).wid)
+        self.warming = list(self.spares)
+
+    def on_host_joined(self, ctx, node: int) -> None:
+        """A spare host joined the running job: a warm spare in each of its slots, for a later generation."""
+        for local in range(self.topo.procs_per_node):
+            wid = ctx.members.spawn(-1, node, local, role="spare", first_gen=ctx.members.gen + 1).wid
+            self.spares.append(wid)
+            self.warming.append(wid)
+
+    def poll(self, ctx, now: float) -> None:
+        for wid in [w for w in self.warming if w in self.spares and ctx.store.check([f"ready/{w}"])]:
+            self.warming.remove(wid)
+            ctx.events.emit("spare_ready", wid=wid, node=ctx.members.workers[wid].node)
+        self.warming = [w for w in self.warming if w in self.spares]  # the rest died, or were given a rank
 
     def on_exit(self, ctx, wid: int, code: int) -> bool:
         if wid not in self.spares:
