@@ -121,3 +121,10 @@ def report(store: TCPStore, payload: dict) -> None:
     """Append a symptom for the controller (atomic counter, then the record)."""
     n = store.add("reports", 1)
     set_json(store, f"report/{n}", payload)
+
+
+def read_refusal(store, node: int) -> str:
+    """Node ``node``'s agent's refusal, acknowledged: the agent waits for that before it exits."""
+    why = store.get(agent_key(node, "refused")).decode()
+    store.set(agent_key(node, "refusal_read"), "1")
+    return why

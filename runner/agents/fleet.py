@@ -286,13 +286,12 @@ class AgentFleet:
                 if self.store.check([protocol.agent_key(agent.node)]):
                     waiting.remove(agent)
                     agent.last_beat = time.monotonic()
+                elif self.store.check([refused]):
+                    why = protocol.read_refusal(self.store, agent.node)
+                    raise RuntimeError(f"the node agent of host {agent.node} refused to start: {why}")
                 elif agent.proc is not None and agent.proc.poll() is not None:
-                    why = self.store.get(refused).decode() if self.store.check([refused]) else "see its output"
                     raise RuntimeError(f"node agent {agent.node} exited with code {agent.proc.returncode} before "
-                                       f"registering: {why}")
-                elif agent.proc is None and self.store.check([refused]):
-                    raise RuntimeError(f"the node agent of host {agent.node} refused to start: "
-                                       f"{self.store.get(refused).decode()}")
+                                       f"registering: see its output")
             if waiting and time.monotonic() > deadline:
                 remote = [a.node for a in waiting if a.proc is None]
                 hint = (f" (hosts {remote}: start the same command on every host, one process per host)"
@@ -353,3 +352,4 @@ def _gpu_shares(nodes: int, procs_per_node: int) -> list[str]:
     if count == 0:
         return []
     return [",".join(str((n * procs_per_node + i) % count) for i in range(procs_per_node)) for n in range(nodes)]
+

@@ -136,7 +136,7 @@ class HostJoins:
             return granted.node
         refused = protocol.agent_key(granted.node, "refused")
         if self.store.check([refused]):
-            why = self.store.get(refused).decode()
+            why = protocol.read_refusal(self.store, granted.node)
         elif time.monotonic() > granted.deadline:
             why = f"did not register within launcher.start_timeout_s={self.timeout_s:g}"
         else:

@@ -46,6 +46,7 @@ from runner.events import EventLog
 from runner.recovery.flash_ckpt.persister import NodePersist, NodePersisterHandle, start_node_persister
 
 CONNECT_TIMEOUT_S = 60.0
+REFUSAL_READ_TIMEOUT_S = 30.0
 WAIT_SLICE = timedelta(hours=1)  # a blocking wait for the next command or exit, renewed while nothing comes
 
 
@@ -134,12 +135,22 @@ class NodeAgent:
         self.exits = 0
         self._stop_beat = threading.Event()
 
+    def _await_refusal_read(self) -> None:
+        """Stay until the controller has read the refusal (it acknowledges, or ends and its store closes):
+        under torchrun this host's launcher may hold the rendezvous store, and leaving at once can take the
+        controller's host down before it reports why the job failed. Bounded: REFUSAL_READ_TIMEOUT_S."""
+        try:
+            self.store.wait([protocol.agent_key(self.node, "refusal_read")], timedelta(seconds=REFUSAL_READ_TIMEOUT_S))
+        except DistError:  # the controller ended (its store closed), or the wait ran out
+            pass
+
     def run(self) -> int:
         refusal = self._load_config()
         if refusal is not None:
             self.events.emit("agent_refused", node=self.node, reason=refusal)
             self.store.set(protocol.agent_key(self.node, "refused"), refusal)
             print(f"node agent {self.node}: {refusal}", file=sys.stderr)
+            self._await_refusal_read()
             return 2
         self.store.set(protocol.agent_key(self.node, "hb"), repr(time.time()))  # exists before anyone reads it
         protocol.set_json(self.store, protocol.agent_key(self.node),
