@@ -225,6 +225,9 @@ class TrainerConfig:
     DataModule (the built-in data's held-out split has no end: set it)."""
     accumulate_grad_batches: int = 1
     """Micro-batches per optimizer step on each rank (global_batch_size stays the samples per step)."""
+    micro_batches: int = 0
+    """Pipeline micro-batches per step with parallel.pp > 1 (the 1F1B schedule's); the replica's batch
+    (global_batch_size / dp) must divide into them; 0 = parallel.pp."""
 
 
 @dataclass
