@@ -58,6 +58,7 @@ class Comm:
         self.dp_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # tp*pp > 1: this rank's DP group
         self.layout: Layout | None = None
         self._in_flight: list = []  # work objects of launched collectives not waited for yet
+        self._sends: list = []  # work objects of launched pipeline sends not waited for yet
         self._failure: str | None = None  # why a launch failed, raised by the next wait_all
         self._stuck: list = []  # gloo work given up on (a peer cut off): its group must outlive it
         self._retired: list[tuple] = []  # (groups, stuck work): dropped once the work ends by itself
@@ -211,7 +212,7 @@ class Comm:
         """Drop this process's group: its sockets close, so peers' pending collectives fail immediately."""
         if self.backend != "nccl":  # NCCL's abort() ends in-flight work itself
             self._drain()  # gloo: nothing may be in flight when the group goes (see the collectives below)
-        self._in_flight, self._failure = [], None
+        self._in_flight, self._sends, self._failure = [], [], None
         if self._stuck:  # gloo's destructor would wait for the stuck work: keep its groups until it ends
             self._retired.append((self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.side_pg, self._stuck))
             self._stuck = []
@@ -258,12 +259,19 @@ class Comm:
     def subgroup_collective(self, dim: str, op) -> None:
         """Run ``op(group)`` on this rank's ``dim`` group ("tp" or "pp": a TP layer's all-reduce or all-gather, a
         pipeline receive) and wait for it alone, not for the reduction's buckets or the sends in flight beside
-        it; a failure drops every group and raises."""
+        it; a failure drops every group and raises. On the PP group the wait is whole, never in slices: a gloo
+        send or receive whose wait times out closes every connection of its group."""
         self._raise_on(self._subgroup_wait(dim, op))
 
-    def launch_on(self, dim: str, op) -> None:
-        """``launch`` on this rank's ``dim`` group (a pipeline send): waited for by the next ``wait_all``."""
-        self.launch(lambda pg: op(self._dim_pg(dim)))
+    def launch_send(self, op) -> None:
+        """Start ``op(pp group)`` (a pipeline send) without waiting for it; the next ``wait_all`` waits for it
+        (whole, as a receive). A failure to start is raised by that ``wait_all``, as ``launch``'s."""
+        if self._failure is not None:
+            return
+        try:
+            self._sends.append(op(self._dim_pg("pp")))
+        except Exception as err:
+            self._failure = _first_line(err)
 
     def _dim_pg(self, dim: str):
         group = {"tp": self.tp_pg, "pp": self.pp_pg}[dim]
@@ -279,7 +287,8 @@ class Comm:
             work = op(self._dim_pg(dim))
         except Exception as err:
             return _first_line(err)
-        failure = _wait_each([work], self.collective_timeout + _WAIT_MARGIN, self._cut_off_check)
+        cut_off = None if dim == "pp" else self._cut_off_check
+        failure = _wait_each([work], self.collective_timeout + _WAIT_MARGIN, cut_off)
         if not work.is_completed():
             self._stuck.append(work)
         return failure
@@ -301,9 +310,10 @@ class Comm:
     def _drain(self) -> str | None:
         """Wait for every launched collective, failed or not; the reason of the first failure."""
         failed = _wait_each(self._in_flight, self.collective_timeout + _WAIT_MARGIN, self._cut_off_check)
-        failure = self._failure or failed
-        self._stuck += [w for w in self._in_flight if not w.is_completed()]
-        self._in_flight, self._failure = [], None
+        sent = _wait_each(self._sends, self.collective_timeout + _WAIT_MARGIN, None)
+        failure = self._failure or failed or sent
+        self._stuck += [w for w in self._in_flight + self._sends if not w.is_completed()]
+        self._in_flight, self._sends, self._failure = [], [], None
         return failure
 
     def _cut_off(self) -> str | None:

@@ -73,7 +73,7 @@ def gather_replica_state(module: nn.Module, optimizers: list[torch.optim.Optimiz
         return state, states
     names = {id(p): n for n, p in module.named_parameters()}
     tied = stage.tied_weight() if stage.is_last and not stage.is_first else None
-    mine = {"state": {full_state_name(n, stage): t for n, t in state.items()}, "optimizers": []}
+    mine: dict[str, Any] = {"state": {full_state_name(n, stage): t for n, t in state.items()}, "optimizers": []}
     for opt, sd in zip(optimizers, states):
         numbered = [(names[id(p)], p) for group in opt.param_groups for p in group["params"]]
         full_names = [None if p is tied else full_state_name(n, stage) for n, p in numbered]
@@ -144,12 +144,12 @@ def _slice(full: torch.Tensor, layout, group) -> torch.Tensor:
     return layout.shard(full, group.rank(), group.size())
 
 
-def _stage_optimizer_state(full: dict, module: nn.Module, optimizer: torch.optim.Optimizer, stage: GPTStage) -> dict:
+def _stage_optimizer_state(full: dict, module: Any, optimizer: torch.optim.Optimizer, stage: GPTStage) -> dict:
     """The unsharded optimizer's state_dict ``full`` renumbered for this stage's optimizer: the unsharded numbering
     is that of the unsharded module's optimizer, which a parameter-less copy of the module (on the meta device)
     gives by name."""
     with torch.device("meta"):
-        reference = type(module)(**module.hparams)  # type: ignore[operator]
+        reference = type(module)(**module.hparams)  # a GPTModule: pp > 1 trains no other model
     configured = reference.configure_optimizers()
     ref_opt = configured["optimizer"] if isinstance(configured, dict) else configured
     ref_names = {id(p): n for n, p in reference.named_parameters()}

@@ -49,7 +49,7 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree: ranks per model replica, inside a node (docs/parallelism.md for what trains)."""
     pp: int = 1
-    """Pipeline-parallel degree: planning only, training requires 1."""
+    """Pipeline-parallel degree: stages of whole blocks per model replica (docs/parallelism.md for what trains)."""
     dp_group_size: int = 0
     """Ranks per data-parallel replica group; 0 = all DP ranks form one group (training requires 0 for now)."""
     spares: Optional[int] = None

@@ -6,8 +6,8 @@ with. A run's groups are rebuilt with every generation (``Comm``), so they get t
 are the rank's coordinate and the degree of one dimension ("tp" or "pp"), which no recovery changes, and each
 operation runs on that dimension's group the communicator holds at that moment. A failed collective or receive
 drops every group of the generation and raises ``CollectiveFailure``, as the gradient reduction's do, so the step
-is abandoned and redone after the recovery. Sends are launched and waited for with the communicator's other
-launched work, so a failure never leaves one in flight when the groups go.
+is abandoned and redone after the recovery. Sends (the pipeline's only) are launched and waited for with the
+communicator's other launched work, so a failure never leaves one in flight when the groups go.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class GenerationGroup:
         return _Done()
 
     def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> _Launched:
-        self.comm.launch_on(self.dim, lambda pg: pg.send(tensors, peer, tag))
+        self.comm.launch_send(lambda pg: pg.send(tensors, peer, tag))
         return _Launched(self.comm)
 
     def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> _Done:
