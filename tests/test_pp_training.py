@@ -1,5 +1,5 @@
 """Pipeline-parallel training on real processes: PP=2 inside each node, DP=2 across nodes (and TP=2 x PP=2 on
-2 nodes x 4 ranks, in the slow tier).
+2 nodes x 4 ranks, in the slow tier, with the same recoveries).
 
 The fault-free pp=2 run is the reference for the loss curve (against pure DP with the same global batch), for
 its checkpoint file (the full model, loadable at any layout) and for the exactness of FlashRecovery and
@@ -24,6 +24,7 @@ from tests.test_config import _compose
 MAX_STEPS = 10
 COMMON = ["+recipe=gpt_tiny", "trainer.min_lr=3e-3", "parallel.nodes=2"]
 PP2 = [*COMMON, "parallel.procs_per_node=2", "parallel.pp=2"]
+TP2PP2 = [*COMMON, "parallel.procs_per_node=4", "parallel.tp=2", "parallel.pp=2"]  # a TP pair per stage
 DP2 = [*COMMON, "parallel.procs_per_node=1"]  # the same DP size and global batch, one rank per replica
 
 
@@ -31,6 +32,13 @@ DP2 = [*COMMON, "parallel.procs_per_node=1"]  # the same DP size and global batc
 def pp2(tmp_path_factory) -> Run:
     run = run_cli(*PP2, f"trainer.max_steps={MAX_STEPS}", "checkpoint.every_n_steps=5",
                   run_dir=tmp_path_factory.mktemp("pp2") / "run")
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(tmp_path_factory) -> Run:
+    run = run_cli(*TP2PP2, f"trainer.max_steps={MAX_STEPS}", run_dir=tmp_path_factory.mktemp("tp2pp2") / "run")
     assert run.summary["status"] == "completed", run.output[-4000:]
     return run
 
@@ -103,39 +111,45 @@ def test_the_mixes_pipeline_parallelism_trains_with_keep_their_pp_in_smoke_mode(
 
 
 @pytest.mark.slow
-def test_tp2_pp2_dp2_on_two_nodes_of_four_matches_pure_data_parallel(dp2, run_dir):
-    run = run_cli(*COMMON, "parallel.procs_per_node=4", "parallel.tp=2", "parallel.pp=2",
-                  f"trainer.max_steps={MAX_STEPS}", run_dir=run_dir)
-    s = run.summary
-    assert s["status"] == "completed", run.output[-4000:]
-    assert len(run.events("worker_started")) == 8
+def test_tp2_pp2_dp2_on_two_nodes_of_four_matches_pure_data_parallel(tp2pp2, dp2):
+    s = tp2pp2.summary
+    assert len(tp2pp2.events("worker_started")) == 8
     assert s["samples_committed"] == dp2.summary["samples_committed"]
-    _same_loss_curve(run, dp2, "tp=2 pp=2")
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    _same_loss_curve(tp2pp2, dp2, "tp=2 pp=2")
+
+
+# the last stage of replica 0 (at tp=2, its second TP slot); the replacement takes its slice from the replica at the
+# same (pp, tp) coordinate, and every rank of replica 0 redoes the step
+KILLED = {"pp2": (PP2, 1, 3), "tp2pp2": (TP2PP2, 3, 7)}  # layout, killed rank, the rank that serves it
 
 
 @pytest.mark.slow
-def test_flashrecovery_kill_rank_at_pp2_restores_the_stage_exactly(pp2, run_dir):
-    # rank 1 is the last stage of replica 0; the replacement takes its stage from rank 3, the replica at the same
-    # (pp, tp) coordinate, and both stages of replica 0 redo the step
-    run = run_cli(*PP2, f"trainer.max_steps={MAX_STEPS}", "ft=[flashrecovery]", "fault=kill_rank", "fault.rank=1",
-                  "fault.step=5", run_dir=run_dir)
-    s, ref = run.summary, pp2.summary
+@pytest.mark.parametrize("layout", sorted(KILLED))
+def test_flashrecovery_kill_rank_restores_the_stage_exactly(layout, request, run_dir):
+    args, killed, source = KILLED[layout]
+    run = run_cli(*args, f"trainer.max_steps={MAX_STEPS}", "ft=[flashrecovery]", "fault=kill_rank",
+                  f"fault.rank={killed}", "fault.step=5", run_dir=run_dir)
+    s, ref = run.summary, request.getfixturevalue(layout).summary
     assert s["status"] == "completed", run.output[-4000:]
     assert s["param_checksum"] == ref["param_checksum"]
     assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
     assert s["samples_committed"] == ref["samples_committed"]
     rec = s["recoveries"]
-    assert len(rec) == 1 and (rec[0]["victims"], rec[0]["action"], rec[0]["rpo_steps"]) == ([1], "restart_rank", 0)
-    assert [e["rank"] for e in run.events("state_sent")] == [3]
+    assert len(rec) == 1 and (rec[0]["victims"], rec[0]["action"], rec[0]["rpo_steps"]) == (
+        [killed], "restart_rank", 0)
+    assert [e["rank"] for e in run.events("state_sent")] == [source]
 
 
 @pytest.mark.slow
-def test_flash_ckpt_kill_all_at_pp2_restores_each_ranks_own_stage(pp2, run_dir):
-    run = run_cli(*PP2, f"trainer.max_steps={MAX_STEPS}", "ft=[flash_ckpt]", "fault=kill_all", "fault.step=5",
-                  run_dir=run_dir)
+@pytest.mark.parametrize("layout", sorted(KILLED))
+def test_flash_ckpt_kill_all_restores_each_ranks_own_stage(layout, request, run_dir):
+    run = run_cli(*KILLED[layout][0], f"trainer.max_steps={MAX_STEPS}", "ft=[flash_ckpt]", "fault=kill_all",
+                  "fault.step=5", run_dir=run_dir)
     s = run.summary
     assert s["status"] == "completed", run.output[-4000:]
-    assert s["global_step"] == MAX_STEPS and s["param_checksum"] == pp2.summary["param_checksum"]
+    assert s["global_step"] == MAX_STEPS and s["param_checksum"] == request.getfixturevalue(layout).summary[
+        "param_checksum"]
     assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
 
 
