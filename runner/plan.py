@@ -93,8 +93,9 @@ def make_plan(cfg: DictConfig) -> Plan:
     per_rank = max(1, cfg.trainer.global_batch_size // dp)
     if n > cfg.runner.cpu_max_params:  # GPU scale: one sample per micro-batch
         micro_batch, micro_batches = 1, per_rank
-    else:  # as this runner trains it: the per-rank batch in one forward
-        micro_batch, micro_batches = per_rank, 1
+    else:  # as this runner trains it: the per-rank batch in one forward, or in the pipeline's micro-batches
+        micro_batches = (cfg.trainer.micro_batches or int(p.pp)) if p.pp > 1 else 1
+        micro_batch = max(1, per_rank // micro_batches)
     layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches, "deadpool" in ft_names(cfg))
     name, precision = precision_of(cfg.trainer.precision)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -134,11 +134,11 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                                                          comm, events, status, recovery))
     micro_batch = cfg.trainer.global_batch_size // dp
     module, datamodule = build_module_and_data(cfg, micro_batch)
-    _, pp_rank, tp_rank = topology.coords(spec.logical_rank)
     if topology.tp > 1:  # the full model built with the run's seed, then this rank's slice of it
+        tp_rank = topology.coords(spec.logical_rank)[2]
         shard_gpt_for_tp(module.model, GenerationGroup(comm, "tp", tp_rank, topology.tp))
     if topology.pp > 1:  # then cut into this rank's pipeline stage
-        module.model = GPTStage(module.model, pp_rank, topology.pp)
+        module.model = GPTStage(module.model, topology.coords(spec.logical_rank)[1], topology.pp)
     hooks = combine(techniques, module)
     comm.want_side_group = hooks.side_group
     joining = spec.role in ("joiner", "spare", "restore")  # none holds the state yet: setup collectives stay local
