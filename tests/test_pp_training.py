@@ -5,7 +5,7 @@ The fault-free pp=2 run is the reference for the loss curve (against pure DP wit
 its checkpoint file (the full model, loadable at any layout) and for the exactness of FlashRecovery and
 flash_ckpt at pp=2 (their recovered runs must end with the same checksum). The runs keep the learning rate
 constant after warm-up (``trainer.min_lr`` = ``trainer.lr``), so a run resumed from the 10-step file continues
-the same schedule.
+the same schedule, and clip every step's gradient, so the curves also compare the full model's gradient norm.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from tests.conftest import Run, run_cli
 from tests.test_config import _compose
 
 MAX_STEPS = 10
-COMMON = ["+recipe=gpt_tiny", "trainer.min_lr=3e-3", "parallel.nodes=2"]
+# a clip far below the gradient norm: every step is clipped, by the full model's norm (the same at every layout)
+COMMON = ["+recipe=gpt_tiny", "trainer.min_lr=3e-3", "trainer.grad_clip=0.05", "parallel.nodes=2"]
 PP2 = [*COMMON, "parallel.procs_per_node=2", "parallel.pp=2"]
 TP2PP2 = [*COMMON, "parallel.procs_per_node=4", "parallel.tp=2", "parallel.pp=2"]  # a TP pair per stage
 DP2 = [*COMMON, "parallel.procs_per_node=1"]  # the same DP size and global batch, one rank per replica
