@@ -12,10 +12,11 @@ under ``RUNNER_KEY`` (the data position, which is the committed step, and the se
 are functions of (seed, step, logical rank), so these two restore both). Under ZeRO-1 every member
 first brings its parameters up to date and the optimizer shards are gathered, so the file holds the
 whole optimizer state, as one unsharded optimizer would (``runner.checkpoint.zero_state``). With
-tensor parallelism the TP group of the writing replica gathers its slices of the parameters and of their
-optimizer state over that group (``runner.checkpoint.tp_state``), so the file holds the full model as at
-tp = 1 (under ZeRO-1 too: the DP group gathers the shards first, then the TP group the slices). A fault
-during either gather is recovered from like any other and the checkpoint of that step is skipped.
+tensor or pipeline parallelism the ranks of the writing replica gather their slices of the parameters and of
+their optimizer state over its TP and PP groups (``runner.checkpoint.tp_state``), so the file holds the full
+model as at tp = pp = 1 (under ZeRO-1 too: the DP group gathers the shards first, then the TP group the
+slices). A fault during either gather is recovered from like any other and the checkpoint of that step is
+skipped.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Optional
 from lightning.pytorch.callbacks import Callback
 
 from runner.checkpoint import RUNNER_KEY, last_checkpoint
-from runner.checkpoint.tp_state import gather_tp_state, optimizer_params
+from runner.checkpoint.tp_state import gather_replica_state, optimizer_params
 from runner.checkpoint.writer import CheckpointWriter, cpu_copy
 from runner.checkpoint.zero_state import gather_full_state
 from runner.comm import CollectiveFailure, Comm
@@ -79,10 +80,10 @@ class LightningCheckpoint(Callback):
             if zero is not None:
                 strategy.commit.sync_params()  # the other owners' parameters of this step's update
                 full_optimizer = gather_full_state(zero, zero.rank, strategy.comm)
-            if strategy.comm.tp > 1 and _in_writing_replica(strategy.comm):
+            if strategy.comm.replica_size > 1 and _in_writing_replica(strategy.comm):
                 states = ([(full_optimizer, zero.unsharded)] if zero is not None and full_optimizer is not None
                           else [(opt.state_dict(), optimizer_params(opt)) for opt in trainer.optimizers])
-                full_tp = gather_tp_state(trainer.lightning_module, states)
+                full_tp = gather_replica_state(trainer.lightning_module, states, strategy.comm)
         except CollectiveFailure as err:
             strategy.commit.recover_from(err)
             if strategy.comm.rank == 0:
@@ -95,8 +96,7 @@ class LightningCheckpoint(Callback):
         if full_optimizer is not None:
             ckpt["optimizer_states"] = [full_optimizer]
         if full_tp is not None:
-            full_params, ckpt["optimizer_states"] = full_tp
-            ckpt["state_dict"] = {**ckpt["state_dict"], **full_params}
+            ckpt["state_dict"], ckpt["optimizer_states"] = full_tp
         ckpt[RUNNER_KEY] = {"data_step": step, "seed": self.seed, "dp": strategy.dp_size, "optimizer": "unsharded"}
         if self._writer is None:
             self._writer = CheckpointWriter(self.path, self._written)
@@ -108,5 +108,5 @@ class LightningCheckpoint(Callback):
 
 def _in_writing_replica(comm: Comm) -> bool:
     """Whether this rank holds a slice of the replica that writes (the one of process-group rank 0): only
-    that replica's TP group gathers, over its own group, so the other replicas run no collective for it."""
+    that replica's ranks gather, over its own groups, so the other replicas run no collective for it."""
     return comm.coords_of(comm.joined.logical[0])[0] == comm.dp_rank

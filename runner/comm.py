@@ -5,9 +5,10 @@ named after the generation, so a new group can be built inside a live process (n
 ``init_process_group``, no restart). On a failure the group is aborted, which makes every peer's
 pending collective fail at once instead of waiting for a timeout.
 
-With tensor parallelism (``Topology.tp`` > 1) every complete generation also builds, over the same
-store, this rank's TP group (the ranks holding the other slices of its layers) and DP group (the
-ranks holding the same slice in every replica: its gradient all-reduce). They are rebuilt and
+With tensor or pipeline parallelism (``Topology.tp`` or ``pp`` > 1) every complete generation also builds,
+over the same store, this rank's DP group (the ranks holding the same slice of the model in every replica:
+its gradient all-reduce), its TP group (the ranks holding the other slices of its layers) with tp > 1, and
+its PP group (the stages of its replica at its TP slot, point to point) with pp > 1. They are rebuilt and
 dropped with the world group, so a replacement rank joins them like any other member.
 """
 
@@ -53,9 +54,11 @@ class Comm:
         self.want_side_group = False  # DeadPool's shard replication: a second, gloo-only group per generation
         self.side_pg: dist.ProcessGroupGloo | None = None
         self.tp_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # tp > 1: this rank's TP group
-        self.dp_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # tp > 1: this rank's DP group
+        self.pp_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # pp > 1: this rank's PP group
+        self.dp_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # tp*pp > 1: this rank's DP group
         self.layout: Layout | None = None
         self._in_flight: list = []  # work objects of launched collectives not waited for yet
+        self._sends: list = []  # work objects of launched pipeline sends not waited for yet
         self._failure: str | None = None  # why a launch failed, raised by the next wait_all
         self._stuck: list = []  # gloo work given up on (a peer cut off): its group must outlive it
         self._retired: list[tuple] = []  # (groups, stuck work): dropped once the work ends by itself
@@ -85,9 +88,19 @@ class Comm:
         return self.topology.tp if self.topology is not None else 1
 
     @property
+    def pp(self) -> int:
+        """Pipeline stages per model replica (1 without a topology)."""
+        return self.topology.pp if self.topology is not None else 1
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks per model replica (tp * pp): above 1, each rank holds a slice of the model."""
+        return self.tp * self.pp
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel replicas: the logical ranks over the ranks per replica."""
-        return self.joined.dp // self.tp
+        return self.joined.dp // self.replica_size
 
     @property
     def dp_rank(self) -> int:
@@ -98,6 +111,11 @@ class Comm:
     def tp_rank(self) -> int:
         """This rank's slice of the layers (its TP coordinate)."""
         return self.coords_of(self.logical_rank)[2]
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (its PP coordinate)."""
+        return self.coords_of(self.logical_rank)[1]
 
     def coords_of(self, logical_rank: int) -> tuple[int, int, int]:
         """The (dp, pp, tp) coordinate of ``logical_rank``; (rank, 0, 0) without a topology."""
@@ -141,19 +159,21 @@ class Comm:
                 side = PrefixStore(f"pg/{layout.gen}/side/", self.store)
                 self._arrive(side, wait)
                 self.side_pg = _gloo_group(side, self.rank, self.size, wait, self.collective_timeout)
-            if self.tp > 1 and layout.complete:  # a survivors-only generation trains nothing: no subgroups
-                self.tp_pg = self._subgroup("tp", wait)
+            if self.replica_size > 1 and layout.complete:  # a survivors-only generation trains nothing: no subgroups
+                self.tp_pg = self._subgroup("tp", wait) if self.tp > 1 else None
+                self.pp_pg = self._subgroup("pp", wait) if self.pp > 1 else None
                 self.dp_pg = self._subgroup("dp", wait)
             opened.record()
         except Exception as err:  # a member died during the rendezvous
-            self.pg = self.side_pg = self.tp_pg = self.dp_pg = None
+            self.pg = self.side_pg = self.tp_pg = self.pp_pg = self.dp_pg = None
             raise CollectiveFailure(f"rendezvous of gen {layout.gen} failed: {err}") from err
 
     def _subgroup(self, dim: str, wait: timedelta):
-        """This rank's ``dim`` group ("tp" or "dp") of the generation: the logical ranks ``Topology`` lists for
-        it, ranked by that coordinate, over a store prefix of its own."""
+        """This rank's ``dim`` group ("tp", "pp" or "dp") of the generation: the logical ranks ``Topology`` lists
+        for it, ranked by that coordinate, over a store prefix of its own."""
         assert self.topology is not None
-        ranks = self.topology.tp_group(self.logical_rank) if dim == "tp" else self.topology.dp_group(self.logical_rank)
+        lists = {"tp": self.topology.tp_group, "pp": self.topology.pp_group, "dp": self.topology.dp_group}
+        ranks = lists[dim](self.logical_rank)
         prefix = PrefixStore(f"pg/{self.joined.gen}/{dim}/{ranks[0]}/", self.store)
         rank, size = ranks.index(self.logical_rank), len(ranks)
         self._arrive(prefix, wait, rank, size)
@@ -192,9 +212,9 @@ class Comm:
         """Drop this process's group: its sockets close, so peers' pending collectives fail immediately."""
         if self.backend != "nccl":  # NCCL's abort() ends in-flight work itself
             self._drain()  # gloo: nothing may be in flight when the group goes (see the collectives below)
-        self._in_flight, self._failure = [], None
+        self._in_flight, self._sends, self._failure = [], [], None
         if self._stuck:  # gloo's destructor would wait for the stuck work: keep its groups until it ends
-            self._retired.append((self.pg, self.tp_pg, self.dp_pg, self.side_pg, self._stuck))
+            self._retired.append((self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.side_pg, self._stuck))
             self._stuck = []
         self._retired = [r for r in self._retired if not all(w.is_completed() for w in r[-1])]
         if self.pg is not None:
@@ -202,10 +222,10 @@ class Comm:
                 self.pg.abort()  # NCCL: abort the communicator instead of waiting for its timeout
             self.pg = None
         if self.backend == "nccl":
-            for sub in (self.tp_pg, self.dp_pg):
+            for sub in (self.tp_pg, self.pp_pg, self.dp_pg):
                 if sub is not None:
                     sub.abort()
-        self.tp_pg = self.dp_pg = None
+        self.tp_pg = self.pp_pg = self.dp_pg = None
         self.side_pg = None  # an exchange still in flight holds it until its peers' groups close too
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
@@ -230,28 +250,45 @@ class Comm:
             self._failure = _first_line(err)
 
     def launch_reduction(self, op) -> None:
-        """``launch`` on the group that reduces gradients: this rank's DP group with tp > 1, else the world."""
+        """``launch`` on the group that reduces gradients: this rank's DP group with tp*pp > 1, else the world."""
         self.launch(lambda pg: op(self._reduction_pg(pg)))
 
     def _reduction_pg(self, world):
         return world if self.dp_pg is None else self.dp_pg
 
-    def tp_collective(self, op) -> None:
-        """Run ``op(tp_pg)`` (an all-reduce or all-gather of the tensor-parallel layers) and wait for it alone,
-        not for the reduction's buckets in flight beside it; a failure drops every group and raises."""
-        self._raise_on(self._tp_wait(op))
+    def subgroup_collective(self, dim: str, op) -> None:
+        """Run ``op(group)`` on this rank's ``dim`` group ("tp" or "pp": a TP layer's all-reduce or all-gather, a
+        pipeline receive) and wait for it alone, not for the reduction's buckets or the sends in flight beside
+        it; a failure drops every group and raises. On the PP group the wait is whole, never in slices: a gloo
+        send or receive whose wait times out closes every connection of its group."""
+        self._raise_on(self._subgroup_wait(dim, op))
 
-    def _tp_wait(self, op) -> str | None:
+    def launch_send(self, op) -> None:
+        """Start ``op(pp group)`` (a pipeline send) without waiting for it; the next ``wait_all`` waits for it
+        (whole, as a receive). A failure to start is raised by that ``wait_all``, as ``launch``'s."""
+        if self._failure is not None:
+            return
+        try:
+            self._sends.append(op(self._dim_pg("pp")))
+        except Exception as err:
+            self._failure = _first_line(err)
+
+    def _dim_pg(self, dim: str):
+        group = {"tp": self.tp_pg, "pp": self.pp_pg}[dim]
+        if group is None:
+            raise RuntimeError(f"no {dim} group (aborted)")
+        return group
+
+    def _subgroup_wait(self, dim: str, op) -> str | None:
         """A function of its own so that no frame holds on to the group or its work once it returns."""
         if self._failure is not None:
             return self._failure
-        if self.tp_pg is None:
-            return "no tensor-parallel group (aborted)"
         try:
-            work = op(self.tp_pg)
+            work = op(self._dim_pg(dim))
         except Exception as err:
             return _first_line(err)
-        failure = _wait_each([work], self.collective_timeout + _WAIT_MARGIN, self._cut_off_check)
+        cut_off = None if dim == "pp" else self._cut_off_check
+        failure = _wait_each([work], self.collective_timeout + _WAIT_MARGIN, cut_off)
         if not work.is_completed():
             self._stuck.append(work)
         return failure
@@ -273,9 +310,10 @@ class Comm:
     def _drain(self) -> str | None:
         """Wait for every launched collective, failed or not; the reason of the first failure."""
         failed = _wait_each(self._in_flight, self.collective_timeout + _WAIT_MARGIN, self._cut_off_check)
-        failure = self._failure or failed
-        self._stuck += [w for w in self._in_flight if not w.is_completed()]
-        self._in_flight, self._failure = [], None
+        sent = _wait_each(self._sends, self.collective_timeout + _WAIT_MARGIN, None)
+        failure = self._failure or failed or sent
+        self._stuck += [w for w in self._in_flight + self._sends if not w.is_completed()]
+        self._in_flight, self._sends, self._failure = [], [], None
         return failure
 
     def _cut_off(self) -> str | None:
@@ -320,7 +358,7 @@ class Comm:
         self._run([lambda pg: pg.broadcast([tensor], opts)])
 
     def broadcast_replicas(self, tensor: torch.Tensor) -> None:
-        """From the first replica to the others: over the DP group with tp > 1 (every rank holds its own
+        """From the first replica to the others: over the DP group with tp*pp > 1 (every rank holds its own
         slice), else from rank 0 to the world."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0

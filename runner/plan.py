@@ -18,11 +18,12 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from runner.config.validate import (
+    PP_TECHNIQUES,
     TP_TECHNIQUES,
-    TRAINED_PP,
     dp_size,
     ft_names,
     layout_problems,
+    trained_pp,
     trained_tp,
     world_size,
     zero_problems,
@@ -92,8 +93,9 @@ def make_plan(cfg: DictConfig) -> Plan:
     per_rank = max(1, cfg.trainer.global_batch_size // dp)
     if n > cfg.runner.cpu_max_params:  # GPU scale: one sample per micro-batch
         micro_batch, micro_batches = 1, per_rank
-    else:  # as this runner trains it: the per-rank batch in one forward
-        micro_batch, micro_batches = per_rank, 1
+    else:  # as this runner trains it: the per-rank batch in one forward, or in the pipeline's micro-batches
+        micro_batches = (cfg.trainer.micro_batches or int(p.pp)) if p.pp > 1 else 1
+        micro_batch = max(1, per_rank // micro_batches)
     layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches, "deadpool" in ft_names(cfg))
     name, precision = precision_of(cfg.trainer.precision, bool(cfg.trainer.master_weights))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -185,21 +187,23 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
             p.zero = 0
         top_tp = trained_tp(cfg)
         tp = max(t for t in range(1, min(p.tp, top_tp) + 1) if cfg.model.n_head % t == 0 == p.procs_per_node % t)
-        pp = max(q for q in range(1, min(p.pp, TRAINED_PP) + 1)
-                 if cfg.model.n_layer % q == 0 == world_size(cfg) // tp % q)
+        top_pp = trained_pp(cfg)
+        pp = max(q for q in range(1, min(p.pp, top_pp) + 1) if cfg.model.n_layer % q == 0 == world_size(cfg) // tp % q)
         why = []
         if tp < p.tp:
             why.append(f"parallel.tp {p.tp} -> {tp} (" + ("the smoke model's heads and the ranks per node allow no more"
                        if top_tp >= p.tp else f"training runs tp <= 1 with ft={ft_names(cfg)}: tensor parallelism "
                        f"trains with ft among {list(TP_TECHNIQUES)}") + ")")
         if pp < p.pp:
-            why.append(f"parallel.pp {p.pp} -> {pp} (training runs pp <= {TRAINED_PP}: the pipeline stages are not "
-                       "wired into training yet)")
+            why.append(f"parallel.pp {p.pp} -> {pp} (" + ("the smoke model's layers and the ranks allow no more"
+                       if top_pp >= p.pp else f"training runs pp <= 1 with ft={ft_names(cfg)} parallel.zero={p.zero}: "
+                       f"pipeline parallelism trains with ft among {list(PP_TECHNIQUES)} and parallel.zero=0") + ")")
         if why:
             changes.append(", ".join(why))
             p.tp, p.pp = tp, pp
         dp = dp_size(cfg)
-        cfg.trainer.global_batch_size = 2 * dp
+        micro = (cfg.trainer.micro_batches or p.pp) if p.pp > 1 else 1
+        cfg.trainer.global_batch_size = 2 * dp * micro  # with pp > 1, pipeline micro-batches of 2
         if cfg.trainer.max_steps > 20:
             changes.append(f"trainer.max_steps {cfg.trainer.max_steps} -> 20")
             cfg.trainer.max_steps = 20

@@ -18,6 +18,11 @@ step's closure, the reducer armed before the last backward, so a step stays the 
 retried and handed to a replacement. Validation (``runner.training.validation``) runs at the start of
 the steps it is due at and rides in their reduction. With manual optimization (the module calls
 ``optimizer.step()`` itself) the step's loss is taken at ``manual_backward``, before the commit.
+
+Pipeline parallelism (``parallel.pp`` > 1): the module's model is this rank's ``GPTStage``, and the step's
+forward and backward are one 1F1B schedule over the step's batch in ``trainer.micro_batches`` micro-batches,
+run where Lightning runs the backward (``training_step`` only keeps the batch); the reduction is launched after
+the schedule, once the tied embedding's gradient is summed, never during it.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ from runner.comm import CollectiveFailure, Comm
 from runner.data import BatchSource, IndexedDatasetSource, MicroBatches, StepLoader, derive_seed, seed_step
 from runner.environment import RunnerEnvironment
 from runner.events import EventLog
-from runner.parallel.generation_group import GenerationTPGroup
-from runner.parallel.tensor import clip_grads_, gather_full, grad_squares
+from runner.parallel.full_model import gather_model
+from runner.parallel.generation_group import GenerationGroup
+from runner.parallel.pipeline import GPTStage, OneFOneB
+from runner.parallel.tensor import clip_grads_, grad_squares
 from runner.recovery.hooks import MicroBatchTakeover, UpdateReplication
 from runner.recovery.sdc import GradientGuard
 from runner.status import WorkerStatus
@@ -86,6 +93,7 @@ class ResilientStrategy(ParallelStrategy):
         shard_replication: ShardReplicationFactory | None = None,
         accumulate: int = 1,
         validation: StepValidation | None = None,
+        pipeline_micro_batches: int = 1,
     ) -> None:
         super().__init__(
             accelerator=None,
@@ -113,14 +121,17 @@ class ResilientStrategy(ParallelStrategy):
         self._micros: MicroBatches = MicroBatches()  # the current step's micro-batches (accumulation)
         self._batch_idx = 0
         self._failed = False
-        self.full_checksum: Optional[str] = None  # tp > 1: the gathered model's, set at teardown
+        self.full_checksum: Optional[str] = None  # tp*pp > 1: the gathered model's, set at teardown
+        self.pipeline_micro_batches = pipeline_micro_batches
+        self._pipeline: Optional[OneFOneB] = None  # pp > 1: this stage's schedule, built at setup
+        self._pipeline_batch: Any = None  # pp > 1: the step's batch, kept for the schedule
         self.update = CommittedUpdate(lambda: self._module.trainer.global_step)
         self.state = TrainerState(lambda: self._module, lambda: self.optimizers, self.update, guard)
         self.commit = StepCommit(comm, events, status, self.state, self.update, lambda: self._module,
                                  bucket_bytes=int(bucket_mb * 2**20), guard=guard, takeover=takeover,
                                  recover=recover, on_commit=on_commit,
-                                 agree=self._agree_on_step if comm.tp > 1 else None)
-        self._full_grad_norm = torch.zeros(())  # tp > 1: the full model's gradient norm of the committed step
+                                 agree=self._agree_on_step if comm.replica_size > 1 else None)
+        self._full_grad_norm = torch.zeros(())  # tp*pp > 1: the full model's gradient norm of the committed step
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -207,7 +218,12 @@ class ResilientStrategy(ParallelStrategy):
         super().setup(trainer)
         if self.zero_stage:
             self._shard_optimizer()
-        if self.comm.tp > 1:
+        if self.comm.pp > 1:
+            stage = self._module.model
+            assert isinstance(stage, GPTStage)  # the worker cut the model into this rank's stage
+            self._pipeline = OneFOneB(stage, GenerationGroup(self.comm, "pp", self.comm.pp_rank, self.comm.pp),
+                                      self.pipeline_micro_batches)
+        if self.comm.replica_size > 1:
             self._clip_by_full_norm()
         self.validation.check(trainer, self._module)
         for opt in self.optimizers:
@@ -232,13 +248,25 @@ class ResilientStrategy(ParallelStrategy):
         plugin.clip_grad_by_norm = clip  # type: ignore[method-assign]
 
     def _agree_on_step(self) -> None:
-        """tp > 1, after the step's reduction: one all-reduce over the world group, which fails on every rank
+        """tp*pp > 1, after the step's reduction: one all-reduce over the world group, which fails on every rank
         unless every DP group's reduction completed. It carries the squares of the sharded gradients, so the
-        full model's gradient norm comes with it: every rank sums each TP slice's squares dp times."""
-        squares = grad_squares(self._module)
-        sharded = squares[:1].to(self.root_device)
-        self.comm.allreduce([sharded])
-        self._full_grad_norm = (sharded.cpu()[0] / self.dp_size + squares[1]).sqrt()
+        full model's gradient norm comes with it: every rank sums each TP slice's squares dp times. With pp > 1
+        each stage holds other parameters, so the replicated parameters' squares ride in it too, counted by TP
+        slot 0 of each stage only, and the last stage's copy of the tied embedding is left out."""
+        if self._pipeline is None:
+            squares = grad_squares(self._module)
+            sharded = squares[:1].to(self.root_device)
+            self.comm.allreduce([sharded])
+            self._full_grad_norm = (sharded.cpu()[0] / self.dp_size + squares[1]).sqrt()
+            return
+        stage = self._pipeline.stage
+        copy = stage.tied_weight() if stage.is_last and not stage.is_first else None
+        squares = grad_squares(self._module, skip=copy)
+        if self.comm.tp_rank:
+            squares[1] = 0.0
+        summed = squares.to(self.root_device)
+        self.comm.allreduce([summed])
+        self._full_grad_norm = (summed.cpu().sum() / self.dp_size).sqrt()
 
     def _shard_optimizer(self) -> None:
         if len(self.optimizers) != 1:
@@ -271,6 +299,9 @@ class ResilientStrategy(ParallelStrategy):
             self.commit.record_validation(*self.validation.run(module.trainer, module, self.data_rank, self.dp_size))
             seed_step(derive_seed(self.seed, step, self.data_rank, 1), self.root_device)
         self.status.phase = "compute"
+        if self._pipeline is not None:  # the schedule runs the step's forward and backward (``backward``)
+            self._pipeline_batch = batch
+            return torch.zeros((), device=self.root_device, requires_grad=True)
         if self._micros:  # the first micro-batch through Lightning's closure, the others in optimizer_step
             self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
             out = super().training_step(self._micros[0], self._batch_idx)
@@ -286,14 +317,32 @@ class ResilientStrategy(ParallelStrategy):
         return out
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:
+            return self._pipeline_backward(closure_loss)
         if not self._module.automatic_optimization:  # manual_backward: the step's loss, before it is committed
             self.commit.record_loss(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    def _pipeline_backward(self, closure_loss: Tensor) -> Tensor:
+        """pp > 1: the step's 1F1B schedule in place of Lightning's backward (its hooks run around it). The loss
+        is the last stage's, summed over the pipeline so that every stage records it."""
+        module, pipeline = self._module, self._pipeline
+        assert pipeline is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        batch = self._pipeline_batch
+        loss = pipeline.step(batch["idx"].to(self.root_device), batch["targets"].to(self.root_device))
+        total = torch.zeros(1, device=self.root_device) if loss is None else loss.detach().reshape(1).float()
+        pipeline.group.allreduce([total])
+        self.commit.record_loss(total[0])
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def local_gradients(arm: bool) -> Any:
             """This rank's gradients of the step; armed, the reducer launches buckets during the last backward."""
-            if arm and self.accumulate == 1:
+            if arm and self.accumulate == 1 and self._pipeline is None:  # a schedule's backward is not the last
                 self.commit.arm()
             loss = closure()  # training_step (the first micro-batch when accumulating), zero_grad, backward
             last = len(self._micros) - 1
@@ -344,7 +393,7 @@ class ResilientStrategy(ParallelStrategy):
                 self.update.zero.stale = True
             return ckpt
         ckpt = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # runner.resume, a user's file
-        if self.comm.tp > 1:  # the file holds the full model: this rank's slice of it
+        if self.comm.replica_size > 1:  # the file holds the full model: this rank's slice of it
             ckpt["state_dict"] = slice_model_state(ckpt["state_dict"], self._module)
         self.state.adopt_guard_history(ckpt)
         if self.logical_rank == 0:
@@ -352,13 +401,14 @@ class ResilientStrategy(ParallelStrategy):
         return ckpt
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """A checkpoint file's unsharded optimizer state cut to the state of this rank's tensor-parallel slice of
-        the parameters, then to its ZeRO-1 shard (either cut alone when the run has only one of the two)."""
+        """A checkpoint file's unsharded optimizer state cut to the state of this rank's tensor-parallel slice (of
+        its pipeline stage) of the parameters, then to its ZeRO-1 shard (either cut alone when the run has only one
+        of the two)."""
         zero = self.update.zero
         if checkpoint.get(RUNNER_KEY, {}).get("optimizer") == "unsharded":
             full = checkpoint["optimizer_states"]
             orders = [zero.unsharded] if zero is not None else [optimizer_params(opt) for opt in self.optimizers]
-            if self.comm.tp > 1:
+            if self.comm.replica_size > 1:
                 full = [slice_optimizer_state(state, self._module, order) for state, order in zip(full, orders)]
             if zero is not None:
                 full = [shard_of_full_state(zero, zero.rank, full[0])]
@@ -439,17 +489,10 @@ class ResilientStrategy(ParallelStrategy):
             self.commit.sync_params()  # the last update's shards, before the group goes
         if self.update.replication is not None:
             self.update.replication.close()
-        if self.comm.tp > 1 and not self._failed:  # the slices gathered while the group still stands
-            self.full_checksum = self._gathered_checksum()
+        if self.comm.replica_size > 1 and not self._failed:  # the slices gathered while the groups still stand
+            self.full_checksum = state_checksum(gather_model(self._module, self.comm))
         super().teardown()
         self.comm.abort()
-
-    def _gathered_checksum(self) -> str:
-        """The checksum of the full model that this rank holds a tensor-parallel slice of: every TP rank of
-        a replica gathers the others' slices, so the summary compares one model whatever the tp."""
-        module = self._module
-        full = gather_full(module, GenerationTPGroup(self.comm, self.comm.tp_rank, self.comm.tp))
-        return state_checksum({**module.state_dict(), **full})
 
 
 def _scaled(out: Any, factor: float) -> Any:

@@ -35,7 +35,8 @@ from runner.data import BatchSource, HeldOutSplit, MemmapTokens, SyntheticTokens
 from runner.events import EventLog, JsonLines
 from runner.faults.comm_faults import FaultInjectingComm
 from runner.lightning_module import GPTModule, StepDataModule
-from runner.parallel.generation_group import GenerationTPGroup
+from runner.parallel.generation_group import GenerationGroup
+from runner.parallel.pipeline import GPTStage
 from runner.parallel.tensor import shard_gpt_for_tp
 from runner.plan import gpt_config
 from runner.recovery.flashrecovery.rejoin import ReplicaRecovery
@@ -135,7 +136,9 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     module, datamodule = build_module_and_data(cfg, micro_batch)
     if topology.tp > 1:  # the full model built with the run's seed, then this rank's slice of it
         tp_rank = topology.coords(spec.logical_rank)[2]
-        shard_gpt_for_tp(module.model, GenerationTPGroup(comm, tp_rank, topology.tp))
+        shard_gpt_for_tp(module.model, GenerationGroup(comm, "tp", tp_rank, topology.tp))
+    if topology.pp > 1:  # then cut into this rank's pipeline stage
+        module.model = GPTStage(module.model, topology.coords(spec.logical_rank)[1], topology.pp)
     hooks = combine(techniques, module)
     comm.want_side_group = hooks.side_group
     joining = spec.role in ("joiner", "spare", "restore")  # none holds the state yet: setup collectives stay local
@@ -143,7 +146,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         warn_unscheduled(module, cfg.trainer.val_check_interval)
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, comm,
                             tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
-                            tp=topology.tp)
+                            tp=topology.tp * topology.pp)
     strategy = ResilientStrategy(
         comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
         recover=recovery, restore_snapshot=hooks.restore_snapshot, on_commit=metrics.on_commit, joining=joining,
@@ -154,6 +157,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         shard_replication=hooks.shard_replication,
         accumulate=cfg.trainer.accumulate_grad_batches,
         validation=StepValidation(cfg.trainer.val_check_interval, cfg.trainer.limit_val_batches),
+        pipeline_micro_batches=cfg.trainer.micro_batches or topology.pp,
     )
     checkpoint = LightningCheckpoint(run_dir, cfg.checkpoint.every_n_steps, cfg.seed, events)
     is_rank0 = spec.logical_rank == 0

@@ -64,7 +64,7 @@ def test_flashrecovery_kill_rank_at_tp2_restores_the_tp_slice_exactly(tp2, run_d
 
 @pytest.mark.parametrize("override, says", [
     ("ft=[ndb]", "remove ndb from ft or set parallel.tp=1"),
-    ("parallel.pp=2", "Training with pp=2 is not supported yet"),
+    ("model.dropout=0.1", "set model.dropout=0 or parallel.tp=1"),
 ])
 def test_a_mix_tensor_parallelism_does_not_train_is_refused(override, says, run_dir):
     run = run_cli(*TP2, override, run_dir=run_dir, timeout=120)

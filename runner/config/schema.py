@@ -49,7 +49,7 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree: ranks per model replica, inside a node (docs/parallelism.md for what trains)."""
     pp: int = 1
-    """Pipeline-parallel degree: planning only, training requires 1."""
+    """Pipeline-parallel degree: stages of whole blocks per model replica (docs/parallelism.md for what trains)."""
     dp_group_size: int = 0
     """Ranks per data-parallel replica group; 0 = all DP ranks form one group (training requires 0 for now)."""
     spares: Optional[int] = None
@@ -231,6 +231,9 @@ class TrainerConfig:
     DataModule (the built-in data's held-out split has no end: set it)."""
     accumulate_grad_batches: int = 1
     """Micro-batches per optimizer step on each rank (global_batch_size stays the samples per step)."""
+    micro_batches: int = 0
+    """Pipeline micro-batches per step with parallel.pp > 1 (the 1F1B schedule's); the replica's batch
+    (global_batch_size / dp) must divide into them; 0 = parallel.pp."""
 
 
 @dataclass

@@ -34,8 +34,8 @@ from runner.config.schema import (
 )
 from runner.topology import spare_count
 
-TRAINED_PP = 1  # the pipeline degree training runs: the pipeline stages are not wired into training yet
 TP_TECHNIQUES = ("flashrecovery", "flash_ckpt")  # the ft entries that recover a tensor-parallel run
+PP_TECHNIQUES = ("flashrecovery", "flash_ckpt")  # the ft entries that recover a pipeline-parallel run
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
                "wipe_shm", "corrupt_snapshot")
 _TIMED = tuple(k for k in choices(FaultKind) or () if k not in ("none", "chaos"))  # injected at a step or time
@@ -147,11 +147,58 @@ def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         if spare_count(cfg) and "deadpool" not in ft_names(cfg):
             out.append(f"parallel.spares={p.spares} starts hot spares that only DeadPool uses: add ft=deadpool or set "
                        "parallel.spares=0.")
-    if for_training and p.pp > TRAINED_PP:
-        out.append(f"Training with pp={p.pp} is not supported yet (only planning is): set parallel.pp={TRAINED_PP}.")
     if for_training:
         out += tp_problems(cfg)
+        out += pp_problems(cfg)
+        if p.pp > 1 and not out:
+            out += _pipeline_batch_problems(cfg, dp)
     return out
+
+
+def pp_problems(cfg: DictConfig) -> list[str]:
+    """What training with parallel.pp > 1 does not do yet, each with the change that makes the run train."""
+    p, t, names = cfg.parallel, cfg.trainer, ft_names(cfg)
+    if p.pp <= 1:
+        return []
+    out = []
+    other = [n for n in names if n not in PP_TECHNIQUES]
+    if other:
+        out.append(f"parallel.pp={p.pp} trains with ft=[], flashrecovery (a crashed rank takes its stage from the "
+                   f"replica at the same (pp, tp) coordinate) and flash_ckpt (every rank restores its own stage's "
+                   f"snapshot); {other} do(es) not place work or state by pipeline stage yet: remove "
+                   f"{', '.join(other)} from ft or set parallel.pp=1.")
+    if p.zero:
+        out.append(f"parallel.zero={p.zero} with parallel.pp={p.pp}: the optimizer is not sharded over the DP group "
+                   "of a pipeline-parallel run yet; set parallel.zero=0 or parallel.pp=1.")
+    if cfg.model._target_:
+        out.append(f"parallel.pp={p.pp} cuts the runner's own GPT into stages; {cfg.model._target_} has no pipeline "
+                   "stages: set parallel.pp=1.")
+    elif cfg.model.dropout:
+        out.append(f"model.dropout={cfg.model.dropout} with parallel.pp={p.pp}: the stages draw no dropout stream per "
+                   "micro-batch yet; set model.dropout=0 or parallel.pp=1.")
+    if t.accumulate_grad_batches > 1:
+        out.append(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} with parallel.pp={p.pp}: the pipeline "
+                   "splits each step's batch into trainer.micro_batches itself; set trainer.accumulate_grad_batches=1 "
+                   "and trainer.micro_batches instead.")
+    if t.val_check_interval:
+        out.append(f"trainer.val_check_interval={t.val_check_interval} with parallel.pp={p.pp}: validation runs the "
+                   "whole model's forward, which no stage holds; set trainer.val_check_interval=0 or parallel.pp=1.")
+    return out
+
+
+def _pipeline_batch_problems(cfg: DictConfig, dp: int) -> list[str]:
+    """The replica's batch must split into the pipeline's equal micro-batches."""
+    per_replica, micro = cfg.trainer.global_batch_size // dp, cfg.trainer.micro_batches or cfg.parallel.pp
+    if micro < 0 or per_replica % micro:
+        return [f"trainer.micro_batches={micro} with parallel.pp={cfg.parallel.pp}: each replica's "
+                f"{per_replica} samples per step (global_batch_size / dp) must split into that many equal "
+                "micro-batches; choose a divisor of it."]
+    return []
+
+
+def trained_pp(cfg: DictConfig) -> int:
+    """The largest pp this config's mix trains with: its own when ``pp_problems`` has nothing against it, else 1."""
+    return int(cfg.parallel.pp) if not pp_problems(cfg) else 1
 
 
 def tp_problems(cfg: DictConfig) -> list[str]:

@@ -206,14 +206,15 @@ def gather_full(model: nn.Module, group, *, grads: bool = False) -> dict[str, Op
     return full
 
 
-def grad_squares(model: nn.Module) -> torch.Tensor:
+def grad_squares(model: nn.Module, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The summed squares of ``model``'s gradients, [TP-sharded parameters, replicated parameters], in fp32:
-    the full model's squared gradient norm is the first summed over the TP group, plus the second once."""
+    the full model's squared gradient norm is the first summed over the TP group, plus the second once.
+    ``skip``: a parameter left out (a pipeline's last stage's copy of the tied embedding)."""
     sharded = {id(getattr(m, name)) for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
                for name in m.layouts}
     squares = torch.zeros(2, dtype=torch.float32)
     for p in model.parameters():
-        if p.grad is not None:
+        if p.grad is not None and p is not skip:
             squares[0 if id(p) in sharded else 1] += p.grad.detach().float().pow(2).sum().cpu()
     return squares
 

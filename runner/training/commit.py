@@ -42,7 +42,7 @@ class StepCommit:
                  guard: Optional[GradientGuard] = None, takeover: Optional[MicroBatchTakeover] = None,
                  recover: Optional[Recover] = None, on_commit: Optional[OnCommit] = None,
                  agree: Optional[Callable[[], None]] = None) -> None:
-        """``agree``: with tp > 1, a collective over the world group after the reduction (``commit``)."""
+        """``agree``: with tp*pp > 1, a collective over the world group after the reduction (``commit``)."""
         self.comm, self.events, self.status = comm, events, status
         self.agree = agree
         self.state, self.update, self._module = state, update, module
@@ -103,7 +103,7 @@ class StepCommit:
         forward or backward failed (tensor parallelism), so its gradients are recomputed after the recovery.
         False: a lagging survivor received the committed state of this step instead.
 
-        With tp > 1 every rank recomputes its gradients after a recovery: the TP ranks of a replica compute
+        With tp*pp > 1 every rank recomputes its gradients after a recovery: the ranks of a replica compute
         them together, and a replacement (or a survivor whose TP collective failed) computes them anew. Each
         TP slice is reduced in a DP group of its own, so one group may complete while another fails; the
         ``agree`` collective over the world group after it fails on every rank unless every group completed,
@@ -140,7 +140,7 @@ class StepCommit:
                 self.recover_from(err)
                 if self.update.skip_pending:
                     return False
-                redo = self.comm.tp > 1
+                redo = self.comm.replica_size > 1
         if self.agree is None:
             self._write_back()
         if self.takeover is not None:

@@ -96,12 +96,13 @@ class ReplicaRecovery:
         sharded = state.sharded
         if sharded is not None:  # sharded optimizer state: laggards and joiners are served differently
             return reconcile_shards(self.comm, state, sharded, table, self.events)
-        # with tp > 1 a member's state is its slice of the model: each TP coordinate is served by a replica at it
-        slot = [self.comm.coords_of(lrank)[2] for lrank in self.comm.joined.logical]
+        # with tp*pp > 1 a member's state is its slice of the model: each (pp, tp) coordinate is served by a replica
+        # at it
+        slot = [self.comm.coords_of(lrank)[1:] for lrank in self.comm.joined.logical]
         newest = max(c for c, _ in holders)
         ckpt = None
-        for tp in sorted(set(slot)):
-            members = [r for r in range(len(table)) if slot[r] == tp]
+        for coordinate in sorted(set(slot)):
+            members = [r for r in range(len(table)) if slot[r] == coordinate]
             got = self._serve(state, joining, table, members, newest)
             ckpt = got if self.comm.rank in members else ckpt
         return ckpt
@@ -109,7 +110,8 @@ class ReplicaRecovery:
     def _serve(self, state: ReplicaState, joining: bool, table: list[list[int]], members: list[int],
                newest: int) -> Optional[dict]:
         """Hand the newest committed state to the joiners and laggards among ``members`` (group ranks holding
-        one TP coordinate), from the lowest-ranked of them that holds it; every member of the group takes part."""
+        one (pp, tp) coordinate), from the lowest-ranked of them that holds it; every member of the group takes
+        part."""
         receivers = [r for r in members if table[r][1] or table[r][0] < newest]
         if not receivers:
             return None
@@ -117,7 +119,7 @@ class ReplicaRecovery:
         if not sources:
             raise RunFailedError(f"no live replica holds step {newest} of the model slice that group ranks "
                                  f"{receivers} need in generation {self.comm.gen} (a failure during the gradient "
-                                 "reduction left the tensor-parallel slices of the model at different steps)")
+                                 "reduction left the model-parallel slices of the model at different steps)")
         source = sources[0]
         t0 = time.time()
         me = self.comm.rank

@@ -1,0 +1,170 @@
+"""Pipeline-parallel training on real processes: PP=2 inside each node, DP=2 across nodes (and TP=2 x PP=2 on
+2 nodes x 4 ranks, in the slow tier, with the same recoveries).
+
+The fault-free pp=2 run is the reference for the loss curve (against pure DP with the same global batch), for
+its checkpoint file (the full model, loadable at any layout) and for the exactness of FlashRecovery and
+flash_ckpt at pp=2 (their recovered runs must end with the same checksum). The runs keep the learning rate
+constant after warm-up (``trainer.min_lr`` = ``trainer.lr``), so a run resumed from the 10-step file continues
+the same schedule, and clip every step's gradient, so the curves also compare the full model's gradient norm.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.checksum import param_checksum
+from runner.config import ConfigError
+from runner.config.validate import trained_pp, validate
+from runner.lightning_module import GPTModule
+from runner.plan import apply_smoke
+from tests.conftest import Run, run_cli
+from tests.test_config import _compose
+
+MAX_STEPS = 10
+# a clip far below the gradient norm: every step is clipped, by the full model's norm (the same at every layout)
+COMMON = ["+recipe=gpt_tiny", "trainer.min_lr=3e-3", "trainer.grad_clip=0.05", "parallel.nodes=2"]
+PP2 = [*COMMON, "parallel.procs_per_node=2", "parallel.pp=2"]
+TP2PP2 = [*COMMON, "parallel.procs_per_node=4", "parallel.tp=2", "parallel.pp=2"]  # a TP pair per stage
+DP2 = [*COMMON, "parallel.procs_per_node=1"]  # the same DP size and global batch, one rank per replica
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory) -> Run:
+    run = run_cli(*PP2, f"trainer.max_steps={MAX_STEPS}", "checkpoint.every_n_steps=5",
+                  run_dir=tmp_path_factory.mktemp("pp2") / "run")
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(tmp_path_factory) -> Run:
+    run = run_cli(*TP2PP2, f"trainer.max_steps={MAX_STEPS}", run_dir=tmp_path_factory.mktemp("tp2pp2") / "run")
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory) -> Run:
+    run = run_cli(*DP2, f"trainer.max_steps={MAX_STEPS}", run_dir=tmp_path_factory.mktemp("dp2") / "run")
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    return run
+
+
+def _same_loss_curve(run: Run, reference: Run, what: str) -> None:
+    ours, theirs = [m["loss"] for m in run.metrics()], [m["loss"] for m in reference.metrics()]
+    assert len(ours) == len(theirs) == run.summary["global_step"]
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert a == pytest.approx(b, rel=0.01), f"step {step}: {what} loss {a} vs tp=1 pp=1 loss {b}"
+
+
+def test_pp2_dp2_trains_and_matches_pure_data_parallel(pp2, dp2):
+    s, ref = pp2.summary, dp2.summary
+    assert s["global_step"] == MAX_STEPS and s["final_loss"] < s["initial_loss"] - 0.2
+    assert len(pp2.events("worker_started")) == 4  # one process per rank: 2 replicas x 2 stages
+    for key in ("samples_committed", "tokens_committed"):  # each replica counted once, not once per stage
+        assert s[key] == ref[key]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    _same_loss_curve(pp2, dp2, "pp=2")
+    assert all(m["counts"] == [1, 1] for m in pp2.metrics())  # one count per replica per step
+
+
+def test_a_pp_run_writes_the_full_model_and_optimizer_state_into_one_file(pp2):
+    assert [e["at_step"] for e in pp2.events("checkpoint_saved")] == [5, 10]
+    path = pp2.dir / "checkpoints" / "last.ckpt"
+    module = GPTModule.load_from_checkpoint(path, map_location="cpu")  # the unsharded GPT: every stage in it
+    assert param_checksum(module) == pp2.summary["param_checksum"]  # the gathered stages of the run's model
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    names = [n for n, p in module.model.named_parameters() if p.dim() >= 2] + \
+            [n for n, p in module.model.named_parameters() if p.dim() < 2]  # the unsharded optimizer's order
+    params, state = dict(module.model.named_parameters()), ckpt["optimizer_states"][0]["state"]
+    assert sorted(state) == list(range(len(names)))
+    for k, name in enumerate(names):
+        assert state[k]["exp_avg"].shape == params[name].shape and int(state[k]["step"]) == MAX_STEPS, name
+    module.configure_optimizers()["optimizer"].load_state_dict(ckpt["optimizer_states"][0])  # as a pp=1 run does
+
+
+@pytest.mark.parametrize("override, says", [
+    ("ft=[ndb]", "remove ndb from ft or set parallel.pp=1"),
+    ("ft=[deadpool]", "remove deadpool from ft or set parallel.pp=1"),
+    ("parallel.zero=1", "set parallel.zero=0 or parallel.pp=1"),
+    ("model.dropout=0.1", "set model.dropout=0 or parallel.pp=1"),
+    ("trainer.accumulate_grad_batches=2", "set trainer.accumulate_grad_batches=1 and trainer.micro_batches"),
+    ("trainer.val_check_interval=5", "set trainer.val_check_interval=0 or parallel.pp=1"),
+    ("trainer.micro_batches=3", "must split into that many equal micro-batches"),
+])
+def test_a_mix_pipeline_parallelism_does_not_train_is_refused(override, says):
+    cfg = _compose(*PP2, override)
+    with pytest.raises(ConfigError, match="Invalid configuration") as refused:
+        validate(cfg)
+    assert says in str(refused.value)
+
+
+def test_the_mixes_pipeline_parallelism_trains_with_keep_their_pp_in_smoke_mode():
+    for ft in ("ft=[]", "ft=[flashrecovery]", "ft=[flash_ckpt]"):
+        cfg = _compose(*PP2, ft)
+        validate(cfg)
+        assert trained_pp(cfg) == 2
+    cfg = _compose(*PP2, "ft=[ndb]", "runner.smoke=true")
+    assert trained_pp(cfg) == 1
+    changes = apply_smoke(cfg)
+    assert cfg.parallel.pp == 1 and any("parallel.pp 2 -> 1 (training runs pp <= 1" in c for c in changes)
+
+
+@pytest.mark.slow
+def test_tp2_pp2_dp2_on_two_nodes_of_four_matches_pure_data_parallel(tp2pp2, dp2):
+    s = tp2pp2.summary
+    assert len(tp2pp2.events("worker_started")) == 8
+    assert s["samples_committed"] == dp2.summary["samples_committed"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    _same_loss_curve(tp2pp2, dp2, "tp=2 pp=2")
+
+
+# the last stage of replica 0 (at tp=2, its second TP slot); the replacement takes its slice from the replica at the
+# same (pp, tp) coordinate, and every rank of replica 0 redoes the step
+KILLED = {"pp2": (PP2, 1, 3), "tp2pp2": (TP2PP2, 3, 7)}  # layout, killed rank, the rank that serves it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(KILLED))
+def test_flashrecovery_kill_rank_restores_the_stage_exactly(layout, request, run_dir):
+    args, killed, source = KILLED[layout]
+    run = run_cli(*args, f"trainer.max_steps={MAX_STEPS}", "ft=[flashrecovery]", "fault=kill_rank",
+                  f"fault.rank={killed}", "fault.step=5", run_dir=run_dir)
+    s, ref = run.summary, request.getfixturevalue(layout).summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == ref["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert s["samples_committed"] == ref["samples_committed"]
+    rec = s["recoveries"]
+    assert len(rec) == 1 and (rec[0]["victims"], rec[0]["action"], rec[0]["rpo_steps"]) == (
+        [killed], "restart_rank", 0)
+    assert [e["rank"] for e in run.events("state_sent")] == [source]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(KILLED))
+def test_flash_ckpt_kill_all_restores_each_ranks_own_stage(layout, request, run_dir):
+    run = run_cli(*KILLED[layout][0], f"trainer.max_steps={MAX_STEPS}", "ft=[flash_ckpt]", "fault=kill_all",
+                  "fault.step=5", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["global_step"] == MAX_STEPS and s["param_checksum"] == request.getfixturevalue(layout).summary[
+        "param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
+
+
+@pytest.mark.slow
+def test_a_pp_checkpoint_resumes_at_its_own_layout_exactly_and_at_another_one(pp2, tmp_path):
+    steps = f"trainer.max_steps={2 * MAX_STEPS}"
+    straight = run_cli(*PP2, steps, run_dir=tmp_path / "straight")
+    assert straight.returncode == 0, straight.output[-3000:]
+    resumed = run_cli(*PP2, steps, f"runner.resume={pp2.dir}", run_dir=tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert [e["at_step"] for e in resumed.events("resumed")] == [MAX_STEPS]
+    assert resumed.summary["param_checksum"] == straight.summary["param_checksum"]
+    elsewhere = run_cli(*DP2, steps, f"runner.resume={pp2.dir}", run_dir=tmp_path / "dp2")  # tp=1 pp=1
+    assert elsewhere.returncode == 0, elsewhere.output[-3000:]
+    assert [e["at_step"] for e in elsewhere.events("resumed")] == [MAX_STEPS]
+    tail = [m["loss"] for m in straight.metrics()][MAX_STEPS:]
+    assert [m["loss"] for m in elsewhere.metrics()] == pytest.approx(tail, rel=0.01)
