@@ -9,8 +9,9 @@ resuming from a checkpoint taken at the kill step (so it loses no work: the base
 DeadPool: jobs that each lose a node whose ranks warm spares take over, with the default
 heartbeat (10 misses of 100 ms) and with 3 misses, with ZeRO-1 shards restored from the
 neighbours' replicas, and a crashed rank swapped for a spare (``SWAPS``).
-The FlashRecovery job runs twice: with ``logger=none`` and with ``logger=wandb`` (offline), whose run the
-controller owns, so that the logger is shown to stay off the recovery path.
+The FlashRecovery job runs three times: with ``logger=none`` and with ``logger=wandb`` (offline), whose run the
+controller owns, so that the logger is shown to stay off the recovery path; and with ``heartbeat.decide_at_once=false``
+(every decision waits for the decide window), the baseline of deciding at once on a conclusive exit.
 Prints medians, spreads and the ratios. Targets (2-core host, gpt_tiny): detected <= 0.05 s,
 survivors ready <= 0.3 s, full world back <= 3 s, >= 5x faster than the baseline, RTO with
 logger=wandb <= 1.1x RTO with logger=none.
@@ -19,7 +20,15 @@ gpt_tiny, printing the RTO phases and, since a 2-core host cannot run 16 busy ra
 not depend on the CPU: store operations and new connections of every process (``runner.store_counts``), per
 phase of the recovery and per fault-free step.
 
-    python bench/recovery.py [--kills 5] [--emit-calibration FILE] [--loggers-only] [--world 4,8,16]
+--decide-only: only the FlashRecovery job with decide-at-once on and off, and the ratios.
+--launcher local,per_host (instead of the above): the same faults under ``launcher=local`` and under three torchrun
+trees on this machine as three hosts (``launcher.mode=per_host``; 2 training hosts of 2 ranks, 1 spare host, ft
+flashrecovery and deadpool): a worker killed (restarted in place) and host 1 lost (every process of its tree
+SIGKILLed; the spare host takes over; under launcher=local ``fault=kill_node``), ``--runs`` jobs each, printing
+kill -> loss decided and kill -> full world commits per launcher and the ratio per_host / local.
+
+    python bench/recovery.py [--kills 5] [--emit-calibration FILE] [--loggers-only] [--decide-only]
+                             [--world 4,8,16] [--launcher local,per_host --runs 3]
 
 --emit-calibration FILE writes what was measured here as the simulator's calibration file
 (runner/sim/calibration.py; python -m runner.sim calibration=FILE), labelled with the host and date.
@@ -31,6 +40,7 @@ import argparse
 import datetime
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -42,20 +52,22 @@ from pathlib import Path
 from common import ROOT, median_spread, run_cli
 
 sys.path.insert(0, str(ROOT))  # this checkout's runner, also when another one is installed
-from runner import store_counts  # noqa: E402
+from runner import local_hosts, store_counts  # noqa: E402
 
 
-def flashrecovery(kills: int, ranks: int, logger: str = "none") -> dict[str, list[float]]:
+def flashrecovery(kills: int, ranks: int, *overrides: str, logger: str = "none") -> dict[str, list[float]]:
     steps = [10 + 12 * i for i in range(kills)]
     extra = ",".join(f"{{kind: kill_rank, rank: {(i + 1) % ranks}, step: {s}}}" for i, s in enumerate(steps[1:]))
     summary, _, _ = run_cli("+recipe=gpt_tiny", "parallel.nodes=2", f"parallel.procs_per_node={ranks // 2}",
                             "ft=[flashrecovery]", f"trainer.max_steps={steps[-1] + 10}", "fault=kill_rank",
-                            "fault.rank=0", f"fault.step={steps[0]}", f"+fault.extra=[{extra}]", logger=logger)
+                            "fault.rank=0", f"fault.step={steps[0]}", f"+fault.extra=[{extra}]", *overrides,
+                            logger=logger)
     assert summary["status"] == "completed", summary.get("error")
     recs = summary["recoveries"]
     assert len(recs) == kills, recs
     return {
         "detected": [r["detect_s"] for r in recs],
+        "decided (decide phase)": [r["decide_s"] for r in recs],
         "survivors ready": [r["survivors_ready_s"] for r in recs],
         "full world commits": [r["rto_s"] for r in recs],
         "replacement start-up": [r["replace_s"] for r in recs],
@@ -177,6 +189,89 @@ def print_logger_cost(none: dict[str, list[float]], wandb: dict[str, list[float]
     print(f"  ratio wandb / none: {ratio:.2f}x   target <= 1.1x")
 
 
+def print_decide_cost(at_once: dict[str, list[float]], window: dict[str, list[float]]) -> None:
+    """The same FlashRecovery job deciding at once on a conclusive exit and always waiting for the window."""
+    print(f"flashrecovery, decide-at-once on / off (heartbeat.decide_at_once=false: the decide window always waited), "
+          f"{len(at_once['detected'])} kills each")
+    for key in ("decided (decide phase)", "survivors ready", "full world commits"):
+        on, off = statistics.median(at_once[key]), statistics.median(window[key])
+        print(f"  {key:22s} off {median_spread(window[key])} s")
+        print(f"  {'':22s} on  {median_spread(at_once[key])} s   off / on: {off / on:.2f}x")
+
+
+PER_HOST_LAYOUT = ["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[flashrecovery,deadpool]",
+                   "trainer.max_steps=20"]
+QUIET_EVENTS = "runner.console_events=false"  # local_hosts.BASE has the rest of common.QUIET
+FAULT_STEP = 8  # the worker kill; a host is lost once step LOSE_AFTER is committed
+LOSE_AFTER = 5
+
+
+def launch_local(fault: str) -> dict:
+    """One launcher=local job with the fault; its recovery, the times from the injection."""
+    kill = {"crash": ["fault=kill_rank", "fault.rank=3"], "host": ["fault=kill_node", "fault.node=1"]}[fault]
+    summary, _, _ = run_cli("+recipe=gpt_tiny", *PER_HOST_LAYOUT, *kill, f"fault.step={FAULT_STEP}")
+    assert summary["status"] == "completed", summary.get("error")
+    (rec,) = summary["recoveries"]
+    return {"decided": rec["t_decide"] - rec["t_fault"], "full world commits": rec["rto_s"]}
+
+
+def launch_per_host(fault: str) -> dict:
+    """One job of three torchrun trees (hosts) with the fault: a worker killed by the controller, or host 1's tree
+    powered off from here; the times from the kill."""
+    job = local_hosts.Job(Path(tempfile.mkdtemp(prefix="rr-bench-")) / "run")
+    env = {"RESILIENT_RUNNER_SECRET": secrets.token_hex(16)}
+    try:
+        if fault == "crash":
+            rdzv = local_hosts.c10d_rendezvous()
+            for _ in range(3):
+                job.torchrun(3, 1, rdzv, 0, "launcher.mode=per_host", *PER_HOST_LAYOUT, QUIET_EVENTS, "fault=kill_rank",
+                             "fault.rank=3", f"fault.step={FAULT_STEP}", extra_env=env)
+            assert job.wait(timeout_s=600) == [0, 0, 0], job.output()
+            t_kill = None
+        else:
+            trees = job.hosts_behind_the_rendezvous_store(3, *PER_HOST_LAYOUT, QUIET_EVENTS, extra_env=env)
+            local_hosts.wait_for("training", lambda: local_hosts.max_step(job.run_dir) >= LOSE_AFTER, procs=trees,
+                                 timeout_s=600)
+            t_kill = time.time()
+            rest = job.lose_host(trees, 1)
+            summary_path = job.run_dir / "summary.json"
+            local_hosts.wait_for("the summary", summary_path.exists, procs=rest, timeout_s=600)
+            # the survivors' torchrun waits in its exit barrier for the lost host (torchrun's own 300 s): not for us
+            local_hosts.wait_for("the agents and workers to end",
+                                 lambda: not local_hosts.processes_of(job.token) - {p.pid for p in rest}, timeout_s=120)
+        summary = json.loads((job.run_dir / "summary.json").read_text())
+    finally:
+        job.close()
+    assert summary["status"] == "completed", summary.get("error")
+    (rec,) = summary["recoveries"]
+    t0 = rec["t_fault"] if t_kill is None else t_kill
+    return {"decided": rec["t_decide"] - t0, "full world commits": rec["t_first_commit"] - t0}
+
+
+def print_launchers(launchers: list[str], runs: int) -> None:
+    """RTO phases of the same faults under each launcher, and the ratios against the first one."""
+    faults = {"crash": "worker killed (restarted in place)", "host": "host 1 lost (spare host takes over)"}
+    measured: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for fault in faults:
+        for launcher in launchers:
+            start = {"local": launch_local, "per_host": launch_per_host}[launcher]
+            got = [start(fault) for _ in range(runs)]
+            measured.setdefault(fault, {})[launcher] = {k: [g[k] for g in got] for k in got[0]}
+    print("launchers: 2 training hosts of 2 ranks + 1 spare host, gpt_tiny, ft=[flashrecovery,deadpool], "
+          f"default heartbeat (100 ms x 10), {runs} job(s) per fault and launcher")
+    key, first = "full world commits", launchers[0]
+    for fault, title in faults.items():
+        print(f"  {title}")
+        for launcher in launchers:
+            m = measured[fault][launcher]
+            print(f"    {launcher:9s} kill -> loss decided       {median_spread(m['decided'])} s")
+            print(f"    {launcher:9s} kill -> full world commits {median_spread(m[key])} s")
+        for launcher in launchers[1:]:
+            ratio = statistics.median(measured[fault][launcher][key]) / statistics.median(measured[fault][first][key])
+            print(f"    ratio {launcher} / {first} (full world back): {ratio:.2f}x   target <= 1.2x")
+    print("  targets: worker crash -> full world back <= 0.5 s; host loss -> full world back <= 1.5 s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--kills", type=int, default=5)
@@ -185,15 +280,24 @@ def main() -> None:
     ap.add_argument("--emit-calibration", metavar="FILE", help="write the simulator's calibration JSON here")
     ap.add_argument("--loggers-only", action="store_true",
                     help="only the FlashRecovery RTO with logger=none beside logger=wandb")
+    ap.add_argument("--decide-only", action="store_true",
+                    help="only the FlashRecovery RTO phases with decide-at-once on beside off")
     ap.add_argument("--world", metavar="N,N,...", help="only the recovery cost against world size, e.g. 4,8,16")
+    ap.add_argument("--launcher", metavar="L,L,...", help="only the same faults under these launchers: local,per_host")
+    ap.add_argument("--runs", type=int, default=3, help="jobs per fault and launcher (--launcher)")
     args = ap.parse_args()
     if args.world:
         print_world([int(n) for n in args.world.split(",")])
         return
+    if args.launcher:
+        print_launchers(args.launcher.split(","), args.runs)
+        return
     ours = flashrecovery(args.kills, args.ranks)
-    with_wandb = flashrecovery(args.kills, args.ranks, logger="wandb")
-    print_logger_cost(ours, with_wandb)
-    if args.loggers_only:
+    if not args.loggers_only:
+        print_decide_cost(ours, flashrecovery(args.kills, args.ranks, "heartbeat.decide_at_once=false"))
+    if not args.decide_only:
+        print_logger_cost(ours, flashrecovery(args.kills, args.ranks, logger="wandb"))
+    if args.loggers_only or args.decide_only:
         return
     swaps = {name: hot_swap(args.swaps, overrides) for name, overrides in SWAPS.items()}
     baseline = restart_all(args.kills, args.ranks)

@@ -11,8 +11,9 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+
+from runner.local_hosts import processes_of
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["logger=none", "trainer.progress_bar=false", "runner.console_events=true"]
@@ -51,18 +52,6 @@ class Run:
         return [json.loads(x) for x in (self.dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def _processes_of(token: str) -> set[int]:
-    """Every process (controller, fork server, workers) started for one run, found by its environment."""
-    out = set()
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get("RR_TEST_TOKEN") == token:
-                out.add(p.info["pid"])
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return out
-
-
 def run_cli(*overrides: str, run_dir: Path, timeout: float = 240, quiet: bool = True, cwd: Path = ROOT) -> Run:
     """``python -m runner`` with overrides; asserts afterwards that no process or port is left behind."""
     token = uuid.uuid4().hex
@@ -77,7 +66,7 @@ def run_cli(*overrides: str, run_dir: Path, timeout: float = 240, quiet: bool = 
 
 def assert_nothing_left(token: str, run: Run) -> None:
     deadline = time.monotonic() + 10
-    while (left := _processes_of(token)) and time.monotonic() < deadline:
+    while (left := processes_of(token)) and time.monotonic() < deadline:
         time.sleep(0.1)  # the fork server exits when it sees its parent gone
     assert not left, f"processes left behind: {left}"
     if (run.dir / "events.jsonl").exists():
@@ -110,9 +99,9 @@ def job():
 
 @pytest.fixture
 def make_job(tmp_path):
-    """Jobs under torchrun or SLURM's variables (``tests/torchrun_jobs.py``); every process of each is gone at the
+    """Jobs under torchrun or SLURM's variables (``runner/local_hosts.py``); every process of each is gone at the
     end of the test."""
-    from tests.torchrun_jobs import Job
+    from runner.local_hosts import Job
 
     jobs: list[Job] = []
 

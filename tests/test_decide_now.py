@@ -53,6 +53,16 @@ def test_an_exit_with_everyone_else_beating_is_decided_at_once(tmp_path):
     assert recovery_entry(rec, [], [])["decide_reason"] == "conclusive_exit"  # summary.json shows it too
 
 
+def test_with_decide_at_once_off_the_same_exit_waits_for_the_window(tmp_path):
+    ctl, fleet = _start(tmp_path, "heartbeat.decide_at_once=false")
+    _beat(ctl, [0, 1, 3])
+    ctl.queue.put(("exit", 2, -9, time.time()))
+    _round(ctl)
+    assert _decided(tmp_path) == []
+    _round(ctl, ahead_s=WINDOW_S)
+    assert _decided(tmp_path) == [("restart_rank", [2], "window")]
+
+
 def test_a_member_whose_heartbeat_is_old_keeps_the_window(tmp_path):
     ctl, fleet = _start(tmp_path)
     _beat(ctl, [0, 1])

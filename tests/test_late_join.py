@@ -26,15 +26,14 @@ from runner.config import ConfigError
 from runner.config.validate import validate
 from runner.control.controller import FORKSERVER_PRELOAD
 from runner.events import EventLog, read_jsonl
+from runner.local_hosts import BASE, events, max_step, wait_for
 from tests.conftest import ROOT, run_cli
 from tests.test_config import _compose
 from tests.test_torchrun_per_host import (
     SECRET,
     assert_agents_and_workers_end,
     hosts_behind_the_rendezvous_store,
-    lose_host,
 )
-from tests.torchrun_jobs import BASE, events, max_step, wait_for
 
 STEPS = 400
 LAYOUT = ["launcher.mode=per_host", "parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=0",
@@ -197,7 +196,7 @@ def test_a_host_that_joins_later_takes_a_lost_hosts_ranks(make_job, tmp_path):
     assert before < at_join < STEPS - 50, (before, at_join, "a join must not pause training, nor take this long")
     wait_for("training to go on", lambda: max_step(job.run_dir) > at_join + 3, procs=[*trees, late])
     assert [e["gen"] for e in events(job.run_dir, "generation")] == [0]  # the join changed no generation
-    rest = lose_host(job, [*trees, late], 1)
+    rest = job.lose_host([*trees, late], 1)
     wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=rest)
     s = json.loads((job.run_dir / "summary.json").read_text())
     assert s["status"] == "completed", job.output()

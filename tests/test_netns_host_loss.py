@@ -19,10 +19,10 @@ from torch.distributed import TCPStore
 
 from runner import protocol
 from runner.comm import CollectiveFailure, Comm
+from runner.local_hosts import Job, events, free_port, max_step, wait_for
 from runner.protocol import Layout
 from tests import netns
 from tests import test_torchrun_per_host as per_host
-from tests.torchrun_jobs import Job, events, free_port, max_step, wait_for
 
 LAYOUT, SECRET = per_host.LAYOUT, per_host.SECRET
 local_checksum = per_host.local_checksum  # the fixture: the same layout's fault-free checksum under launcher=local

@@ -7,11 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -19,10 +17,20 @@ from omegaconf import OmegaConf
 from runner.config import ConfigError
 from runner.control.records import Recovery
 from runner.faults.snapshot_memory import drop_node_memory
+from runner.local_hosts import (
+    BASE,
+    Job,
+    c10d_rendezvous,
+    events,
+    free_port,
+    max_step,
+    power_off,
+    processes_of,
+    wait_for,
+)
 from runner.recovery.flash_names import flash_job_id
 from runner.summary import recovery_entry
-from tests.conftest import _processes_of, run_cli
-from tests.torchrun_jobs import BASE, Job, c10d_rendezvous, events, free_port, max_step, wait_for
+from tests.conftest import run_cli
 
 LAYOUT = ["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[flashrecovery,deadpool]",
           "trainer.max_steps=30"]
@@ -55,33 +63,20 @@ def three_hosts(job: Job, *overrides: str) -> list:
 def hosts_behind_the_rendezvous_store(job: Job, hosts: int, *overrides: str) -> list:
     """``hosts`` torchrun trees, the first started alone until it hosts torchrun's rendezvous store, whose loss
     torchrun itself does not survive (so a test loses another host)."""
-    rdzv = c10d_rendezvous()
-    port = int(rdzv[1].rsplit(":", 1)[1])
-    first = job.torchrun(hosts, 1, rdzv, 0, "launcher.mode=per_host", *overrides, extra_env=SECRET)
-    wait_for("the rendezvous store", lambda: _listens(first.pid, port), procs=[first])
-    return [first] + [job.torchrun(hosts, 1, rdzv, 0, "launcher.mode=per_host", *overrides, extra_env=SECRET)
-                      for _ in range(hosts - 1)]
-
-
-def lose_host(job: Job, hosts: list, node: int) -> list:
-    """Power off node ``node``'s tree (never the one holding the rendezvous store); returns the other trees."""
-    tree = _torchrun_of_node(job, node)
-    assert tree.pid != hosts[0].pid
-    _power_off(tree)
-    return [p for p in hosts if p.pid != tree.pid]
+    return job.hosts_behind_the_rendezvous_store(hosts, *overrides, extra_env=SECRET)
 
 
 def assert_agents_and_workers_end(job: Job, launchers: list) -> None:
     """Every process of the job ends but the survivors' torchrun, which waits in its exit barrier for the lost
     host's (300 s, torchrun's own; the fixture ends them)."""
     pids = {p.pid for p in launchers}
-    wait_for("the agents and workers to end", lambda: not _processes_of(job.token) - pids, timeout_s=60)
+    wait_for("the agents and workers to end", lambda: not processes_of(job.token) - pids, timeout_s=60)
     assert all(p.poll() is None or p.returncode == 0 for p in launchers)
 
 
 def assert_trees_end(job: Job, timeout_s: float = 30.0) -> None:
     """Every process of the job (torchrun, agents, fork servers, workers) is gone within ``timeout_s``."""
-    wait_for("every process of the job to end", lambda: not _processes_of(job.token), timeout_s=timeout_s)
+    wait_for("every process of the job to end", lambda: not processes_of(job.token), timeout_s=timeout_s)
 
 
 def summary(job: Job) -> dict:
@@ -166,8 +161,8 @@ def test_when_the_controllers_host_dies_every_other_host_exits_non_zero_and_a_re
     hosts = three_hosts(job, "trainer.max_steps=100000", "checkpoint.every_n_steps=5")
     last = job.run_dir / "checkpoints" / "last.ckpt"
     wait_for("a periodic checkpoint", last.exists, procs=hosts)
-    node0 = _torchrun_of_node(job, 0)
-    _power_off(node0)
+    node0 = job.tree_of_node(0)
+    power_off(node0)
     others = [p for p in hosts if p.pid != node0.pid]
     deadline = time.monotonic() + 60
     for p in others:
@@ -197,7 +192,7 @@ def _complete_after_losing_host_1(job: Job, hosts: int, *overrides: str) -> tupl
     other trees."""
     trees = hosts_behind_the_rendezvous_store(job, hosts, *overrides)
     wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=trees)
-    rest = lose_host(job, trees, 1)
+    rest = job.lose_host(trees, 1)
     wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=rest)
     s = summary(job)
     assert s["status"] == "completed", job.output()
@@ -255,7 +250,7 @@ def test_flash_ckpt_restores_a_lost_hosts_ranks_from_the_partner_hosts_memory(ma
     job = make_job()
     hosts = hosts_behind_the_rendezvous_store(job, 2, *FLASH, "ft.flash_ckpt.persist_every_n_steps=0")
     wait_for("a snapshot", lambda: max_step(job.run_dir) >= 7, procs=hosts)
-    rest = lose_host(job, hosts, 1)
+    rest = job.lose_host(hosts, 1)
     # its memory goes with it: its ranks' own snapshots and the partner copies it held (one /dev/shm here)
     drop_node_memory(flash_job_id(job.run_dir), [2, 3])
     wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=rest)
@@ -270,28 +265,6 @@ def test_flash_ckpt_restores_a_lost_hosts_ranks_from_the_partner_hosts_memory(ma
     assert {e["node"] for e in moved} == {0}  # the lost host's ranks restart on its partner host
     assert s["samples_lost"] == 0 and s["param_checksum"] == local_checksum
     assert_agents_and_workers_end(job, rest)
-
-
-def _listens(pid: int, port: int) -> bool:
-    return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.Process(pid).net_connections())
-
-
-def _power_off(torchrun: psutil.Process) -> None:
-    """The host's power goes: every process of its tree at once, nothing reported."""
-    for p in [torchrun] + torchrun.children(recursive=True):
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-
-
-def _torchrun_of_node(job: Job, node: int) -> psutil.Process:
-    """The torchrun tree whose process is node ``node``'s (the controller for node 0, else the host's agent)."""
-    (joined,) = [e for e in events(job.run_dir, "host_joined") if e["node"] == node]
-    for proc in job.procs:
-        if any(c.pid == joined["pid"] for c in psutil.Process(proc.pid).children(recursive=True)):
-            return psutil.Process(proc.pid)
-    raise AssertionError(f"no torchrun tree holds node {node}'s process (pid {joined['pid']})")
 
 
 @pytest.mark.slow

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from torch.distributed import PrefixStore, TCPStore
 
 from runner.config import ConfigError
+from runner.local_hosts import BASE, Job, c10d_rendezvous, events, free_port, max_step, wait_for
 from tests.conftest import Run, assert_nothing_left, run_cli
-from tests.torchrun_jobs import BASE, Job, c10d_rendezvous, events, free_port, max_step, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,10 @@ class HeartbeatConfig:
     """Heartbeats arrive but the step does not advance for this long: a hang."""
     decide_window_s: float = 0.05
     """After the first symptom, gather others this long before classifying the fault."""
+    decide_at_once: bool = True
+    """Decide a recovery as soon as its evidence is conclusive (an exit an agent saw, every other member beating);
+    false = always wait decide_window_s, e.g. when the hosts' clocks may disagree by more than interval_s (the
+    early decision compares workers' heartbeat times across hosts)."""
 
 
 @dataclass

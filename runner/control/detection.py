@@ -131,8 +131,8 @@ class Detector:
         unfinished worker reported a failure of the current generation or wrote a heartbeat within two
         intervals (read now, one round trip). A fault that strikes some other member at the same moment is
         therefore not yet visible; the window could not see it either, as its evidence would be that
-        member's silence."""
-        if any(s["kind"] not in ("exit", "report") for s in rec.symptoms):
+        member's silence. Never with ``heartbeat.decide_at_once`` off: then every decision waits for the window."""
+        if not self.hb.decide_at_once or any(s["kind"] not in ("exit", "report") for s in rec.symptoms):
             return False
         exited = {s["wid"] for s in rec.symptoms if s["kind"] == "exit"}
         if not exited - {w for w, worker in self.members.workers.items() if worker.dead}:

@@ -3,8 +3,8 @@
 The first symptom opens a recovery and starts the decide window (``heartbeat.decide_window_s``), so
 that the exits of one fault are decided together. An exit a node agent saw is looked at at once: when
 that evidence is already conclusive (``Detector.conclusive_exit``) the decision does not wait for the
-window to close. Faults the run injects note their victims here, for the record of the recovery they
-cause and so that a decision waits for all of their exits.
+window to close (unless ``heartbeat.decide_at_once`` is off). Faults the run injects note their victims
+here, for the record of the recovery they cause and so that a decision waits for all of their exits.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Jobs under real torchrun (or SLURM's variables set by hand) for the tests: every process of a job carries one
-token, so that none may outlive it; waits poll what the job wrote, never sleep a fixed time."""
+"""Several hosts on one machine: each a process tree of its own, started by real torchrun (or with SLURM's variables
+set by hand), for the tests and the benches of launcher.mode=per_host. Every process of a job carries one token in
+its environment (``TOKEN_ENV``), so that none may outlive it; waits poll what the job wrote, never sleep a fixed
+time; a host is lost as when its power goes (every process of its tree SIGKILLed at once)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,23 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.conftest import ROOT, _processes_of
+import psutil
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout whose runner every process of a job runs
+TOKEN_ENV = "RR_TEST_TOKEN"
 BASE = ["+recipe=gpt_tiny", "logger=none", "trainer.progress_bar=false"]
+
+
+def processes_of(token: str) -> set[int]:
+    """Every process (launcher, controller, agents, fork servers, workers) started for one job, by its token."""
+    out = set()
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get(TOKEN_ENV) == token:
+                out.add(p.info["pid"])
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return out
 
 
 def free_port() -> int:
@@ -56,8 +72,21 @@ def max_step(run_dir: Path) -> int:
     return max((json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()), default=-1)
 
 
+def listens(pid: int, port: int) -> bool:
+    return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.Process(pid).net_connections())
+
+
+def power_off(tree: psutil.Process) -> None:
+    """The host's power goes: every process of its tree at once, nothing reported."""
+    for p in [tree] + tree.children(recursive=True):
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
 class Job:
-    """Processes of one test job, all tagged with one token so that none may outlive it."""
+    """Processes of one job, all tagged with one token so that none may outlive it."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.token = run_dir, uuid.uuid4().hex
@@ -66,7 +95,7 @@ class Job:
 
     def start(self, args: list[str], extra_env: dict | None = None) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-        env.update(PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true", RR_TEST_TOKEN=self.token,
+        env.update(PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true", **{TOKEN_ENV: self.token},
                    **(extra_env or {}))
         log = self.run_dir.parent / f"{self.run_dir.name}.proc{len(self.procs)}.log"  # several jobs share a parent
         self.logs.append(log)
@@ -82,6 +111,31 @@ class Job:
                            f"--nproc_per_node={nproc}", *rdzv, f"--max-restarts={max_restarts}",
                            "--monitor-interval=0.1", "-m", "runner", *BASE, f"hydra.run.dir={self.run_dir}",
                            *overrides], extra_env)
+
+    def hosts_behind_the_rendezvous_store(self, hosts: int, *overrides: str, extra_env: dict | None = None) -> list:
+        """``hosts`` per_host torchrun trees, the first started alone until it hosts torchrun's rendezvous store,
+        whose loss torchrun itself does not survive (so that another host can be lost)."""
+        rdzv = c10d_rendezvous()
+        port = int(rdzv[1].rsplit(":", 1)[1])
+        first = self.torchrun(hosts, 1, rdzv, 0, "launcher.mode=per_host", *overrides, extra_env=extra_env)
+        wait_for("the rendezvous store", lambda: listens(first.pid, port), procs=[first])
+        return [first] + [self.torchrun(hosts, 1, rdzv, 0, "launcher.mode=per_host", *overrides, extra_env=extra_env)
+                          for _ in range(hosts - 1)]
+
+    def tree_of_node(self, node: int) -> psutil.Process:
+        """The tree whose process is node ``node``'s (the controller for node 0, else the host's agent)."""
+        (joined,) = [e for e in events(self.run_dir, "host_joined") if e["node"] == node]
+        for proc in self.procs:
+            if any(c.pid == joined["pid"] for c in psutil.Process(proc.pid).children(recursive=True)):
+                return psutil.Process(proc.pid)
+        raise AssertionError(f"no process tree holds node {node}'s process (pid {joined['pid']})")
+
+    def lose_host(self, hosts: list, node: int) -> list:
+        """Power off node ``node``'s tree (never the one holding the rendezvous store); returns the other trees."""
+        tree = self.tree_of_node(node)
+        assert tree.pid != hosts[0].pid
+        power_off(tree)
+        return [p for p in hosts if p.pid != tree.pid]
 
     def join(self, address: str, *overrides: str, extra_env: dict | None = None):
         """A host started later, outside torchrun: the job's overrides plus ``launcher.join=address``."""
@@ -102,7 +156,7 @@ class Job:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        for pid in _processes_of(self.token):
+        for pid in processes_of(self.token):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
