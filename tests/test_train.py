@@ -134,6 +134,7 @@ def _torchrun(tmp_path, *overrides: str):
     )
 
 
+@pytest.mark.slow  # CI time: a variant of what the default tier covers
 def test_under_torchrun_each_process_is_one_rank_with_the_same_result(tmp_path):
     import json
 

@@ -139,7 +139,7 @@ def assert_complete(logged: LoggedRun, run: Run, victim: int) -> None:
     assert logged.exit_code in (None, 0)  # CSV has no exit record; W&B's is checked by its test
 
 
-@pytest.mark.parametrize("victim", [2, 0])
+@pytest.mark.parametrize("victim", [pytest.param(2, marks=pytest.mark.slow), 0])  # CI time: victim 2 in the slow tier
 def test_one_complete_wandb_run_per_job_whichever_rank_dies(tmp_path, victim):
     run = run_cli(*KILL_RANK, f"fault.rank={victim}", run_dir=tmp_path / "run", quiet=False)  # the default logger
     logged = read_wandb_run(run.dir)
