@@ -63,6 +63,7 @@ def test_hang_is_detected_killed_and_recovered(fault_free, run_dir):
     assert rec["detect_s"] <= 10.0 + 0.1  # heartbeat.stall_timeout_s + one interval
 
 
+@pytest.mark.slow  # CI time: a variant of what the default tier covers
 def test_transient_error_is_retried_without_restarting_anyone(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=transient", "fault.rank=3", "fault.step=8", run_dir=run_dir)
     s = assert_exact(run, fault_free, recoveries=1)

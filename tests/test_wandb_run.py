@@ -187,6 +187,7 @@ def test_ctrl_c_finishes_the_run(run_dir):
     assert logged_steps == [s for s in committed if s % LOG_EVERY == 0] and logged_steps
 
 
+@pytest.mark.slow  # CI time: a variant of what the default tier covers
 def test_csv_is_as_complete(tmp_path):
     import csv
 
