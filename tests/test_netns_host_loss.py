@@ -25,7 +25,8 @@ from tests import netns
 from tests import test_torchrun_per_host as per_host
 
 LAYOUT, SECRET = per_host.LAYOUT, per_host.SECRET
-local_checksum = per_host.local_checksum  # the fixture: the same layout's fault-free checksum under launcher=local
+# the fixtures: the same layout's fault-free run under launcher=local, and its checksum
+local_fault_free, local_checksum = per_host.local_fault_free, per_host.local_checksum
 
 COLLECTIVE_TIMEOUT_S = 30.0  # launcher.collective_timeout_s's default: what the survivors must not wait out
 
