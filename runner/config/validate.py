@@ -157,25 +157,18 @@ def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
 
 def pp_problems(cfg: DictConfig) -> list[str]:
     """What training with parallel.pp > 1 does not do yet, each with the change that makes the run train."""
-    p, t, names = cfg.parallel, cfg.trainer, ft_names(cfg)
+    p, t = cfg.parallel, cfg.trainer
     if p.pp <= 1:
         return []
-    out = []
-    other = [n for n in names if n not in PP_TECHNIQUES]
-    if other:
-        out.append(f"parallel.pp={p.pp} trains with ft=[], flashrecovery (a crashed rank takes its stage from the "
-                   f"replica at the same (pp, tp) coordinate) and flash_ckpt (every rank restores its own stage's "
-                   f"snapshot); {other} do(es) not place work or state by pipeline stage yet: remove "
-                   f"{', '.join(other)} from ft or set parallel.pp=1.")
+    out = _split_model_problems(
+        cfg, "pp", PP_TECHNIQUES,
+        mix="flashrecovery (a crashed rank takes its stage from the replica at the same (pp, tp) coordinate) and "
+            "flash_ckpt (every rank restores its own stage's snapshot)",
+        placed_by="pipeline stage", split="cuts the runner's own GPT into stages", lacks="pipeline stages",
+        dropout="the stages draw no dropout stream per micro-batch yet")
     if p.zero:
         out.append(f"parallel.zero={p.zero} with parallel.pp={p.pp}: the optimizer is not sharded over the DP group "
                    "of a pipeline-parallel run yet; set parallel.zero=0 or parallel.pp=1.")
-    if cfg.model._target_:
-        out.append(f"parallel.pp={p.pp} cuts the runner's own GPT into stages; {cfg.model._target_} has no pipeline "
-                   "stages: set parallel.pp=1.")
-    elif cfg.model.dropout:
-        out.append(f"model.dropout={cfg.model.dropout} with parallel.pp={p.pp}: the stages draw no dropout stream per "
-                   "micro-batch yet; set model.dropout=0 or parallel.pp=1.")
     if t.accumulate_grad_batches > 1:
         out.append(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} with parallel.pp={p.pp}: the pipeline "
                    "splits each step's batch into trainer.micro_batches itself; set trainer.accumulate_grad_batches=1 "
@@ -203,22 +196,31 @@ def trained_pp(cfg: DictConfig) -> int:
 
 def tp_problems(cfg: DictConfig) -> list[str]:
     """What training with parallel.tp > 1 does not do yet, each with the change that makes the run train."""
-    p, names = cfg.parallel, ft_names(cfg)
-    if p.tp <= 1:
+    if cfg.parallel.tp <= 1:
         return []
+    return _split_model_problems(
+        cfg, "tp", TP_TECHNIQUES,
+        mix="flashrecovery (a crashed rank takes its slice of the model from the replica at the same TP "
+            "coordinate) and flash_ckpt (every rank restores its own snapshot)",
+        placed_by="TP coordinate", split="slices the runner's own GPT", lacks="tensor-parallel layers",
+        dropout="the tensor-parallel layers keep no dropout stream per TP rank yet")
+
+
+def _split_model_problems(cfg: DictConfig, dim: str, techniques: tuple[str, ...], *, mix: str, placed_by: str,
+                          split: str, lacks: str, dropout: str) -> list[str]:
+    """The refusals a model split along ``dim`` (tp or pp) shares: techniques that do not place work or state by
+    that coordinate, a user's model the runner cannot split, and dropout."""
+    key = f"parallel.{dim}"
+    size = cfg.parallel[dim]
     out = []
-    other = [n for n in names if n not in TP_TECHNIQUES]
+    other = [n for n in ft_names(cfg) if n not in techniques]
     if other:
-        out.append(f"parallel.tp={p.tp} trains with ft=[], flashrecovery (a crashed rank takes its slice of the model "
-                   f"from the replica at the same TP coordinate) and flash_ckpt (every rank restores its own "
-                   f"snapshot); {other} do(es) not place work or state by TP coordinate yet: remove "
-                   f"{', '.join(other)} from ft or set parallel.tp=1.")
+        out.append(f"{key}={size} trains with ft=[], {mix}; {other} do(es) not place work or state by {placed_by} "
+                   f"yet: remove {', '.join(other)} from ft or set {key}=1.")
     if cfg.model._target_:
-        out.append(f"parallel.tp={p.tp} slices the runner's own GPT; {cfg.model._target_} has no tensor-parallel "
-                   "layers: set parallel.tp=1.")
+        out.append(f"{key}={size} {split}; {cfg.model._target_} has no {lacks}: set {key}=1.")
     elif cfg.model.dropout:
-        out.append(f"model.dropout={cfg.model.dropout} with parallel.tp={p.tp}: the tensor-parallel layers keep no "
-                   "dropout stream per TP rank yet; set model.dropout=0 or parallel.tp=1.")
+        out.append(f"model.dropout={cfg.model.dropout} with {key}={size}: {dropout}; set model.dropout=0 or {key}=1.")
     return out
 
 
