@@ -168,3 +168,10 @@ def test_a_pp_checkpoint_resumes_at_its_own_layout_exactly_and_at_another_one(pp
     assert [e["at_step"] for e in elsewhere.events("resumed")] == [MAX_STEPS]
     tail = [m["loss"] for m in straight.metrics()][MAX_STEPS:]
     assert [m["loss"] for m in elsewhere.metrics()] == pytest.approx(tail, rel=0.01)
+
+
+def test_micro_batches_without_a_pipeline_are_refused():
+    cfg = _compose("+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "trainer.micro_batches=2")
+    with pytest.raises(ConfigError, match="Invalid configuration") as refused:
+        validate(cfg)
+    assert "set trainer.micro_batches=0" in str(refused.value)

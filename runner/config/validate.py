@@ -152,6 +152,10 @@ def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         out += pp_problems(cfg)
         if p.pp > 1 and not out:
             out += _pipeline_batch_problems(cfg, dp)
+    if p.pp == 1 and cfg.trainer.micro_batches:
+        out.append(f"trainer.micro_batches={cfg.trainer.micro_batches} splits a pipeline's step, but parallel.pp=1 has "
+                   "no pipeline: set trainer.micro_batches=0 (trainer.accumulate_grad_batches splits a step without "
+                   "one) or parallel.pp > 1.")
     return out
 
 
