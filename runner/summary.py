@@ -173,7 +173,10 @@ def recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> di
     """One ``recoveries[]`` entry: the phases from the record's times, the injected fault and the groups formed
     (``events``) and the steps committed before the fault and after the recovery (``metrics``). The run logger
     computes the same entry live, as soon as that step is committed."""
-    injected = [e for e in events if e["kind"] == "fault_injected" and e.get("t", 0) <= rec.t_detect + 1e-3]
+    # an injected fault belongs to this recovery unless an earlier recovery's detection already claimed it
+    claimed = max((e["t"] for e in events if e["kind"] == "fault_detected" and e.get("recovery") != rec.id
+                   and e["t"] < rec.t_detect), default=float("-inf"))
+    injected = [e for e in events if e["kind"] == "fault_injected" and claimed < e.get("t", 0) <= rec.t_detect + 1e-3]
     t_fault = injected[-1].get("t_fault", injected[-1]["t"]) if injected else rec.t_detect
     if injected:
         fault_step = injected[-1].get("at_step", injected[-1]["step"])

@@ -107,6 +107,22 @@ def test_a_host_lost_from_outside_is_at_the_step_in_progress_and_its_lost_steps_
     assert recovery_entry(rec, [], swapped)["rpo_steps"] == 0
 
 
+def test_a_fault_from_outside_after_an_injected_one_is_not_given_the_injected_fault_step():
+    """Recovery 0 claimed the fault injected at step 2; recovery 1, a host lost later from outside, is at the
+    step in progress when it was detected, not at the injected fault's step."""
+    events = [{"kind": "fault_injected", "t": 3.0, "t_fault": 3.0, "step": 2, "at_step": 2},
+              {"kind": "fault_detected", "t": 3.1, "step": -1, "recovery": 0},
+              {"kind": "fault_detected", "t": 10.0, "step": -1, "recovery": 1}]
+    metrics = [{"step": s, "t": 1.0 + s, "gen": 0} for s in range(9)] + [{"step": 9, "t": 12.0, "gen": 1}]
+    first = Recovery(id=0, t_detect=3.1, t_detect_mono=0.0, fault="crash", victims=[1], action="restart_rank",
+                     full_gen=1)
+    later = Recovery(id=1, t_detect=10.0, t_detect_mono=0.0, fault="node_loss", victims=[2, 3], action="spare_swap",
+                     full_gen=1)
+    claimed, unclaimed = recovery_entry(first, events, metrics), recovery_entry(later, events, metrics)
+    assert (claimed["step"], claimed["t_fault"]) == (2, 3.0)
+    assert (unclaimed["step"], unclaimed["t_fault"]) == (9, 10.0)
+
+
 # -- three hosts ----------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_three_hosts_complete_with_the_local_launchers_checksum(make_job, local_checksum):

@@ -40,7 +40,7 @@ EVENT_ROWS = frozenset({
     "snapshot_restored", "run_failed",
 })
 # the controller's record gives the times of decisions and replacements; these events give the rest
-PHASE_EVENTS = frozenset({"fault_injected", "group_formed"})
+PHASE_EVENTS = frozenset({"fault_injected", "fault_detected", "group_formed"})
 RECENT_COMMITS = 256  # more than a recovery's survivors-only generation commits before its complete one
 RECOVERY_KEYS = ("rto_s", "detect_s", "decide_s", "replace_s", "rebuild_s", "restore_s", "survivors_ready_s",
                  "rpo_steps")
