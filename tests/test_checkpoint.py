@@ -178,3 +178,28 @@ def test_a_checkpoint_lightning_cannot_resume_is_refused_with_the_reason(tmp_pat
     torch.save(content, tmp_path / "x.ckpt")
     with pytest.raises(ConfigError, match=expected):
         resume_checkpoint(str(tmp_path / "x.ckpt"), tmp_path / "run", max_steps=60)
+
+
+@pytest.mark.parametrize("case", ["whole_model", "zero", "damaged", "no_layout_record"])
+def test_a_run_dir_resumes_from_a_flash_checkpoint_newer_than_last_ckpt_only_if_it_holds_the_whole_model(
+        tmp_path, case):
+    """A rank's persisted flash checkpoint is every rank's state when no rank splits the model or the optimizer;
+    a damaged one is passed over for an older one, and without a record of the run's layout last.ckpt is it."""
+    from runner.checkpoint.resume import resume_checkpoint
+    from runner.recovery.flash_ckpt.disk import checkpoint_path, write_atomic
+
+    old = tmp_path / "old"
+    state = {"state_dict": {}, "optimizer_states": [], "lr_schedulers": [], "loops": {}}
+    (old / "checkpoints").mkdir(parents=True)
+    torch.save({**state, "global_step": 10}, old / "checkpoints" / "last.ckpt")
+    for step in (15, 20):
+        write_atomic({**state, "global_step": step}, checkpoint_path(old / "checkpoints", 2, step), {})
+    if case != "no_layout_record":
+        layout = {"tp": 1, "pp": 1, "zero": 1 if case == "zero" else 0}
+        (old / "agent_config.json").write_text(json.dumps({"config": {"parallel": layout}}))
+    if case == "damaged":
+        newest = checkpoint_path(old / "checkpoints", 2, 20)
+        newest.write_bytes(newest.read_bytes()[:-1] + b"x")
+    expected = {"whole_model": checkpoint_path(old / "checkpoints", 2, 20),
+                "damaged": checkpoint_path(old / "checkpoints", 2, 15)}.get(case, old / "checkpoints" / "last.ckpt")
+    assert resume_checkpoint(str(old), tmp_path / "run", max_steps=60) == expected

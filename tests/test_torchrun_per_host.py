@@ -54,9 +54,9 @@ def local_checksum(local_fault_free) -> str:
     return local_fault_free["param_checksum"]
 
 
-def three_hosts(job: Job, *overrides: str) -> list:
+def three_hosts(job: Job, *overrides: str, layout: list[str] = LAYOUT) -> list:
     rdzv = c10d_rendezvous()
-    return [job.torchrun(3, 1, rdzv, 0, "launcher.mode=per_host", *LAYOUT, *overrides, extra_env=SECRET)
+    return [job.torchrun(3, 1, rdzv, 0, "launcher.mode=per_host", *layout, *overrides, extra_env=SECRET)
             for _ in range(3)]
 
 
@@ -171,12 +171,28 @@ def test_a_killed_worker_restarts_on_its_own_host_and_loses_nothing(make_job, lo
     assert_trees_end(job)
 
 
+# What the old run leaves to resume from: a periodic last.ckpt, or (no last.ckpt at all) the flash snapshots that
+# the surviving hosts' persisters write to disk when their agents stop their workers (the persist cadence lies
+# beyond the steps the test waits for, so only those breakpoint persists write files)
+KEPT_STATE = {
+    "periodic_checkpoint": (LAYOUT, ["checkpoint.every_n_steps=5"]),
+    "flash_snapshots": ([*(o for o in LAYOUT if not o.startswith("ft=")), "ft=[flashrecovery,deadpool,flash_ckpt]",
+                         "ft.flash_ckpt.every_n_steps=5", "ft.flash_ckpt.persist_every_n_steps=1000"], []),
+}
+
+
 @pytest.mark.slow
-def test_when_the_controllers_host_dies_every_other_host_exits_non_zero_and_a_relaunch_resumes(make_job):
+@pytest.mark.parametrize("kept", sorted(KEPT_STATE))
+def test_when_the_controllers_host_dies_every_other_host_exits_non_zero_and_a_relaunch_resumes(make_job, kept):
+    layout, overrides = KEPT_STATE[kept]
     job = make_job()
-    hosts = three_hosts(job, "trainer.max_steps=100000", "checkpoint.every_n_steps=5")
-    last = job.run_dir / "checkpoints" / "last.ckpt"
-    wait_for("a periodic checkpoint", last.exists, procs=hosts)
+    hosts = three_hosts(job, "trainer.max_steps=100000", *overrides, layout=layout)
+    checkpoints = job.run_dir / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    if kept == "periodic_checkpoint":
+        wait_for("a periodic checkpoint", last.exists, procs=hosts)
+    else:
+        wait_for("two snapshots taken", lambda: max_step(job.run_dir) >= 12, procs=hosts)
     node0 = job.tree_of_node(0)
     power_off(node0)
     others = [p for p in hosts if p.pid != node0.pid]
@@ -188,15 +204,22 @@ def test_when_the_controllers_host_dies_every_other_host_exits_non_zero_and_a_re
 
     # the relaunch: a new command on every host, a new run dir, runner.resume naming the old one
     old_files = {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in job.run_dir.rglob("*") if f.is_file()}
-    at_step = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
-    assert at_step > 0
+    if kept == "periodic_checkpoint":
+        newest = [last]
+    else:  # node 1's ranks (2, 3) persisted their newest snapshots on the way out; node 0's were lost with it
+        assert not last.exists()
+        persisted = sorted(checkpoints.glob("step*-rank*.ckpt"))
+        assert {p.name.split("-")[1] for p in persisted} == {"rank2.ckpt", "rank3.ckpt"}, persisted
+        newest = [p for p in persisted if p.name.split("-")[0] == persisted[-1].name.split("-")[0]]
+    at_step = torch.load(newest[0], map_location="cpu", weights_only=True)["global_step"]
+    assert at_step >= (5 if kept == "periodic_checkpoint" else 10)
     again = make_job("relaunch")
-    three_hosts(again, f"trainer.max_steps={at_step + 5}", f"runner.resume={job.run_dir}")
+    three_hosts(again, f"trainer.max_steps={at_step + 5}", f"runner.resume={job.run_dir}", layout=layout)
     assert again.wait() == [0, 0, 0], again.output()
     s = summary(again)
     assert s["status"] == "completed" and s["global_step"] == at_step + 5, again.output()
     (resumed,) = events(again.run_dir, "resumed")
-    assert resumed["at_step"] == at_step and resumed["path"] == str(last.resolve())
+    assert resumed["at_step"] == at_step and resumed["path"] in {str(p.resolve()) for p in newest}
     steps = [json.loads(x)["step"] for x in (again.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(at_step, at_step + 5))  # steps 0 .. at_step - 1 are in the checkpoint
     assert old_files == {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in job.run_dir.rglob("*") if f.is_file()}

@@ -1,5 +1,10 @@
 """``runner.resume``: find and check the checkpoint a run continues from, in the launching process.
 
+A run dir resumes from the newest state it holds: ``checkpoints/last.ckpt``, or a flash checkpoint persisted
+after it (the hosts that outlive the controller's host persist their ranks' newest snapshots on the way out)
+when each of the run's ranks held the whole model (tp = pp = 1, no ZeRO), so that one rank's file is every rank's
+state.
+
 A missing, unreadable or finished checkpoint is a ``ConfigError`` (exit 2) before any worker starts.
 The check reads the file memory-mapped, so a large checkpoint costs little here; the workers read it
 again through Lightning (``Trainer.fit(ckpt_path=...)``). The resumed run writes only into its own
@@ -8,6 +13,7 @@ new run dir.
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -15,6 +21,9 @@ import torch
 
 from runner.checkpoint import last_checkpoint
 from runner.config import ConfigError
+from runner.protocol import AGENT_CONFIG_FILE
+from runner.recovery.flash_ckpt.disk import every_ranks_checkpoints, verify
+from runner.recovery.flash_ckpt.segment import CorruptSnapshot
 
 REQUIRED = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
 
@@ -22,8 +31,9 @@ REQUIRED = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_
 def resume_checkpoint(target: str, run_dir: Path, max_steps: int) -> Path:
     """The checkpoint file ``runner.resume=target`` names (a run dir's checkpoints/last.ckpt, or a file)."""
     given = Path(target).expanduser().resolve()
-    path = given if given.is_file() else last_checkpoint(given)
-    why = "There is nothing to continue from: give a run dir that holds checkpoints/last.ckpt or a .ckpt file."
+    path = given if given.is_file() else newest_checkpoint(given)
+    why = ("There is nothing to continue from: give a run dir that holds checkpoints/last.ckpt (or flash checkpoints "
+           "persisted by ft=flash_ckpt) or a .ckpt file.")
     if not given.exists():
         raise ConfigError(f"runner.resume={target}: no such file or directory. {why}")
     if not path.is_file():
@@ -55,6 +65,41 @@ def resume_checkpoint(target: str, run_dir: Path, max_steps: int) -> Path:
                           f"trainer.max_steps={max_steps}, so there is nothing left to train: set trainer.max_steps "
                           f"above {step} to continue it.")
     return path
+
+
+def newest_checkpoint(run_dir: Path) -> Path:
+    """The newest state ``run_dir`` holds: its last.ckpt, or a verified flash checkpoint of a later step when each
+    rank's file holds the whole model (``last_checkpoint``'s path, absent, when the run dir holds neither)."""
+    last = last_checkpoint(run_dir)
+    newest = _global_step(last) if last.is_file() else -1
+    if not _ranks_hold_the_whole_model(run_dir):
+        return last
+    for step, path in every_ranks_checkpoints(last.parent):
+        if step <= newest:
+            break
+        try:
+            verify(path)
+        except (CorruptSnapshot, OSError):
+            continue  # half-written or damaged: an older file, or last.ckpt, is the state
+        return path
+    return last
+
+
+def _global_step(path: Path) -> int:
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+    except Exception:  # unreadable: resume_checkpoint reports it, unless a newer flash file is the state
+        return -1
+
+
+def _ranks_hold_the_whole_model(run_dir: Path) -> bool:
+    """The old run's config (the agents' copy in its run dir) split neither the model (tp, pp) nor the optimizer
+    (ZeRO-1): one rank's flash checkpoint is then every rank's state."""
+    try:
+        p = json.loads((Path(run_dir) / AGENT_CONFIG_FILE).read_text())["config"]["parallel"]
+        return (p["tp"], p["pp"], p["zero"]) == (1, 1, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # no record of the layout: only last.ckpt is known to hold the whole model
 
 
 def _culprit(err: Exception) -> str:

@@ -32,14 +32,16 @@ def sidecar_path(path: Path) -> Path:
     return path.with_name(path.name + ".sum")
 
 
+def every_ranks_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every rank's checkpoint files, newest first; not yet verified."""
+    found = [(int(m.group(1)), path) for path in Path(out_dir).glob("step*-rank*.ckpt")
+             if (m := _NAME.fullmatch(path.name))]
+    return sorted(found, reverse=True)
+
+
 def list_checkpoints(out_dir: Path, rank: int) -> list[tuple[int, Path]]:
     """(step, path) of `rank`'s checkpoint files, newest first; not yet verified."""
-    found = []
-    for path in Path(out_dir).glob(f"step*-rank{rank}.ckpt"):
-        m = _NAME.fullmatch(path.name)
-        if m and int(m.group(2)) == rank:
-            found.append((int(m.group(1)), path))
-    return sorted(found, reverse=True)
+    return [(step, path) for step, path in every_ranks_checkpoints(out_dir) if path.name.endswith(f"-rank{rank}.ckpt")]
 
 
 def write_atomic(state: Any, path: Path, info: dict[str, Any]) -> None:
@@ -64,6 +66,15 @@ def write_atomic(state: Any, path: Path, info: dict[str, Any]) -> None:
 
 def read_verified(path: Path) -> Any:
     """Load a checkpoint file after checking it against its sidecar; tensors-and-primitives only."""
+    verify(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # the unpickler's errors have no common base class
+        raise CorruptSnapshot(f"{path.name}: verified but not loadable with weights_only=True ({e})") from e
+
+
+def verify(path: Path) -> None:
+    """Check a checkpoint file against its sidecar (CorruptSnapshot if it does not match)."""
     try:
         info = json.loads(sidecar_path(path).read_text())
     except (OSError, ValueError) as e:
@@ -72,10 +83,6 @@ def read_verified(path: Path) -> Any:
         raise CorruptSnapshot(f"{path.name}: size or checksum algorithm differs from its sidecar")
     if digest_file(path) != info.get("digest"):
         raise CorruptSnapshot(f"{path.name}: checksum mismatch")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # the unpickler's errors have no common base class
-        raise CorruptSnapshot(f"{path.name}: verified but not loadable with weights_only=True ({e})") from e
 
 
 def apply_retention(out_dir: Path, rank: int, newest: int, keep: int) -> list[Path]:
