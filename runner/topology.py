@@ -203,8 +203,8 @@ class Topology:
     # -- DeadPool: the replication ring ---------------------------------------------------------------
     @cached_property
     def _ring_shift(self) -> int:
-        """How many DP replicas on a rank's optimizer-shard replica is held: the fewest that put every rank's
-        holder on another node, or 0 when no shift does (one node, or replicas placed so that some DP peers
+        """How many DP replicas further on each rank's optimizer-shard replica is held: the fewest that put every
+        rank's holder on another node, or 0 when no shift does (one node, or replicas placed so that some DP peers
         always share a node: no copy outlives its node). One node on (``procs_per_node`` ranks) at
         tp = pp = 1 and whenever a node holds whole replicas; the next replica when a replica spans nodes."""
         for shift in range(1, self.dp):

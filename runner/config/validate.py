@@ -292,7 +292,7 @@ def zero_problems(cfg: DictConfig) -> list[str]:
         out.append(f"parallel.zero=1 with ft=deadpool keeps each shard's replica at the same (pp, tp) coordinate in "
                    f"another data-parallel replica on another node, but with parallel.tp={p.tp} parallel.pp={p.pp} on "
                    f"{p.nodes} x {p.procs_per_node} ranks no shift of the replicas puts every replica on another node: "
-                   "make tp*pp divide parallel.procs_per_node or a multiple of it.")
+                   "make tp*pp a divisor or a multiple of parallel.procs_per_node.")
     return out
 
 
