@@ -80,3 +80,13 @@ def test_tp2_zero1_node_loss_shards_come_from_the_holder_at_the_same_tp_coordina
     assert (rec["action"], rec["victims"]) == ("swap_spare", [2, 3]) and rec["rpo_steps"] <= 1
     restored = {e["rank"]: e for e in run.events("shard_restored")}
     assert {r: e["holder"] for r, e in restored.items()} == {2: 0, 3: 1}  # (dp 1, tp k) is held by (dp 0, tp k)
+
+
+@pytest.mark.slow
+def test_tp2_zero1_kill_during_replication_replays_the_shard_of_its_dp_coordinate(tp2_zero, run_dir):  # noqa: F811
+    # rank 3 is (dp 1, tp 1): its holder, rank 1, replays update 7 on the shard of DP coordinate 1 of TP slice 1
+    run = run_cli(*TP2, "parallel.zero=1", CONSTANT_LR, f"trainer.max_steps={STEPS}", "ft=[deadpool]",
+                  "fault=kill_rank", "fault.rank=3", "fault.step=6", "fault.during=replication", run_dir=run_dir)
+    assert_exact(run, tp2_zero.summary)
+    (restored,) = run.events("shard_restored")
+    assert (restored["rank"], restored["holder"], restored["replayed_updates"]) == (3, 1, 1)
