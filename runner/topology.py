@@ -2,24 +2,25 @@
 
 Every placement rule of the runner lives here, so that the controller, the workers, the decision
 and the recovery techniques agree by construction: logical rank <-> (node, local rank), the spare
-nodes after the job's nodes, DeadPool's replication ring (each rank's optimizer shard is held one
-node further on), flash checkpoint partners (nodes paired 0-1, 2-3, ..., an odd last node with
-node 0), NDB neighbours (the next or previous live rank in ring order) and where a restart of
-every rank puts the ranks of a lost node. It does no I/O and holds no process state: a unit test
-checks it without starting anything.
+nodes after the job's nodes, DeadPool's replication ring (each rank's optimizer shard is held at its
+(pp, tp) coordinate in another DP replica on another node: one node further on at tp = pp = 1),
+flash checkpoint partners (nodes paired 0-1, 2-3, ..., an odd last node with node 0), NDB
+neighbours (the next or previous live rank in ring order) and where a restart of every rank puts
+the ranks of a lost node. It does no I/O and holds no process state: a unit test checks it without
+starting anything.
 
 Layout coordinates: each rank has a (dp, pp, tp) coordinate. ``order`` names the dimensions
 innermost first; the default ``tp-pp-dp`` puts a tensor-parallel group on neighbouring ranks of one
-node, then pipeline stages, and data-parallel replicas outermost. With tp = pp = 1 (the only layout
-training accepts today) every rank is its own replica and the recovery rules below are the ones the
-runner uses; docs/parallelism.md says how each generalises to "the same (pp, tp) coordinate in
-another DP replica" (``dp_peer``).
+node, then pipeline stages, and data-parallel replicas outermost. With tp = pp = 1 every rank is its
+own replica; docs/parallelism.md says how each recovery rule generalises to "the same (pp, tp)
+coordinate in another DP replica" (``dp_peer``, ``replica_holder``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal, Optional
 
 NeighbourPolicy = Literal["ring_next", "ring_prev"]
@@ -200,15 +201,40 @@ class Topology:
         return None if self.dp == 1 else self.rank_of((dp + 1) % self.dp, pp, tp)
 
     # -- DeadPool: the replication ring ---------------------------------------------------------------
+    @cached_property
+    def _ring_shift(self) -> int:
+        """How many DP replicas further on each rank's optimizer-shard replica is held: the fewest that put every
+        rank's holder on another node, or 0 when no shift does (one node, or replicas placed so that some DP peers
+        always share a node: no copy outlives its node). One node on (``procs_per_node`` ranks) at
+        tp = pp = 1 and whenever a node holds whole replicas; the next replica when a replica spans nodes."""
+        for shift in range(1, self.dp):
+            if all(self.node_of(self._replica_on(r, shift)) != self.node_of(r) for r in range(self.world)):
+                return shift
+        return 0
+
+    def _replica_on(self, rank: int, shift: int) -> int:
+        """The rank at ``rank``'s (pp, tp) coordinate ``shift`` DP replicas on (wrapping around)."""
+        dp, pp, tp = self.coords(rank)
+        return self.rank_of((dp + shift) % self.dp, pp, tp)
+
+    @property
+    def replicas_off_node(self) -> bool:
+        """Whether every rank's optimizer-shard replica lives on another node than the rank (so that a lost node
+        leaves a copy of each of its shards)."""
+        return self._ring_shift > 0
+
     def replica_holder(self, rank: int) -> int:
-        """The rank that holds ``rank``'s optimizer-shard replica: the same local rank one node on."""
+        """The rank that holds ``rank``'s optimizer-shard replica: the rank at its (pp, tp) coordinate, so in
+        its DP group (the same slice of the model and the same shard plan), in the nearest DP replica on that
+        puts every holder on another node. At tp = pp = 1 (and whenever a node holds whole replicas) that is
+        the same local rank one node on; ``rank`` itself when no replica is on another node."""
         self._check_rank(rank)
-        return (rank + self.procs_per_node) % self.world
+        return self._replica_on(rank, self._ring_shift)
 
     def replica_owner(self, rank: int) -> int:
         """The rank whose optimizer-shard replica ``rank`` holds (the inverse of ``replica_holder``)."""
         self._check_rank(rank)
-        return (rank - self.procs_per_node) % self.world
+        return self._replica_on(rank, -self._ring_shift)
 
     def shards_without_copy(self, victims: Collection[int]) -> list[int]:
         """Of the failed ``victims``, those whose replica holder failed with them: no live process keeps

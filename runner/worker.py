@@ -14,10 +14,12 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import lightning.pytorch as pl  # noqa: F401  (preloaded by the fork server)
+import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -134,11 +136,11 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                                                          comm, events, status, recovery))
     micro_batch = cfg.trainer.global_batch_size // dp
     module, datamodule = build_module_and_data(cfg, micro_batch)
-    if topology.tp > 1:  # the full model built with the run's seed, then this rank's slice of it
-        tp_rank = topology.coords(spec.logical_rank)[2]
-        shard_gpt_for_tp(module.model, GenerationGroup(comm, "tp", tp_rank, topology.tp))
-    if topology.pp > 1:  # then cut into this rank's pipeline stage
-        module.model = GPTStage(module.model, topology.coords(spec.logical_rank)[1], topology.pp)
+    placement: list[pl.Callback] = []
+    if spec.role != "spare":
+        place_model(module, comm, topology, spec.logical_rank)
+    elif topology.tp * topology.pp > 1:  # a spare's coordinate comes with the logical rank a generation gives it
+        placement.append(SparePlacement(lambda: place_model(module, comm, topology, comm.logical_rank)))
     hooks = combine(techniques, module)
     comm.want_side_group = hooks.side_group
     joining = spec.role in ("joiner", "spare", "restore")  # none holds the state yet: setup collectives stay local
@@ -171,7 +173,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         gradient_clip_val=cfg.trainer.grad_clip or None,
         logger=False,  # the controller owns the job's experiment logger (runner/control/run_logger.py)
         # techniques' first (flash checkpoints: draining the persister runs while the heartbeat still beats)
-        callbacks=[*hooks.callbacks, heartbeat, faults, metrics, checkpoint,
+        callbacks=[*placement, *hooks.callbacks, heartbeat, faults, metrics, checkpoint,
                    *([StepProgressBar(metrics)] if progress_bar else [])],
         enable_checkpointing=False,
         enable_progress_bar=progress_bar,
@@ -193,6 +195,28 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     store.add("done_count", 1)  # one counter for the controller to watch instead of a key per worker
     events.emit("worker_done", wid=spec.wid, **{k: v for k, v in final.items() if k != "checksum"})
     heartbeat.stop()
+
+
+def place_model(module: Any, comm: Comm, topology: Topology, logical_rank: int) -> None:
+    """Cut the full model (built with the run's seed) to ``logical_rank``'s part of it: its TP slice (tp > 1), then
+    its pipeline stage (pp > 1)."""
+    if topology.tp > 1:
+        tp_rank = topology.coords(logical_rank)[2]
+        shard_gpt_for_tp(module.model, GenerationGroup(comm, "tp", tp_rank, topology.tp))
+    if topology.pp > 1:
+        module.model = GPTStage(module.model, topology.coords(logical_rank)[1], topology.pp)
+
+
+class SparePlacement(pl.Callback):
+    """A hot spare learns its logical rank, and with it its (pp, tp) coordinate, only once a generation gives
+    it one (``ResilientStrategy.setup_environment``); it cuts its part of the full model then, in Lightning's
+    setup hook, before the strategy configures the optimizer over the model's parameters."""
+
+    def __init__(self, place: Callable[[], None]) -> None:
+        self.place = place
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.place()
 
 
 def select_device(cfg: DictConfig, logical_rank: int) -> tuple[torch.device, str]:

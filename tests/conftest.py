@@ -83,6 +83,22 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
+# gpt_tiny with a constant LR after warm-up and a clip far below the gradient norm (every step is clipped, by the full
+# model's norm, the same at every layout), on 2 nodes: the runs that compare parallel layouts and their recoveries
+CLIPPED_TINY = ["+recipe=gpt_tiny", "trainer.min_lr=3e-3", "trainer.grad_clip=0.05", "parallel.nodes=2"]
+TP2PP2 = [*CLIPPED_TINY, "parallel.procs_per_node=4", "parallel.tp=2", "parallel.pp=2"]  # a TP pair per stage
+TP2PP2_STEPS = 10
+
+
+@pytest.fixture(scope="session")
+def tp2pp2(tmp_path_factory) -> Run:
+    """The fault-free run at tp=2, pp=2, dp=2 on 2 nodes x 4 ranks: the reference of every recovery at that layout
+    (FlashRecovery, flash_ckpt and DeadPool runs in several test modules), run once per session."""
+    run = run_cli(*TP2PP2, f"trainer.max_steps={TP2PP2_STEPS}", run_dir=tmp_path_factory.mktemp("tp2pp2") / "run")
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    return run
+
+
 @pytest.fixture
 def job():
     """A fresh flash-checkpoint job id; fails the test if its segments are left in /dev/shm."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from runner.recovery.deadpool.action import pick_spares
 from tests.conftest import run_cli
 
 SIX = ["+recipe=gpt_tiny", "parallel.nodes=3", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[deadpool]",
@@ -44,6 +45,16 @@ def test_no_spare_left_falls_through_to_ndb(run_dir):
     s = run.summary
     assert s["status"] == "completed", run.output[-3000:]
     assert s["recoveries"][0]["action"] == "takeover" and s["samples_lost"] == 0
+
+
+def test_a_lost_hosts_ranks_go_together_to_one_spare_host():
+    # spare hosts 2 and 3 (wids 10-13); host 2 has one ready spare left: host 1's two ranks go to host 3
+    assert pick_spares([(4, 1), (5, 1)], [(10, 2), (12, 3), (13, 3)]) == [12, 13]
+    # two lost hosts, two spare hosts of two: each lost host's ranks on one spare host, in slot order
+    assert pick_spares([(0, 0), (1, 0), (2, 1), (3, 1)], [(8, 2), (9, 2), (10, 3), (11, 3)]) == [8, 9, 10, 11]
+    # ranks of different hosts (crashes) take the pool's spares in order; no host fits: the next spares in order
+    assert pick_spares([(1, 0), (3, 1)], [(8, 2), (9, 2)]) == [8, 9]
+    assert pick_spares([(2, 1), (3, 1)], [(8, 2), (10, 3)]) == [8, 10]
 
 
 def test_spares_without_deadpool_are_refused(run_dir):

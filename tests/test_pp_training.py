@@ -18,28 +18,18 @@ from runner.config import ConfigError
 from runner.config.validate import trained_pp, validate
 from runner.lightning_module import GPTModule
 from runner.plan import apply_smoke
-from tests.conftest import Run, run_cli
+from tests.conftest import CLIPPED_TINY, TP2PP2, TP2PP2_STEPS, Run, run_cli
 from tests.test_config import _compose
 
-MAX_STEPS = 10
-# a clip far below the gradient norm: every step is clipped, by the full model's norm (the same at every layout)
-COMMON = ["+recipe=gpt_tiny", "trainer.min_lr=3e-3", "trainer.grad_clip=0.05", "parallel.nodes=2"]
-PP2 = [*COMMON, "parallel.procs_per_node=2", "parallel.pp=2"]
-TP2PP2 = [*COMMON, "parallel.procs_per_node=4", "parallel.tp=2", "parallel.pp=2"]  # a TP pair per stage
-DP2 = [*COMMON, "parallel.procs_per_node=1"]  # the same DP size and global batch, one rank per replica
+MAX_STEPS = TP2PP2_STEPS  # every layout's runs, as long as the shared tp2pp2 reference (tests/conftest.py)
+PP2 = [*CLIPPED_TINY, "parallel.procs_per_node=2", "parallel.pp=2"]
+DP2 = [*CLIPPED_TINY, "parallel.procs_per_node=1"]  # the same DP size and global batch, one rank per replica
 
 
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory) -> Run:
     run = run_cli(*PP2, f"trainer.max_steps={MAX_STEPS}", "checkpoint.every_n_steps=5",
                   run_dir=tmp_path_factory.mktemp("pp2") / "run")
-    assert run.summary["status"] == "completed", run.output[-4000:]
-    return run
-
-
-@pytest.fixture(scope="module")
-def tp2pp2(tmp_path_factory) -> Run:
-    run = run_cli(*TP2PP2, f"trainer.max_steps={MAX_STEPS}", run_dir=tmp_path_factory.mktemp("tp2pp2") / "run")
     assert run.summary["status"] == "completed", run.output[-4000:]
     return run
 
@@ -86,7 +76,6 @@ def test_a_pp_run_writes_the_full_model_and_optimizer_state_into_one_file(pp2):
 
 @pytest.mark.parametrize("override, says", [
     ("ft=[ndb]", "remove ndb from ft or set parallel.pp=1"),
-    ("ft=[deadpool]", "remove deadpool from ft or set parallel.pp=1"),
     ("parallel.zero=1", "set parallel.zero=0 or parallel.pp=1"),
     ("model.dropout=0.1", "set model.dropout=0 or parallel.pp=1"),
     ("trainer.accumulate_grad_batches=2", "set trainer.accumulate_grad_batches=1 and trainer.micro_batches"),
@@ -101,7 +90,7 @@ def test_a_mix_pipeline_parallelism_does_not_train_is_refused(override, says):
 
 
 def test_the_mixes_pipeline_parallelism_trains_with_keep_their_pp_in_smoke_mode():
-    for ft in ("ft=[]", "ft=[flashrecovery]", "ft=[flash_ckpt]"):
+    for ft in ("ft=[]", "ft=[flashrecovery]", "ft=[flash_ckpt]", "ft=[deadpool]"):
         cfg = _compose(*PP2, ft)
         validate(cfg)
         assert trained_pp(cfg) == 2

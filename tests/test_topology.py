@@ -41,6 +41,34 @@ def test_the_replication_ring_holds_each_shard_one_node_on():
     assert all(t.node_of(t.replica_holder(r)) != t.node_of(r) for r in range(6))
 
 
+@pytest.mark.parametrize("nodes, ppn", [(2, 1), (2, 2), (3, 2), (2, 4), (4, 2), (1, 2), (1, 1)])
+def test_at_tp_and_pp_of_one_the_ring_is_the_same_local_rank_one_node_on(nodes, ppn):
+    t = Topology(nodes, ppn)
+    assert [t.replica_holder(r) for r in range(t.world)] == [(r + ppn) % t.world for r in range(t.world)]
+    assert t.replicas_off_node == (nodes > 1)
+
+
+@pytest.mark.parametrize("nodes, ppn, tp, pp, holders", [
+    (2, 4, 2, 2, [4, 5, 6, 7, 0, 1, 2, 3]),  # a replica per node: the same slot on the other node
+    (2, 4, 2, 1, [4, 5, 6, 7, 0, 1, 2, 3]),  # two replicas per node: two replicas on, one node on
+    (4, 2, 2, 2, [4, 5, 6, 7, 0, 1, 2, 3]),  # a replica spans two nodes: the next replica, two nodes on
+])
+def test_the_ring_holds_each_shard_at_its_coordinate_in_another_replica_on_another_node(nodes, ppn, tp, pp, holders):
+    t = Topology(nodes, ppn, tp=tp, pp=pp)
+    assert [t.replica_holder(r) for r in range(t.world)] == holders
+    for r in range(t.world):
+        holder = t.replica_holder(r)
+        assert t.coords(holder)[1:] == t.coords(r)[1:] and holder in t.dp_group(r)  # the same slice and shard plan
+        assert t.node_of(holder) != t.node_of(r) and t.replica_owner(holder) == r
+    assert t.replicas_off_node
+
+
+def test_a_layout_whose_replicas_always_share_a_node_has_no_ring():
+    t = Topology(2, 6, tp=2, pp=2)  # dp=3: replica 1 straddles both nodes, so no shift moves every rank off its node
+    assert not t.replicas_off_node
+    assert all(t.replica_holder(r) == r for r in range(t.world)) and t.shards_without_copy([0]) == [0]
+
+
 def test_a_shard_is_lost_only_with_its_holder():
     t = Topology(nodes=3, procs_per_node=2)
     assert t.shards_without_copy([2, 3]) == []  # a whole node: replicas are on the next one

@@ -128,7 +128,6 @@ def test_the_plan_counts_bf16_weights_and_gradients_and_fp32_masters_and_moments
     (["parallel.zero=1", "trainer.precision=bf16-true", "trainer.master_weights=true", "ft=[flashrecovery]"],
      "trains with ft=[] or ft=[flash_ckpt] only"),
     ([*TP2[1:], "parallel.zero=1", "ft=[flashrecovery]"], "add deadpool to ft"),
-    ([*TP2[1:], "parallel.zero=1", "ft=[deadpool]", "parallel.spares=0"], "remove deadpool from ft"),
 ])
 def test_what_zero_and_master_weights_do_not_train_is_refused(overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)):

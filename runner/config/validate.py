@@ -32,10 +32,10 @@ from runner.config.schema import (
     RootConfig,
     choices,
 )
-from runner.topology import spare_count
+from runner.topology import Topology, spare_count
 
-TP_TECHNIQUES = ("flashrecovery", "flash_ckpt")  # the ft entries that recover a tensor-parallel run
-PP_TECHNIQUES = ("flashrecovery", "flash_ckpt")  # the ft entries that recover a pipeline-parallel run
+TP_TECHNIQUES = ("flashrecovery", "flash_ckpt", "deadpool")  # the ft entries that recover a tensor-parallel run
+PP_TECHNIQUES = ("flashrecovery", "flash_ckpt", "deadpool")  # the ft entries that recover a pipeline-parallel run
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
                "wipe_shm", "corrupt_snapshot")
 _TIMED = tuple(k for k in choices(FaultKind) or () if k not in ("none", "chaos"))  # injected at a step or time
@@ -150,6 +150,7 @@ def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
     if for_training:
         out += tp_problems(cfg)
         out += pp_problems(cfg)
+        out += deadpool_layout_problems(cfg)
         if p.pp > 1 and not out:
             out += _pipeline_batch_problems(cfg, dp)
     if p.pp == 1 and cfg.trainer.micro_batches:
@@ -166,7 +167,8 @@ def pp_problems(cfg: DictConfig) -> list[str]:
         return []
     out = _split_model_problems(
         cfg, "pp", PP_TECHNIQUES,
-        mix="flashrecovery (a crashed rank takes its stage from the replica at the same (pp, tp) coordinate) and "
+        mix="flashrecovery (a crashed rank takes its stage from the replica at the same (pp, tp) coordinate), "
+            "deadpool (a spare host takes a lost host's coordinates, each from the replica at its coordinate) and "
             "flash_ckpt (every rank restores its own stage's snapshot)",
         placed_by="pipeline stage", split="cuts the runner's own GPT into stages", lacks="pipeline stages",
         dropout="the stages draw no dropout stream per micro-batch yet")
@@ -205,6 +207,7 @@ def tp_problems(cfg: DictConfig) -> list[str]:
     return _split_model_problems(
         cfg, "tp", TP_TECHNIQUES,
         mix="flashrecovery (a crashed rank takes its slice of the model from the replica at the same TP "
+            "coordinate), deadpool (a spare host takes a lost host's coordinates, each from the replica at its "
             "coordinate) and flash_ckpt (every rank restores its own snapshot)",
         placed_by="TP coordinate", split="slices the runner's own GPT", lacks="tensor-parallel layers",
         dropout="the tensor-parallel layers keep no dropout stream per TP rank yet")
@@ -226,6 +229,37 @@ def _split_model_problems(cfg: DictConfig, dim: str, techniques: tuple[str, ...]
     elif cfg.model.dropout:
         out.append(f"model.dropout={cfg.model.dropout} with {key}={size}: {dropout}; set model.dropout=0 or {key}=1.")
     return out
+
+
+def deadpool_layout_problems(cfg: DictConfig) -> list[str]:
+    """DeadPool with tp*pp > 1: a spare takes each lost rank's state from the DP replica at the rank's (pp, tp)
+    coordinate, so every coordinate needs a replica on another node; and a spare host takes a whole lost host's
+    ranks, so a TP group stays on one host, which swapping a single crashed rank for a spare would break."""
+    p = cfg.parallel
+    if "deadpool" not in ft_names(cfg) or p.tp * p.pp <= 1:
+        return []
+    topology = _topology(cfg)
+    if topology is None:
+        return []  # the layout's own problem is reported where it is checked
+    out = []
+    if any(len({topology.node_of(r) for r in topology.dp_group(rank)}) < 2 for rank in range(topology.world)):
+        out.append(f"ft=deadpool with parallel.tp={p.tp} parallel.pp={p.pp} gives a spare each lost rank's slice of "
+                   "the model from the data-parallel replica at the same (pp, tp) coordinate, but with "
+                   f"dp={topology.dp} on {p.nodes} node(s) some coordinate has no replica on another node: use "
+                   "dp >= 2 replicas on parallel.nodes >= 2 (more ranks, or a smaller tp*pp).")
+    if p.tp > 1 and cfg.ft.deadpool.crash_action == "swap":
+        out.append(f"ft.deadpool.crash_action=swap with parallel.tp={p.tp}: a crashed rank would move alone to a spare "
+                   "host and its tensor-parallel group would span two hosts; set ft.deadpool.crash_action="
+                   "restart_in_place (a lost host's ranks still move to a spare host together).")
+    return out
+
+
+def _topology(cfg: DictConfig) -> Optional[Topology]:
+    """The config's Topology, or None when its layout is invalid (reported by the layout checks)."""
+    try:
+        return Topology.from_cfg(cfg)
+    except ValueError:
+        return None
 
 
 def trained_tp(cfg: DictConfig) -> int:
@@ -254,6 +288,11 @@ def zero_problems(cfg: DictConfig) -> list[str]:
     if "deadpool" in names and p.nodes < 2:
         out.append("parallel.zero=1 with ft=deadpool keeps each shard's replica on another node, but parallel.nodes=1: "
                    "use parallel.nodes >= 2 (e.g. parallel.nodes=2 parallel.procs_per_node=1).")
+    elif "deadpool" in names and (topology := _topology(cfg)) is not None and not topology.replicas_off_node:
+        out.append(f"parallel.zero=1 with ft=deadpool keeps each shard's replica at the same (pp, tp) coordinate in "
+                   f"another data-parallel replica on another node, but with parallel.tp={p.tp} parallel.pp={p.pp} on "
+                   f"{p.nodes} x {p.procs_per_node} ranks no shift of the replicas puts every replica on another node: "
+                   "make tp*pp a divisor or a multiple of parallel.procs_per_node.")
     return out
 
 

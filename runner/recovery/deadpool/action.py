@@ -9,6 +9,7 @@ replicated them). A spare that dies, or whose node is lost, leaves the pool.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional
 
 from runner.recovery.actions import RecoveryAction, Situation
@@ -70,18 +71,44 @@ class SwapSpare(RecoveryAction):
         return {"spares": len([s for s in self._ready(ctx) if workers[s].node not in lost_nodes])}
 
     def act(self, ctx, decision, lost_nodes: list[int]) -> None:
-        members, ready = ctx.members, self._ready(ctx)
-        for lrank in decision.victims:
+        members, workers = ctx.members, ctx.members.workers
+        hosts = [(lrank, self._host_of(members, lrank)) for lrank in decision.victims]
+        chosen = pick_spares(hosts, [(wid, workers[wid].node) for wid in self._ready(ctx)])
+        for lrank, wid in zip(decision.victims, chosen):
             members.covered_by.pop(lrank, None)  # a rank a neighbour covered until now gets a process of its own
-            wid = ready.pop(0)
             self.spares.remove(wid)
             spare = members.workers[wid]
             spare.logical, spare.role, spare.ready = lrank, "joiner", True  # warm: it joins this generation
             members.assigned[lrank] = wid
             ctx.events.emit("spare_assigned", logical=lrank, wid=wid, node=spare.node, spares_left=len(self.spares))
 
+    def _host_of(self, members, lrank: int) -> int:
+        """The host of the process that held ``lrank`` last (its launch node if none did)."""
+        wid = members.assigned.get(lrank)
+        return members.workers[wid].node if wid is not None else self.topo.node_of(lrank)
+
     def _ready(self, ctx) -> list[int]:
         """Spares whose node is beating and whose process has loaded everything."""
         silent = ctx.detector.silent_nodes_now()
         return [wid for wid in self.spares if ctx.members.workers[wid].node not in silent
                 and ctx.store.check([f"ready/{wid}"])]
+
+
+def pick_spares(victims: list[tuple[int, int]], ready: list[tuple[int, int]]) -> list[int]:
+    """The spare (wid) each failed rank gets, in the order of ``victims`` ((logical rank, its host) pairs), from
+    ``ready`` ((wid, its host) pairs, in the pool's order). The failed ranks of one host go together, in their
+    order, to the first spare host with enough ready spares left, so a spare host takes every (dp, pp, tp)
+    coordinate of a lost host and a tensor-parallel group, which lives inside a host, stays inside one; ranks that
+    no single host can take get the pool's next spares."""
+    left, got = list(ready), {}
+    groups: dict[int, list[int]] = {}
+    for lrank, host in victims:
+        groups.setdefault(host, []).append(lrank)
+    for ranks in groups.values():
+        counts = Counter(host for _, host in left)
+        fit = next((host for host in counts if counts[host] >= len(ranks)), None)
+        chosen = [spare for spare in left if fit is None or spare[1] == fit][:len(ranks)]
+        for lrank, spare in zip(ranks, chosen):
+            got[lrank] = spare[0]
+            left.remove(spare)
+    return [got[lrank] for lrank, _ in victims]

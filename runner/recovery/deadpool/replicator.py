@@ -1,10 +1,13 @@
 """DeadPool's per-step replication of ZeRO-1 optimizer shards to a neighbour on another node.
 
 After every optimizer update each rank packs its shard (its parameters and their optimizer state)
-and sends it to its *holder*, the logical rank one node further on (``procs_per_node`` ranks
-later, wrapping around: ``Topology.replica_holder``), while it receives the shard of its *partner*
-(one node back). The exchange runs on the generation's side group (``Comm.side_pg``, gloo) in a
-background thread, so it overlaps the next step's parameter sync, forward and backward; the next update waits for it.
+and sends it to its *holder* (``Topology.replica_holder``): the rank at its (pp, tp) coordinate in
+another DP replica on another node, so a member of its DP group that holds the same slice of the
+model and computes the same shard plan (at tp = pp = 1, the logical rank one node further on). It
+receives the shard of its *partner* (``Topology.replica_owner``) meanwhile. A shard is named by the
+DP coordinate of its owner (``ZeroOne.rank``), which is the logical rank at tp = pp = 1. The
+exchange runs on the generation's side group (``Comm.side_pg``, gloo) in a background thread, so it
+overlaps the next step's parameter sync, forward and backward; the next update waits for it.
 
 The holder keeps two replica slots (ping-pong): a new replica is received into the slot that does
 *not* hold the newest complete one, so a failure in the middle of a copy always leaves the
@@ -88,6 +91,10 @@ class ShardReplicator:
     def partner(self, logical_rank: int) -> int:
         return self.topology.replica_owner(logical_rank)
 
+    def _shard_of(self, logical_rank: int) -> int:
+        """The shard ``logical_rank`` owns in the plan of its DP group: its DP coordinate."""
+        return self.topology.coords(logical_rank)[0]
+
     # -- the owner's side: one exchange per update -----------------------------------------------
     def record(self, logical_rank: int, gen: int) -> None:
         """Before this rank's update producing ``gen``: keep what the partner's update uses (for a replay)."""
@@ -95,7 +102,7 @@ class ShardReplicator:
         # references, not copies: the update leaves .grad alone and zero_grad drops it (ZeroOne), so these
         # tensors stay as they are until the record is pruned
         grads = []
-        for i in self.zero.plan.flat_shard(self.partner(logical_rank)):
+        for i in self.zero.plan.flat_shard(self._shard_of(self.partner(logical_rank))):
             grad = params[i].grad
             assert grad is not None  # recorded after the backward that set it, before the update
             grads.append(grad.detach())
@@ -109,7 +116,7 @@ class ShardReplicator:
         me = comm.logical_rank
         pg_of = {lr: i for i, lr in enumerate(comm.layout.logical)}
         self._job = self._pool.submit(self._exchange, comm.side_pg, comm.gen, pg_of[self.holder(me)],
-                                      pg_of[self.partner(me)], me, gen, self._epoch)
+                                      pg_of[self.partner(me)], gen, self._epoch)
 
     def wait(self) -> None:
         """Block until the exchange in flight is complete; a failed one raises CollectiveFailure."""
@@ -152,7 +159,7 @@ class ShardReplicator:
             pass  # failed with its generation: what it left is what the slots say
         return False
 
-    def _exchange(self, pg, group_gen: int, holder: int, partner: int, me: int, gen: int, epoch: int) -> None:
+    def _exchange(self, pg, group_gen: int, holder: int, partner: int, gen: int, epoch: int) -> None:
         """One message per step once sizes settle: [header | layout if new | shard bytes], sent as
         one when the holder expects exactly its size (the size of the previous one), else the
         header goes first on its own (the first exchange in a group, a new layout or shard size).
@@ -162,7 +169,7 @@ class ShardReplicator:
         if self._group_gen != group_gen:  # a new group: the holder has nothing of ours yet
             self._group_gen, self._layout_sent = group_gen, b""
             self._expect_send = self._expect_recv = HEADER_BYTES
-        own = [self.zero.params[i] for i in self.zero.plan.flat_shard(me)]
+        own = [self.zero.params[i] for i in self.zero.plan.flat_shard(self.zero.rank)]
         layout = describe(own, self.zero.optimizer)
         if layout != self._layout:  # the layout changes only when the optimizer state gains keys
             self._layout, self._encoded = layout, _encode_layout(layout)
@@ -241,7 +248,7 @@ class ShardReplicator:
         shard = unpack(base.layout, base.data, base.gen)
         if not missing:
             return shard
-        groups = [g for g, idx in enumerate(self.zero.plan.shard(partner)) for _ in idx]
+        groups = [g for g, idx in enumerate(self.zero.plan.shard(self._shard_of(partner))) for _ in idx]
         return replay(self.zero.optimizer, shard, groups, missing)
 
     def memory_bytes(self) -> int:
