@@ -1,7 +1,8 @@
 """NDB inside a training step: the neighbour's extra micro-batches and how their gradients average.
 
 The strategy asks ``backward`` for each logical rank this process has taken over (the batch comes
-from the same step-indexed source, so it is exactly the batch the failed rank would have used),
+from the same step-indexed source at that rank's data rank, its DP coordinate, so it is exactly the batch
+the failed rank would have used, and with tp*pp > 1 every rank of the neighbour replica reads the same one),
 then divides every summed gradient by ``divisor``: attention-branch parameters only count the
 micro-batches that computed them when the skip-connection is on.
 """
@@ -9,6 +10,7 @@ micro-batches that computed them when the skip-connection is on.
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable
 
 import torch
 
@@ -20,8 +22,9 @@ from runner.recovery.ndb.takeover import TakeoverForward
 
 
 class NDBRuntime:
-    def __init__(self, gpt: GPT, cfg: NDBConfig, seed: int) -> None:
-        self.cfg, self.seed = cfg, seed
+    def __init__(self, gpt: GPT, cfg: NDBConfig, seed: int, data_rank: Callable[[int], int]) -> None:
+        """``data_rank``: the rank whose data and seeds a logical rank uses (its DP coordinate)."""
+        self.cfg, self.seed, self.data_rank = cfg, seed, data_rank
         self.forward = TakeoverForward(gpt, cfg)
         names = attention_param_names(gpt)
         self.attention = {id(p) for n, p in gpt.named_parameters() if n in names}
@@ -35,8 +38,9 @@ class NDBRuntime:
         if self.rss_before_kib is None:
             self.rss_before_kib = _max_rss_kib()
         self.ranks_taken_over.add(logical_rank)
-        batch = source.batch(step, logical_rank)
-        seed_step(derive_seed(self.seed, step, logical_rank, 1), device)
+        data_rank = self.data_rank(logical_rank)
+        batch = source.batch(step, data_rank)
+        seed_step(derive_seed(self.seed, step, data_rank, 1), device)
         loss = self.forward(batch["idx"].to(device), batch["targets"].to(device), step)
         loss.backward()
         return float(loss.detach()), batch["sample"].tolist()

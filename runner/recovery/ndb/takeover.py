@@ -12,7 +12,12 @@ those of ``model.loss``; a test guards this) and changes only:
   only its input is saved and the branch is recomputed in backward, with identical gradients. With
   low-rank Wgrads the down-projection needs only ``gelu(h) V`` (N x r), so it stays outside the
   checkpoint and only ln2 -> fc -> gelu is recomputed.
-* lowrank_ffn: after warm-up, the FFN linears use ``lowrank_linear`` (rank-r weight gradients).
+* lowrank_ffn: after warm-up, the FFN linears use ``lowrank_linear`` (rank-r weight gradients). With tensor
+  parallelism each rank projects the weight gradient of its own slice on that slice's top-r right singular
+  vectors (r from the slice's shape), inside the layer's usual all-reduces.
+
+The tensor-parallel blocks (``runner.parallel.tensor``) take the same path: their attention and FFN run
+their own collectives, which every TP rank of the neighbour replica reaches in the same order.
 
 The forward value is exact in every mode; only the backward is approximated.
 """
@@ -24,6 +29,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from runner.model import GPT, Block
+from runner.parallel.tensor import ColumnParallelLinear, RowParallelLinear, copy_to_tp, reduce_from_tp
 from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.ndb.lowrank import SVDCache, lowrank_linear, lowrank_rank
 
@@ -78,7 +84,8 @@ def _ffn_bases(
     if not cfg.lowrank_active(step):
         return [None] * len(model.blocks)
 
-    def basis(name: str, layer: torch.nn.Linear) -> torch.Tensor:
+    def basis(name: str, layer: torch.nn.Module) -> torch.Tensor:
+        assert isinstance(layer.weight, torch.Tensor)
         out_features, in_features = layer.weight.shape
         rank = lowrank_rank(out_features, in_features, cfg, step)
         return svd_cache.basis(name, layer.weight, rank, step)
@@ -114,12 +121,20 @@ def _ffn_branch(
         return _maybe_checkpoint(lambda inp: ffn(block.ln2(inp)), x, recompute)
     # Low-rank: the down-projection keeps only gelu(h) V for its backward, so only
     # ln2 -> fc -> gelu (whose input gelu's backward needs) has to be recomputed.
-    hidden = _maybe_checkpoint(
-        lambda inp: F.gelu(lowrank_linear(block.ln2(inp), ffn.fc.weight, ffn.fc.bias, bases[0])),
-        x,
-        recompute,
-    )
-    return ffn.drop(lowrank_linear(hidden, ffn.out.weight, ffn.out.bias, bases[1]))
+    hidden = _maybe_checkpoint(lambda inp: F.gelu(_lowrank_layer(ffn.fc, block.ln2(inp), bases[0])), x, recompute)
+    return ffn.drop(_lowrank_layer(ffn.out, hidden, bases[1]))
+
+
+def _lowrank_layer(layer: torch.nn.Module, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` with a rank-r weight gradient: a tensor-parallel layer's own collectives around it, op for op
+    as its forward (its weight is this rank's slice, and ``v`` that slice's basis)."""
+    if isinstance(layer, ColumnParallelLinear):
+        return lowrank_linear(copy_to_tp(x, layer.group), layer.weight, layer.bias, v)
+    if isinstance(layer, RowParallelLinear):
+        y = reduce_from_tp(lowrank_linear(x, layer.weight, None, v), layer.group)
+        return y if layer.bias is None else y + layer.bias
+    assert isinstance(layer, torch.nn.Linear)
+    return lowrank_linear(x, layer.weight, layer.bias, v)
 
 
 def _maybe_checkpoint(fn, x: torch.Tensor, recompute: bool) -> torch.Tensor:

@@ -20,7 +20,8 @@ class NDBWorker:
         cfg = self.ctx.cfg
         model = module.model
         assert isinstance(model, GPT)  # our GPT, not a wrapper: the approximations' model
-        runtime = NDBRuntime(model, NDBConfig(**cfg.ft.ndb), cfg.seed)
+        comm = self.ctx.comm
+        runtime = NDBRuntime(model, NDBConfig(**cfg.ft.ndb), cfg.seed, data_rank=lambda rank: comm.coords_of(rank)[0])
 
         def final_record() -> dict:
             return {"takeover": runtime.stats()} if runtime.step_times[True] else {}
