@@ -4,7 +4,7 @@ Every placement rule of the runner lives here, so that the controller, the worke
 and the recovery techniques agree by construction: logical rank <-> (node, local rank), the spare
 nodes after the job's nodes, DeadPool's replication ring (each rank's optimizer shard is held one
 node further on), flash checkpoint partners (nodes paired 0-1, 2-3, ..., an odd last node with
-node 0), NDB neighbours (the next or previous live rank in ring order) and where a restart of
+node 0), NDB neighbours (the next or previous live model replica in ring order) and where a restart of
 every rank puts the ranks of a lost node. It does no I/O and holds no process state: a unit test
 checks it without starting anything.
 
