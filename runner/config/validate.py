@@ -35,7 +35,7 @@ from runner.config.schema import (
 from runner.topology import spare_count
 
 TP_TECHNIQUES = ("flashrecovery", "flash_ckpt", "ndb")  # the ft entries that recover a tensor-parallel run
-PP_TECHNIQUES = ("flashrecovery", "flash_ckpt")  # the ft entries that recover a pipeline-parallel run
+PP_TECHNIQUES = ("flashrecovery", "flash_ckpt", "ndb")  # the ft entries that recover a pipeline-parallel run
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
                "wipe_shm", "corrupt_snapshot")
 _TIMED = tuple(k for k in choices(FaultKind) or () if k not in ("none", "chaos"))  # injected at a step or time
@@ -150,7 +150,6 @@ def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
     if for_training:
         out += tp_problems(cfg)
         out += pp_problems(cfg)
-        out += ndb_layout_problems(cfg)
         if p.pp > 1 and not out:
             out += _pipeline_batch_problems(cfg, dp)
     if p.pp == 1 and cfg.trainer.micro_batches:
@@ -166,19 +165,13 @@ def pp_problems(cfg: DictConfig) -> list[str]:
     if p.pp <= 1:
         return []
     out = _split_model_problems(
-        cfg, "pp", PP_TECHNIQUES + ("ndb",),  # ndb's own reason: ndb_layout_problems
-        mix="flashrecovery (a crashed rank takes its stage from the replica at the same (pp, tp) coordinate) and "
-            "flash_ckpt (every rank restores its own stage's snapshot)",
+        cfg, "pp", PP_TECHNIQUES,
+        mix="flashrecovery (a crashed rank takes its stage from the replica at the same (pp, tp) coordinate), "
+            "flash_ckpt (every rank restores its own stage's snapshot) and ndb (the failed rank's whole replica "
+            "leaves, and the neighbour replica runs its batch through its own pipeline as a second pass of the step)",
         placed_by="pipeline stage", split="cuts the runner's own GPT into stages", lacks="pipeline stages",
         dropout="the stages draw no dropout stream per micro-batch yet")
-    if "ndb" in ft_names(cfg):
-        out.append(
-            f"ft=ndb with parallel.pp={p.pp}: the neighbour replica would have to run the failed replica's "
-            "micro-batches through its own pipeline, as extra micro-batches of its 1F1B schedule or as a second pass, "
-            "with NDB's cheapened forward (attention without backward, FFN recomputation, low-rank FFN weight "
-            "gradients) cut into stages and its gradients counted per stage; the schedule runs only the model's own "
-            "forward, so a pipeline-parallel run cannot take a replica over yet: remove ndb from ft (flashrecovery "
-            "and flash_ckpt recover a pipeline) or set parallel.pp=1.")
+    out += ndb_repair_problems(cfg, "pp")
     if p.zero:
         out.append(f"parallel.zero={p.zero} with parallel.pp={p.pp}: the optimizer is not sharded over the DP group "
                    "of a pipeline-parallel run yet; set parallel.zero=0 or parallel.pp=1.")
@@ -211,7 +204,7 @@ def tp_problems(cfg: DictConfig) -> list[str]:
     """What training with parallel.tp > 1 does not do yet, each with the change that makes the run train."""
     if cfg.parallel.tp <= 1:
         return []
-    return _split_model_problems(
+    return ndb_repair_problems(cfg, "tp") + _split_model_problems(
         cfg, "tp", TP_TECHNIQUES,
         mix="flashrecovery (a crashed rank takes its slice of the model from the replica at the same TP "
             "coordinate), flash_ckpt (every rank restores its own snapshot) and ndb (the failed rank's whole replica "
@@ -238,16 +231,15 @@ def _split_model_problems(cfg: DictConfig, dim: str, techniques: tuple[str, ...]
     return out
 
 
-def ndb_layout_problems(cfg: DictConfig) -> list[str]:
-    """What NDB does not do yet when a model replica is several ranks (tp*pp > 1), where it takes over a failed
-    rank's whole replica (``Topology.ndb_assignment``); its pipeline refusal is ``pp_problems``'."""
-    p = cfg.parallel
-    if "ndb" not in ft_names(cfg) or p.tp * p.pp == 1 or cfg.ft.ndb.repair_after_s < 0:
+def ndb_repair_problems(cfg: DictConfig, dim: str) -> list[str]:
+    """With parallel.``dim`` > 1 a model replica is several ranks, and NDB takes over a failed rank's whole replica
+    (``Topology.ndb_assignment``): a repair, which restarts the failed rank alone, does not fit that yet."""
+    if "ndb" not in ft_names(cfg) or cfg.ft.ndb.repair_after_s < 0:
         return []
-    return [f"ft.ndb.repair_after_s={cfg.ft.ndb.repair_after_s} with parallel.tp*pp={p.tp * p.pp}: NDB takes over a "
-            "failed rank's whole model replica and stops its other ranks, but a repair restarts the failed rank "
-            "alone, which could not rejoin a replica whose other ranks are gone; set ft.ndb.repair_after_s=-1 or "
-            "parallel.tp=1 and parallel.pp=1."]
+    return [f"ft.ndb.repair_after_s={cfg.ft.ndb.repair_after_s} with parallel.{dim}={cfg.parallel[dim]}: NDB takes "
+            "over a failed rank's whole model replica and stops its other ranks, but a repair restarts the failed "
+            "rank alone, which could not rejoin a replica whose other ranks are gone; set ft.ndb.repair_after_s=-1 "
+            f"or parallel.{dim}=1."]
 
 
 def trained_tp(cfg: DictConfig) -> int:
