@@ -210,6 +210,30 @@ def test_lowrank_changes_only_ffn_weight_grads_and_waits_for_warmup():
 # ---- aggregation, neighbour choice, conf ---------------------------------------------------------
 
 
+def test_a_pipeline_stages_takeover_forward_is_the_models_cut_into_stages():
+    """Two stages of the same GPT, chained, give the taken-over loss of the whole model and its gradients
+    (the stage forward the 1F1B schedule runs in place of the stage's own), with every approximation on."""
+    from runner.parallel.pipeline import GPTStage
+    from runner.recovery.ndb.takeover import extra_microbatch_stage
+
+    model, cfg = tiny_gpt(dropout=0.0), NDBConfig(warmup_steps=0)
+    want = extra_grads(model, cfg)
+    first, last = GPTStage(model, 0, 2), GPTStage(model, 1, 2)
+    last.head.weight = model.tok_emb.weight  # one process: the tied copy is the embedding itself
+    idx, tgt = batch()
+    caches = SVDCache(cfg.svd_every), SVDCache(cfg.svd_every)  # one per stage (process), as blocks count from 0
+
+    def loss() -> torch.Tensor:
+        hidden = extra_microbatch_stage(first, idx, cfg, 0, caches[0])
+        logits = extra_microbatch_stage(last, hidden, cfg, 0, caches[1])
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), tgt.reshape(-1))
+
+    got = grads(model, loss)
+    assert got.keys() == want.keys()
+    for name, grad in got.items():  # attention's are None: skipped
+        assert (grad is None and want[name] is None) or torch.equal(grad, want[name]), name
+
+
 def test_contributor_counts_drop_skipped_microbatches_for_attention_only():
     model = tiny_gpt()
     counts = contributor_counts(model, microbatches=4, takeovers=1, cfg=NDBConfig())

@@ -4,7 +4,8 @@ The strategy asks ``backward`` for each logical rank this process has taken over
 from the same step-indexed source at that rank's data rank, its DP coordinate, so it is exactly the batch
 the failed rank would have used, and with tp*pp > 1 every rank of the neighbour replica reads the same one),
 then divides every summed gradient by ``divisor``: attention-branch parameters only count the
-micro-batches that computed them when the skip-connection is on.
+micro-batches that computed them when the skip-connection is on. With pipeline parallelism the model is this
+rank's stage and the taken-over batch runs through the stage's 1F1B schedule (``_pipeline_backward``).
 """
 
 from __future__ import annotations
