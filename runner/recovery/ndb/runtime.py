@@ -30,7 +30,8 @@ class NDBRuntime:
         """``data_rank``: the rank whose data and seeds a logical rank uses (its DP coordinate). ``pipeline``
         (pp > 1, ``gpt`` is this rank's stage): builds the stage's 1F1B schedule, once the groups exist."""
         self.cfg, self.seed, self.data_rank = cfg, seed, data_rank
-        self._pipeline_factory, self._pipeline = pipeline, None
+        self._pipeline_factory = pipeline
+        self._pipeline: Optional[OneFOneB] = None
         self.forward = TakeoverForward(gpt, cfg)
         names = attention_param_names(gpt)
         self.attention = {id(p) for n, p in gpt.named_parameters() if n in names}
