@@ -103,6 +103,18 @@ class Comm:
         return self.joined.dp // self.replica_size
 
     @property
+    def live_replicas(self) -> int:
+        """DP replicas with processes of their own in this generation: ``dp_size`` less those a neighbour replica
+        computes (NDB), which have no member."""
+        return self.size // self.replica_size
+
+    @property
+    def covered_replicas(self) -> int:
+        """DP replicas a neighbour replica computes besides its own (NDB): each of their ranks is taken over by
+        the rank at its (pp, tp) coordinate, so a replica counts ``replica_size`` takeovers."""
+        return self.joined.takeovers // self.replica_size
+
+    @property
     def dp_rank(self) -> int:
         """This rank's model replica (its DP coordinate): which data it reads and where it is counted."""
         return self.coords_of(self.logical_rank)[0]
@@ -173,7 +185,8 @@ class Comm:
         for it, ranked by that coordinate, over a store prefix of its own."""
         assert self.topology is not None
         lists = {"tp": self.topology.tp_group, "pp": self.topology.pp_group, "dp": self.topology.dp_group}
-        ranks = lists[dim](self.logical_rank)
+        # a replica NDB took over has no member: the DP group is the live replicas (a live one is complete)
+        ranks = [r for r in lists[dim](self.logical_rank) if r in self.joined.logical]
         prefix = PrefixStore(f"pg/{self.joined.gen}/{dim}/{ranks[0]}/", self.store)
         rank, size = ranks.index(self.logical_rank), len(ranks)
         self._arrive(prefix, wait, rank, size)

@@ -250,14 +250,15 @@ class ResilientStrategy(ParallelStrategy):
     def _agree_on_step(self) -> None:
         """tp*pp > 1, after the step's reduction: one all-reduce over the world group, which fails on every rank
         unless every DP group's reduction completed. It carries the squares of the sharded gradients, so the
-        full model's gradient norm comes with it: every rank sums each TP slice's squares dp times. With pp > 1
-        each stage holds other parameters, so the replicated parameters' squares ride in it too, counted by TP
-        slot 0 of each stage only, and the last stage's copy of the tied embedding is left out."""
+        full model's gradient norm comes with it: every rank sums each TP slice's squares once per live replica (NDB
+        leaves replicas out). With pp > 1 each stage holds other parameters, so the replicated parameters' squares
+        ride in it too, counted by TP slot 0 of each stage only, and the last stage's copy of the tied embedding is
+        left out."""
         if self._pipeline is None:
             squares = grad_squares(self._module)
             sharded = squares[:1].to(self.root_device)
             self.comm.allreduce([sharded])
-            self._full_grad_norm = (sharded.cpu()[0] / self.dp_size + squares[1]).sqrt()
+            self._full_grad_norm = (sharded.cpu()[0] / self.comm.live_replicas + squares[1]).sqrt()
             return
         stage = self._pipeline.stage
         copy = stage.tied_weight() if stage.is_last and not stage.is_first else None
@@ -266,7 +267,7 @@ class ResilientStrategy(ParallelStrategy):
             squares[1] = 0.0
         summed = squares.to(self.root_device)
         self.comm.allreduce([summed])
-        self._full_grad_norm = (summed.cpu().sum() / self.dp_size).sqrt()
+        self._full_grad_norm = (summed.cpu().sum() / self.comm.live_replicas).sqrt()
 
     def _shard_optimizer(self) -> None:
         if len(self.optimizers) != 1:

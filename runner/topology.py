@@ -5,9 +5,9 @@ and the recovery techniques agree by construction: logical rank <-> (node, local
 nodes after the job's nodes, DeadPool's replication ring (each rank's optimizer shard is held at its
 (pp, tp) coordinate in another DP replica on another node: one node further on at tp = pp = 1),
 flash checkpoint partners (nodes paired 0-1, 2-3, ..., an odd last node with node 0), NDB
-neighbours (the next or previous live rank in ring order) and where a restart of every rank puts
-the ranks of a lost node. It does no I/O and holds no process state: a unit test checks it without
-starting anything.
+neighbours (the next or previous live model replica in ring order) and where a restart of every
+rank puts the ranks of a lost node. It does no I/O and holds no process state: a unit test checks
+it without starting anything.
 
 Layout coordinates: each rank has a (dp, pp, tp) coordinate. ``order`` names the dimensions
 innermost first; the default ``tp-pp-dp`` puts a tensor-parallel group on neighbouring ranks of one
@@ -271,6 +271,27 @@ class Topology:
         if policy == "ring_prev":
             return next((r for r in reversed(ring) if r < failed), ring[-1])
         raise ValueError(f"unknown ndb.neighbour policy {policy!r}: use ring_next or ring_prev.")
+
+    def replica_ranks(self, dp: int) -> list[int]:
+        """The ranks of model replica ``dp`` (its every (pp, tp) coordinate), in rank order."""
+        return sorted(self.rank_of(dp, pp, tp) for pp in range(self.pp) for tp in range(self.tp))
+
+    def ndb_assignment(self, failed: int, live: Collection[int], busy: Collection[int],
+                       policy: NeighbourPolicy) -> dict[int, int]:
+        """Who computes each rank of ``failed``'s model replica once it failed (NDB), as {rank: live rank}.
+
+        A replica's collectives need all of its tp*pp ranks, so the takeover is per replica: the failed one leaves
+        whole, and the neighbour replica (``ndb_neighbour`` over DP coordinates, among the replicas whose every rank
+        is in ``live``, preferring those with no rank in ``busy``, i.e. not taking over already) computes it, each
+        of its ranks the failed replica's rank at its own (pp, tp) coordinate. With tp = pp = 1 a replica is one
+        rank and this is ``ndb_neighbour`` over the live ranks."""
+        lost = self.coords(failed)[0]
+        whole = [d for d in range(self.dp) if d != lost and all(r in live for r in self.replica_ranks(d))]
+        free = [d for d in whole if not any(r in busy for r in self.replica_ranks(d))] or whole
+        if not free:
+            raise ValueError(f"no live data-parallel replica can take over rank {failed}'s replica (dp={lost}).")
+        neighbour = self.ndb_neighbour(lost, free, policy)
+        return {r: self.rank_of(neighbour, *self.coords(r)[1:]) for r in self.replica_ranks(lost)}
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world:

@@ -118,6 +118,24 @@ def test_a_crash_restarts_the_rank_in_place_then_publishes_survivors_and_complet
     assert sorted(ctl.members.done_records()) == [0, 1, 3, 4]
 
 
+def test_ndb_at_tp2_stops_the_failed_ranks_replica_and_the_neighbour_replica_takes_it_over(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=ndb", "parallel.tp=2")  # replica 0: ranks 0, 1 (node 0); replica 1: 2, 3
+    ctl.queue.put(("exit", 2, -9, time.time()))
+    _round(ctl)
+    assert [d["action"] for d in _events(tmp_path, "recovery_decided")] == ["takeover"]
+    assert fleet.signals == [(3, signal.SIGKILL)] and ctl.members.workers[3].dead  # written off, then stopped
+    assert [(e["wid"], e["failed"]) for e in _events(tmp_path, "replica_stopped")] == [(3, 2)]
+    assert [(e["logical"], e["neighbour_wid"]) for e in _events(tmp_path, "takeover_assigned")] == [(2, 0), (3, 1)]
+    taken = _layout(ctl, 1)
+    assert (taken.members, taken.extra, taken.complete) == ([0, 1], [[2], [3]], True)
+    ctl.queue.put(("exit", 3, -9, time.time()))  # the stopped rank's exit is no new fault
+    _round(ctl)
+    assert ctl.incidents.active is None and int(ctl.store.get("gen")) == 1
+    _finish(ctl, [0, 1])
+    _round(ctl)
+    assert ctl.record.status == "completed"
+
+
 def test_a_transient_error_is_retried_once_everyone_proved_alive(tmp_path):
     ctl, fleet = _start(tmp_path, "ft=flashrecovery")
     protocol.report(ctl.store, {"wid": 1, "gen": 0, "reason": "collective failed"})

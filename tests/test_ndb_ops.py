@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -26,6 +27,10 @@ from runner.recovery.ndb import (
 
 ALL_OFF = NDBConfig(skip_attention=False, recompute_ffn=False, lowrank_ffn=False, warmup_steps=0)
 CONF = Path(__file__).resolve().parents[1] / "conf" / "ft" / "ndb.yaml"
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def tiny_gpt(dropout: float = 0.1) -> GPT:
@@ -205,6 +210,30 @@ def test_lowrank_changes_only_ffn_weight_grads_and_waits_for_warmup():
 # ---- aggregation, neighbour choice, conf ---------------------------------------------------------
 
 
+def test_a_pipeline_stages_takeover_forward_is_the_models_cut_into_stages():
+    """Two stages of the same GPT, chained, give the taken-over loss of the whole model and its gradients
+    (the stage forward the 1F1B schedule runs in place of the stage's own), with every approximation on."""
+    from runner.parallel.pipeline import GPTStage
+    from runner.recovery.ndb.takeover import extra_microbatch_stage
+
+    model, cfg = tiny_gpt(dropout=0.0), NDBConfig(warmup_steps=0)
+    want = extra_grads(model, cfg)
+    first, last = GPTStage(model, 0, 2), GPTStage(model, 1, 2)
+    last.head.weight = model.tok_emb.weight  # one process: the tied copy is the embedding itself
+    idx, tgt = batch()
+    caches = SVDCache(cfg.svd_every), SVDCache(cfg.svd_every)  # one per stage (process), as blocks count from 0
+
+    def loss() -> torch.Tensor:
+        hidden = extra_microbatch_stage(first, idx, cfg, 0, caches[0])
+        logits = extra_microbatch_stage(last, hidden, cfg, 0, caches[1])
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), tgt.reshape(-1))
+
+    got = grads(model, loss)
+    assert got.keys() == want.keys()
+    for name, grad in got.items():  # attention's are None: skipped
+        assert (grad is None and want[name] is None) or torch.equal(grad, want[name]), name
+
+
 def test_contributor_counts_drop_skipped_microbatches_for_attention_only():
     model = tiny_gpt()
     counts = contributor_counts(model, microbatches=4, takeovers=1, cfg=NDBConfig())
@@ -232,3 +261,40 @@ def test_yaml_mirrors_config_dataclass():
     assert NDBConfig(**composed) == NDBConfig(**knobs)
     with pytest.raises(ValueError, match="rank_ratio"):
         NDBConfig(rank_ratio=0.0)
+
+
+def _takeover_at_tp2(rank: int, groups) -> dict:
+    """On each of two TP ranks: the extra micro-batch's gradients through the TP-sharded GPT (gathered) against
+    the unsharded one's with every approximation but low-rank, then with all of them (their FFN weights' against
+    the exact ones, and the rank of each slice's own gradient)."""
+    from runner.parallel.tensor import gather_full, shard_gpt_for_tp
+
+    group = groups("tp", [0, 1])
+    reference = tiny_gpt(dropout=0.0)
+    model = shard_gpt_for_tp(copy.deepcopy(reference), group)
+    ffn = [n for n in dict(reference.named_parameters()) if ".ffn." in n and n.endswith("weight")]
+    cheap, every = NDBConfig(lowrank_ffn=False), NDBConfig(warmup_steps=0)
+    exact = extra_grads(reference, cheap)
+    extra_grads(model, cheap)
+    got = gather_full(model, group, grads=True)
+    report: dict = {"cheap": [rel_error(got[n], w) for n, w in exact.items() if w is not None]}
+    want = extra_grads(reference, every)
+    extra_grads(model, every)
+    got = gather_full(model, group, grads=True)
+    report["all"] = [rel_error(got[n], w) for n, w in want.items() if w is not None and n not in ffn]
+    report["all_ffn"] = [rel_error(got[n], exact[n]) for n in ffn]
+    local = dict(model.named_parameters())
+    report["slice_ranks"] = [(int(torch.linalg.matrix_rank(local[n].grad)), lowrank_rank(*local[n].shape, every, 0))
+                             for n in ffn]
+    return report
+
+
+@pytest.mark.slow
+def test_the_takeover_at_tp2_matches_the_unsharded_one_but_for_each_slices_lowrank_basis():
+    from tests.test_tensor_parallel import run_ranks
+
+    for report in run_ranks(_takeover_at_tp2, 2).values():
+        assert report["cheap"] and max(report["cheap"]) < 1e-5  # no low-rank: the unsharded takeover's gradients
+        assert max(report["all"]) < 1e-5  # low-rank changes the FFN weights' gradients only: ...
+        assert all(0 < err < 1 for err in report["all_ffn"])  # ... each slice's exact one, projected ...
+        assert all(got <= rank for got, rank in report["slice_ranks"])  # ... on its own rank-r basis

@@ -75,7 +75,7 @@ def test_a_pp_run_writes_the_full_model_and_optimizer_state_into_one_file(pp2):
 
 
 @pytest.mark.parametrize("override, says", [
-    ("ft=[ndb]", "remove ndb from ft or set parallel.pp=1"),
+    ("ft=[ndb] ft.ndb.repair_after_s=0", "set ft.ndb.repair_after_s=-1 or parallel.pp=1"),
     ("parallel.zero=1", "set parallel.zero=0 or parallel.pp=1"),
     ("model.dropout=0.1", "set model.dropout=0 or parallel.pp=1"),
     ("trainer.accumulate_grad_batches=2", "set trainer.accumulate_grad_batches=1 and trainer.micro_batches"),
@@ -83,18 +83,18 @@ def test_a_pp_run_writes_the_full_model_and_optimizer_state_into_one_file(pp2):
     ("trainer.micro_batches=3", "must split into that many equal micro-batches"),
 ])
 def test_a_mix_pipeline_parallelism_does_not_train_is_refused(override, says):
-    cfg = _compose(*PP2, override)
+    cfg = _compose(*PP2, *override.split())
     with pytest.raises(ConfigError, match="Invalid configuration") as refused:
         validate(cfg)
     assert says in str(refused.value)
 
 
 def test_the_mixes_pipeline_parallelism_trains_with_keep_their_pp_in_smoke_mode():
-    for ft in ("ft=[]", "ft=[flashrecovery]", "ft=[flash_ckpt]", "ft=[deadpool]"):
+    for ft in ("ft=[]", "ft=[flashrecovery]", "ft=[flash_ckpt]", "ft=[deadpool]", "ft=[ndb]"):
         cfg = _compose(*PP2, ft)
         validate(cfg)
         assert trained_pp(cfg) == 2
-    cfg = _compose(*PP2, "ft=[ndb]", "runner.smoke=true")
+    cfg = _compose(*PP2, "ft=[ndb]", "ft.ndb.repair_after_s=0", "runner.smoke=true")
     assert trained_pp(cfg) == 1
     changes = apply_smoke(cfg)
     assert cfg.parallel.pp == 1 and any("parallel.pp 2 -> 1 (training runs pp <= 1" in c for c in changes)
@@ -164,3 +164,30 @@ def test_micro_batches_without_a_pipeline_are_refused():
     with pytest.raises(ConfigError, match="Invalid configuration") as refused:
         validate(cfg)
     assert "set trainer.micro_batches=0" in str(refused.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("approximations", ["off", "all"])
+def test_ndb_kill_rank_at_tp2_pp2_the_neighbour_replica_runs_the_replicas_batch_through_its_pipeline(
+        approximations, tp2pp2, run_dir):
+    # rank 6 (stage 1, TP slot 0 of replica 1) fails: ranks 4, 5 and 7 are stopped, and replica 0's ranks 0-3 each
+    # take over the rank at their (pp, tp) coordinate, running replica 1's batch through their 1F1B schedule too
+    knobs = ["ft.ndb.exact_reference=true"] if approximations == "off" else ["ft.ndb.warmup_steps=0"]
+    run = run_cli(*TP2PP2, f"trainer.max_steps={MAX_STEPS}", "ft=[ndb]", *knobs, "fault=kill_rank", "fault.rank=6",
+                  "fault.step=5", run_dir=run_dir)
+    s, ref = run.summary, tp2pp2.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["global_step"] == MAX_STEPS and len(run.events("worker_started")) == 8  # nobody restarted
+    assert sorted((e["wid"], e["failed"]) for e in run.events("replica_stopped")) == [(4, 6), (5, 6), (7, 6)]
+    assert sorted((e["logical"], e["neighbour_wid"]) for e in run.events("takeover_assigned")) == [
+        (4, 0), (5, 1), (6, 2), (7, 3)]
+    (rec,) = s["recoveries"]
+    assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("takeover", [6], 0)
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert (s["samples_committed"], s["tokens_committed"]) == (ref["samples_committed"], ref["tokens_committed"])
+    assert all(m["counts"] == [1, 1] for m in run.metrics())
+    if approximations == "off":  # the taken-over batch computed exactly: the fault-free run, bit for bit
+        assert s["param_checksum"] == ref["param_checksum"]
+    else:
+        assert s["final_loss"] < s["initial_loss"]
+        assert abs(s["final_loss"] - ref["final_loss"]) / ref["final_loss"] < 0.01

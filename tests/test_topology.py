@@ -107,6 +107,24 @@ def test_neighbour_policies_skip_dead_ranks():
         Topology.ndb_neighbour(1, [1, 2], "ring_next")
 
 
+def test_ndb_hands_a_failed_ranks_whole_replica_to_the_neighbour_replica_by_coordinate():
+    t = Topology(nodes=2, procs_per_node=4, tp=2, pp=2, order="tp-pp-dp")  # replica 0: ranks 0-3, replica 1: 4-7
+    assert t.replica_ranks(1) == [4, 5, 6, 7]
+    assert t.ndb_assignment(6, live=[0, 1, 2, 3, 4, 5, 7], busy=[], policy="ring_next") == {4: 0, 5: 1, 6: 2, 7: 3}
+    t = Topology(nodes=3, procs_per_node=2, tp=2)  # replicas {0, 1}, {2, 3}, {4, 5}
+    assert t.ndb_assignment(3, live=[0, 1, 2, 4, 5], busy=[], policy="ring_next") == {2: 4, 3: 5}
+    assert t.ndb_assignment(3, live=[0, 1, 2, 4, 5], busy=[], policy="ring_prev") == {2: 0, 3: 1}
+    assert t.ndb_assignment(3, live=[0, 1, 2, 4, 5], busy=[4], policy="ring_next") == {2: 0, 3: 1}  # spread out
+    assert t.ndb_assignment(3, live=[1, 2, 4, 5], busy=[], policy="ring_prev") == {2: 4, 3: 5}  # replica 0 is broken
+    with pytest.raises(ValueError, match="no live data-parallel replica"):
+        t.ndb_assignment(3, live=[1, 2, 5], busy=[], policy="ring_next")
+    flat = Topology(nodes=4, procs_per_node=1)  # tp = pp = 1: a replica is a rank, the ring over live ranks
+    for failed, live, busy in ((1, [0, 2, 3], []), (3, [0, 1, 2], []), (1, [0, 2, 3], [2])):
+        free = [r for r in live if r not in busy]
+        assert flat.ndb_assignment(failed, live, busy, "ring_next") == {
+            failed: Topology.ndb_neighbour(failed, free, "ring_next")}
+
+
 # -- layout coordinates (dp, pp, tp) --------------------------------------------------------------------
 LAYOUTS = [  # nodes, procs_per_node, tp, pp, order
     (2, 4, 2, 2, "tp-pp-dp"),  # the 2 nodes x 4 ranks: tp=2 pp=2 dp=2

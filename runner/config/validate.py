@@ -34,8 +34,8 @@ from runner.config.schema import (
 )
 from runner.topology import Topology, spare_count
 
-TP_TECHNIQUES = ("flashrecovery", "flash_ckpt", "deadpool")  # the ft entries that recover a tensor-parallel run
-PP_TECHNIQUES = ("flashrecovery", "flash_ckpt", "deadpool")  # the ft entries that recover a pipeline-parallel run
+TP_TECHNIQUES = ("flashrecovery", "flash_ckpt", "deadpool", "ndb")  # the ft entries that recover a tensor-parallel run
+PP_TECHNIQUES = TP_TECHNIQUES  # the same ft entries recover a pipeline-parallel run
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
                "wipe_shm", "corrupt_snapshot")
 _TIMED = tuple(k for k in choices(FaultKind) or () if k not in ("none", "chaos"))  # injected at a step or time
@@ -168,10 +168,12 @@ def pp_problems(cfg: DictConfig) -> list[str]:
     out = _split_model_problems(
         cfg, "pp", PP_TECHNIQUES,
         mix="flashrecovery (a crashed rank takes its stage from the replica at the same (pp, tp) coordinate), "
-            "deadpool (a spare host takes a lost host's coordinates, each from the replica at its coordinate) and "
-            "flash_ckpt (every rank restores its own stage's snapshot)",
+            "deadpool (a spare host takes a lost host's coordinates, each from the replica at its coordinate), "
+            "flash_ckpt (every rank restores its own stage's snapshot) and ndb (the failed rank's whole replica "
+            "leaves, and the neighbour replica runs its batch through its own pipeline as a second pass of the step)",
         placed_by="pipeline stage", split="cuts the runner's own GPT into stages", lacks="pipeline stages",
         dropout="the stages draw no dropout stream per micro-batch yet")
+    out += ndb_repair_problems(cfg, "pp")
     if p.zero:
         out.append(f"parallel.zero={p.zero} with parallel.pp={p.pp}: the optimizer is not sharded over the DP group "
                    "of a pipeline-parallel run yet; set parallel.zero=0 or parallel.pp=1.")
@@ -204,11 +206,12 @@ def tp_problems(cfg: DictConfig) -> list[str]:
     """What training with parallel.tp > 1 does not do yet, each with the change that makes the run train."""
     if cfg.parallel.tp <= 1:
         return []
-    return _split_model_problems(
+    return ndb_repair_problems(cfg, "tp") + _split_model_problems(
         cfg, "tp", TP_TECHNIQUES,
         mix="flashrecovery (a crashed rank takes its slice of the model from the replica at the same TP "
             "coordinate), deadpool (a spare host takes a lost host's coordinates, each from the replica at its "
-            "coordinate) and flash_ckpt (every rank restores its own snapshot)",
+            "coordinate), flash_ckpt (every rank restores its own snapshot) and ndb (the failed rank's whole replica "
+            "leaves, and each rank of the neighbour replica takes over the rank at its own TP coordinate)",
         placed_by="TP coordinate", split="slices the runner's own GPT", lacks="tensor-parallel layers",
         dropout="the tensor-parallel layers keep no dropout stream per TP rank yet")
 
@@ -260,6 +263,17 @@ def _topology(cfg: DictConfig) -> Optional[Topology]:
         return Topology.from_cfg(cfg)
     except ValueError:
         return None
+
+
+def ndb_repair_problems(cfg: DictConfig, dim: str) -> list[str]:
+    """With parallel.``dim`` > 1 a model replica is several ranks, and NDB takes over a failed rank's whole replica
+    (``Topology.ndb_assignment``): a repair, which restarts the failed rank alone, does not fit that yet."""
+    if "ndb" not in ft_names(cfg) or cfg.ft.ndb.repair_after_s < 0:
+        return []
+    return [f"ft.ndb.repair_after_s={cfg.ft.ndb.repair_after_s} with parallel.{dim}={cfg.parallel[dim]}: NDB takes "
+            "over a failed rank's whole model replica and stops its other ranks, but a repair restarts the failed "
+            "rank alone, which could not rejoin a replica whose other ranks are gone; set ft.ndb.repair_after_s=-1 "
+            f"or parallel.{dim}=1."]
 
 
 def trained_tp(cfg: DictConfig) -> int:

@@ -19,6 +19,7 @@ not have (docs/parallelism.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -90,11 +91,14 @@ class OneFOneB:
         self.stage, self.group, self.micro_batches = stage, group, micro_batches
         self.index, self.stages = stage.index, stage.stages
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> Optional[torch.Tensor]:
+    def step(self, idx: torch.Tensor, targets: torch.Tensor,
+             stage_forward: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Optional[torch.Tensor]:
         """Accumulate the gradients of the mean loss over the batch (``idx``, ``targets``), split into equal
         micro-batches; returns that loss on the last stage and None elsewhere. Every stage passes the
-        same batch (the inner stages use only its shape)."""
+        same batch (the inner stages use only its shape). ``stage_forward``: the stage's forward to run in place of
+        the stage's own (NDB's cheapened one for a taken-over replica's batch, in a second pass of the step)."""
         m, stage = self.micro_batches, self.stage
+        run = stage if stage_forward is None else stage_forward
         if idx.shape[0] % m:
             raise ValueError(f"a batch of {idx.shape[0]} samples does not split into {m} equal micro-batches.")
         ids, tgts = idx.chunk(m), targets.chunk(m)
@@ -116,7 +120,7 @@ class OneFOneB:
 
         def forward(i: int) -> None:
             x = ids[i] if stage.is_first else recv(self.index - 1, 2 * i).requires_grad_()
-            y = stage(x)
+            y = run(x)
             if stage.is_last:
                 y = F.cross_entropy(y.view(-1, y.size(-1)), tgts[i].reshape(-1)) / m
                 losses.append(y.detach())

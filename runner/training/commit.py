@@ -117,14 +117,16 @@ class StepCommit:
                 return False
             redo = True
         while True:
-            if self.takeover is not None:
-                wanted = self.comm.joined.extra_of(self.comm.wid)
-                self.takeover.take_over(step, wanted, source, self._grad_params())
             try:
-                if redo:
+                if redo:  # the own gradients first: the closure zeroes every gradient, a taken-over one too
                     self.status.phase = "compute"
                     closure()
                     redo = False
+                    if self.takeover is not None:
+                        self.takeover.reset()
+                if self.takeover is not None:
+                    wanted = self.comm.joined.extra_of(self.comm.wid)
+                    self.takeover.take_over(step, wanted, source, self._grad_params())
                 self.status.phase = "reduce"
                 grads, extras = self.reducer.reduce()
                 if self.guard is None or self._guard_accepts(grads):
@@ -156,7 +158,7 @@ class StepCommit:
         """The reduced sums become means in ``.grad`` (a failed agreement after it redoes the step anyway)."""
         divisor = None
         if self.takeover is not None:
-            divisor = self.takeover.divisor(self.dp_size, self.comm.joined.takeovers)
+            divisor = self.takeover.divisor(self.dp_size, self.comm.covered_replicas)
         self.reducer.write_back(self.dp_size, divisor)
 
     def sync_params(self) -> None:

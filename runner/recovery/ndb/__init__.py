@@ -1,6 +1,6 @@
 """NDB (Neighbour-Do-Both, from MeCeFO): a DP neighbour computes a failed rank's micro-batch too.
 
-When a data-parallel rank fails and no spare exists, a neighbour (``Topology.ndb_neighbour``) runs its own
+When a data-parallel rank fails and no spare exists, a neighbour (``Topology.ndb_assignment``) runs its own
 micro-batch exactly and the failed rank's with three cheap approximations, each switchable
 (``NDBConfig``, mirrored by ``conf/ft/ndb.yaml``): attention skip-connection, FFN recomputation and
 low-rank FFN weight gradients. API:

@@ -1,13 +1,16 @@
 """NDB's controller side: a live neighbour takes over a failed rank's micro-batch; later, a repair.
 
-Each failed logical rank goes to a live neighbour (``Topology.ndb_neighbour``), spread over distinct
+Each failed logical rank goes to a live neighbour (``Topology.ndb_assignment``), spread over distinct
 ones; the neighbour computes it as an extra rank of the next generation (``Membership.covered_by``).
+With tp*pp > 1 the unit is the model replica: the failed rank's replica leaves whole (its live ranks
+are stopped) and every rank of the neighbour replica takes over the rank at its own (pp, tp) coordinate.
 With ``ft.ndb.repair_after_s >= 0`` the rank is restarted that long after the takeover (the node is
 "repaired") and rejoins with a process of its own once its takeover committed a step.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 
 from runner.recovery.actions import RecoveryAction
@@ -30,16 +33,38 @@ class Takeover(RecoveryAction):
 
     def act(self, ctx, decision, lost_nodes: list[int]) -> None:
         members, ndb = ctx.members, self.cfg.ft.ndb
-        live = {w.logical: w.wid for w in members.live() if not w.dead}
+        handed: set[int] = set()
         for lrank in decision.victims:
+            if lrank in handed:
+                continue  # its replica was handed over with an earlier victim of the same replica
+            live = {w.logical: w.wid for w in members.live() if not w.dead}
             busy = set(members.covered_by.values())
-            free = [rank for rank in live if live[rank] not in busy] or list(live)
-            members.covered_by[lrank] = live[self.topo.ndb_neighbour(lrank, free, ndb.neighbour)]
-            ctx.events.emit("takeover_assigned", logical=lrank, neighbour_wid=members.covered_by[lrank], reason=(
-                f"ft.ndb.neighbour={ndb.neighbour} among live ranks not yet taking over"))
-            if ndb.repair_after_s >= 0:
+            plan = self.topo.ndb_assignment(lrank, live, [r for r, wid in live.items() if wid in busy], ndb.neighbour)
+            self._stop_replica(ctx, [live[r] for r in plan if r in live], lrank)
+            for rank, neighbour in plan.items():
+                members.covered_by[rank] = live[neighbour]
+                handed.add(rank)
+                ctx.events.emit("takeover_assigned", logical=rank, neighbour_wid=live[neighbour], reason=(
+                    f"ft.ndb.neighbour={ndb.neighbour} among live {'replicas' if len(plan) > 1 else 'ranks'} not yet "
+                    "taking over"))
+            if ndb.repair_after_s >= 0:  # one rank per replica (validated): the repaired rank is the replica
                 self.repairs.append((time.monotonic() + ndb.repair_after_s, lrank))
                 self.started_at[lrank] = max((w.hb_step for w in members.live() if not w.dead), default=0)
+
+    @staticmethod
+    def _stop_replica(ctx, wids: list[int], failed: int) -> None:
+        """The live ranks of a failed rank's model replica leave with it (tp*pp > 1): their tensor-parallel and
+        pipeline partner is gone, and the neighbour replica computes their micro-batches. Each is written off
+        first, so its exit is no new fault, then stopped."""
+        members = ctx.members
+        stopped = [members.workers[wid] for wid in wids]
+        for w in stopped:
+            w.dead = True
+            ctx.events.emit("replica_stopped", wid=w.wid, logical=w.logical, failed=failed, reason=(
+                f"rank {failed} of its model replica failed, and a replica's collectives need all of its ranks: "
+                "the neighbour replica takes over the whole replica's micro-batches (NDB), this process is stopped"))
+            members.fleet.signal(w.wid, w.node, signal.SIGKILL)
+        members.await_exit(stopped)
 
     def poll(self, ctx, now: float) -> None:
         """Restart a taken-over rank once 'repaired'; publish when it is ready."""
