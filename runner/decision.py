@@ -78,13 +78,16 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
 
 
 def shards_without_copy(cfg, ft: list[str], victims: list[int]) -> list[int]:
-    """ZeRO-1: the failed ranks whose optimizer shard no live process holds. Its only copy is the replica
-    a strategy in ``ft`` keeps on the holder (``Topology.replica_holder``), if one does."""
+    """ZeRO-1: the failed ranks whose optimizer shard no live process holds. Its copies are the replica
+    a strategy in ``ft`` keeps on the holder (``Topology.replica_holder``), if one does, else the same shard
+    in the other DP replica groups (``Topology.shard_copies``), if there are any."""
     if not victims or not cfg.get("parallel", {}).get("zero", 0):
         return []
-    if not replicates_shards(ft):
-        return sorted(victims)
-    return Topology.from_cfg(cfg).shards_without_copy(victims)
+    topology = Topology.from_cfg(cfg)
+    if replicates_shards(ft):
+        return topology.shards_without_copy(victims)
+    lost = set(victims)
+    return sorted(v for v in lost if all(c in lost for c in topology.shard_copies(v)))
 
 
 def _what(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spares: int,

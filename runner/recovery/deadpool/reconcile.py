@@ -8,15 +8,19 @@ its committed step count. With sharded state the replica-wide hand-over of ZeRO-
    receive the final gradients of that step from the source, which still has them (the others
    can only be waiting in the next step's parameter sync), and apply their own update with them:
    the very update they would have made;
-2. *joiners* (spares, restarted ranks) receive their own shard from its holder's replica
+2. *joiners* (spares, restarted ranks) receive their own shard: from its holder's replica
    (``ShardReplicator.replica_of``, which replays at most the updates whose copy was in flight
-   when the owner died); a joiner whose holder is lost too has no source for it, and the run fails
-   with that reason;
+   when the owner died) when DeadPool replicates shards, else from the rank at the same shard index
+   in another DP replica group (``Topology.replica_group_peer``), which holds the same shard; a joiner
+   whose every copy is lost too has no source for it, and the run fails with that reason;
 3. everyone runs the parameter sync: each owner's current shard reaches every member, so members
    that were in different collectives when the fault struck (one in the sync, the others already
    in the reduction) all leave the recovery up to date, and the sync is never retried alone;
 4. joiners receive the source's Lightning state (taken after the sync) with their own shard's
    optimizer state put in.
+
+With tensor or pipeline parallelism a rank's state is its slice of the model, so the source of steps 1 and 4
+is chosen per (pp, tp) coordinate, among the members at it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Optional
 
 from runner.comm import Comm, RunFailedError
 from runner.events import EventLog
-from runner.recovery.deadpool.replicator import ABANDON_AFTER_S, ReplicaLost, ShardReplicator
+from runner.recovery.deadpool.replicator import ABANDON_AFTER_S, ReplicaLost
 from runner.recovery.deadpool.shard_state import ShardState
 from runner.training.state import ReplicaState, ShardedState
 from runner.training.transfer import exchange
@@ -38,58 +42,85 @@ def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, tab
     me, logical = comm.rank, layout.logical
     holders = [(c, r) for r, (c, j) in enumerate(table) if not j]
     newest = max(c for c, _ in holders)
-    source = min(r for c, r in holders if c == newest)
+    slot = [comm.coords_of(lrank)[1:] for lrank in logical]  # each member's (pp, tp) coordinate
     laggards = [r for r, (c, j) in enumerate(table) if not j and c < newest]
     joiners = [r for r, (_, j) in enumerate(table) if j]
     replicator = sharded.replicator
     if replicator is not None and replicator.drain():  # the broken generation's exchange, if one was in flight
         events.emit("replication_abandoned", gen=comm.gen, waited_s=ABANDON_AFTER_S)
-    if laggards:
-        final = exchange(comm, sharded.final_gradients() if me == source else None, source, receive=me in laggards)
-        if me in laggards:
+    for source, receivers in _served(comm, slot, holders, newest, laggards):
+        final = exchange(comm, sharded.final_gradients() if me == source else None, source, receive=me in receivers)
+        if me in receivers:
             sharded.finish_update(final)
             events.emit("shard_update_finished", gen=comm.gen, step=newest, source=logical[source])
     if not layout.complete:
         return None  # survivors only: joiners are served, and everyone synced, in the complete generation
     shard = None
     for j in joiners:
-        received = _fetch_shard(comm, replicator, logical[j], joiners, newest)
+        holder, received = _fetch_shard(comm, sharded, logical[j], joiners, newest)
         if me == j:
             shard = received
             sharded.zero.load_own(shard.params)
-            events.emit("shard_restored", gen=comm.gen, step=newest, holder=replicator.holder(logical[j]),
+            events.emit("shard_restored", gen=comm.gen, step=newest, holder=holder,
                         replayed_updates=shard.gen - shard.base_gen)
     sharded.zero.sync(comm)
-    if not joiners:
-        return None
-    ckpt = exchange(comm, state.dump_state() if me == source else None, source, receive=me in joiners)
-    if me not in joiners:
+    ckpt = None
+    for source, receivers in _served(comm, slot, holders, newest, joiners):
+        got = exchange(comm, state.dump_state() if me == source else None, source, receive=me in receivers)
+        ckpt = got if me in receivers else ckpt
+    if ckpt is None:
         return None
     assert shard is not None
     sharded.adopt_shard_state(ckpt, shard.state)
     return ckpt
 
 
-def _fetch_shard(comm: Comm, replicator: ShardReplicator | None, lrank: int, joiners: list[int],
-                 gen: int) -> ShardState:
-    """Logical rank ``lrank``'s shard after ``gen`` updates, from its holder to every member (so that all
-    of them fail alike when it cannot be had)."""
-    holder = replicator.holder(lrank) if replicator is not None else None
+def _served(comm: Comm, slot: list[tuple[int, int]], holders: list[tuple[int, int]], newest: int,
+            receivers: list[int]) -> list[tuple[int, list[int]]]:
+    """(source, receivers there) for each (pp, tp) coordinate some of ``receivers`` (group ranks) hold:
+    the source is the lowest-ranked member at it that holds the newest committed step."""
+    out = []
+    for coordinate in sorted({slot[r] for r in receivers}):
+        sources = [r for c, r in holders if c == newest and slot[r] == coordinate]
+        if not sources:
+            raise RunFailedError(f"no live replica holds step {newest} of the model slice at (pp, tp) = {coordinate} "
+                                 f"in generation {comm.gen}")
+        out.append((min(sources), [r for r in receivers if slot[r] == coordinate]))
+    return out
+
+
+def _fetch_shard(comm: Comm, sharded: ShardedState, lrank: int, joiners: list[int],
+                 gen: int) -> tuple[int, ShardState]:
+    """Logical rank ``lrank``'s shard after ``gen`` updates and the logical rank that held it, from its holder to
+    every member (so that all of them fail alike when it cannot be had): DeadPool's replica holder, else the first
+    live rank at the same shard index in the next DP replica groups."""
     assert comm.layout is not None  # fetched in the generation just joined
-    h = comm.layout.logical.index(holder) if holder is not None else None
-    if h is None or h in joiners:
-        lost = (f"with its replica on logical rank {holder}" if holder is not None
-                else "and nothing replicates it (add ft=deadpool)")
+    members, replicator = comm.layout.logical, sharded.replicator
+    if replicator is not None:
+        holder = replicator.holder(lrank)
+        lost = f"with its replica on logical rank {holder}"
+        candidates = [holder]
+    else:
+        candidates = comm.topology.shard_copies(lrank) if comm.topology is not None else []
+        lost = (f"with every copy of it (logical ranks {candidates}, the same shard in the other DP replica groups)"
+                if candidates else "and nothing replicates it (add ft=deadpool, or parallel.dp_group_size below dp)")
+    live = [c for c in candidates if c in members and members.index(c) not in joiners]
+    if not live:
         raise RunFailedError(f"logical rank {lrank}'s ZeRO-1 optimizer shard was lost {lost}: no member of the new "
                              "generation holds it")
+    holder, h = live[0], members.index(live[0])
     payload = None
     if comm.rank == h:
-        assert replicator is not None  # h is set only when a replicator names the holder
-        try:
-            payload = replicator.replica_of(lrank, gen).to_payload()
-        except ReplicaLost as err:
-            payload = {"lost": str(err)}
+        if replicator is None:
+            own = sharded.own_shard()
+            payload = ShardState(gen, own["params"], own["state"], gen).to_payload()
+        else:
+            try:
+                payload = replicator.replica_of(lrank, gen).to_payload()
+            except ReplicaLost as err:
+                payload = {"lost": str(err)}
     payload = exchange(comm, payload, h, receive=True)
     if "lost" in payload:
         raise RunFailedError(f"logical rank {lrank}'s optimizer shard cannot be rebuilt: {payload['lost']}")
-    return ShardState.from_payload(payload)
+    return holder, ShardState.from_payload(payload)
+
