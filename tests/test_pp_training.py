@@ -193,6 +193,26 @@ def test_zero1_at_pp2_is_bit_identical_to_pp2_and_its_checkpoint_resumes_at_anot
 
 
 @pytest.mark.slow
+def test_master_weights_at_pp2_train_within_a_few_percent_of_fp32_and_checkpoint_the_masters(pp2, run_dir):
+    """bf16 stages with fp32 masters and moments in each stage's ZeRO-1 shard; the file holds every stage's
+    masters, of which the bf16 parameters are the rounding."""
+    run = run_cli(*PP2, "parallel.zero=1", "trainer.precision=bf16-true", "trainer.master_weights=true",
+                  f"trainer.max_steps={MAX_STEPS}", run_dir=run_dir)
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    bf16, fp32 = [m["loss"] for m in run.metrics()], [m["loss"] for m in pp2.metrics()]
+    assert bf16 == pytest.approx(fp32, rel=0.02)
+    path = run.dir / "checkpoints" / "last.ckpt"
+    named = list(GPTModule.load_from_checkpoint(path, map_location="cpu").named_parameters())
+    names = [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    state = ckpt["optimizer_states"][0]["state"]
+    assert sorted(state) == list(range(len(names)))
+    for k, entry in state.items():
+        master = entry["master_weight"]
+        assert master.dtype == torch.float32 and torch.equal(master.bfloat16(), ckpt["state_dict"][names[k]])
+
+
+@pytest.mark.slow
 def test_flashrecovery_at_pp2_takes_a_zero1_shard_from_the_other_replica_group(tmp_path):
     """pp=2 and dp=4 in two replica groups of two: the restarted rank 3 (stage 1 of replica 1) takes its shard
     from rank 7 (stage 1 of replica 3, the same shard index in the other group)."""
