@@ -55,7 +55,10 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
     lost_shards = shards_without_copy(cfg, ft, victims)
     if lost_shards and cls != "transient":
         cls = "replica_lost"  # ZeRO-1: no live process holds these ranks' optimizer shards
-    what = _what(fault, cls, victims, lost_nodes, spares, lost_shards)
+    copies = ("their only copy (DeadPool's replica on the next node)" if replicates_shards(ft) or not lost_shards
+              or Topology.from_cfg(cfg).replica_groups == 1 else "every copy (the same shard in the other DP replica "
+              "groups)")
+    what = _what(fault, cls, victims, lost_nodes, spares, lost_shards, copies)
     row = policy.table(cfg, ft)[cls]
     situation = Situation(ft=ft, cfg=cfg, can_restart=can_restart, victims=victims, lost_nodes=lost_nodes,
                           restarts_left=restarts_left, spares=spares, full_restarts_left=full_restarts_left,
@@ -91,12 +94,12 @@ def shards_without_copy(cfg, ft: list[str], victims: list[int]) -> list[int]:
 
 
 def _what(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spares: int,
-          lost_shards: Sequence[int] = ()) -> str:
+          lost_shards: Sequence[int], copies: str) -> str:
     if cls == "transient":
         return "collective error with every process alive"
     if lost_shards:
         return (f"{fault} of logical rank(s) {victims} took the ZeRO-1 optimizer shard(s) of rank(s) "
-                f"{list(lost_shards)} together with their only copy (DeadPool's replica on the next node)")
+                f"{list(lost_shards)} together with {copies}")
     if fault == "node_loss":
         return f"node(s) {lost_nodes} lost with logical ranks {victims} ({spares} ready spare(s))"
     if cls == "replica_lost":

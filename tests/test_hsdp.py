@@ -112,3 +112,10 @@ def test_a_shard_is_lost_only_with_every_replica_group_that_holds_it():
     assert shards_without_copy(cfg, ["flashrecovery"], [0, 2]) == [0, 2]  # both copies of shard 0
     one = OmegaConf.create({"parallel": {"nodes": 2, "procs_per_node": 2, "zero": 1, "dp_group_size": 0}})
     assert shards_without_copy(one, ["flashrecovery"], [2]) == [2]
+
+
+def test_losing_every_copy_of_a_shard_is_refused_at_config_time_naming_the_replica_groups():
+    with pytest.raises(ConfigError) as refused:
+        validate(_compose(*FOUR, *HSDP, "ft=[flashrecovery]", "fault=kill_rank", "fault.rank=0", "fault.step=5",
+                          "+fault.extra=[{kind: kill_rank, rank: 2, step: 5}]"))
+    assert "together with every copy (the same shard in the other DP replica groups)" in str(refused.value)
