@@ -184,10 +184,6 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
             per = max(1, limit // nodes)
             changes.append(f"layout {p.nodes}x{p.procs_per_node} -> {nodes}x{per} (runner.smoke_max_ranks={limit})")
             p.nodes, p.procs_per_node = nodes, per
-        if p.dp_group_size and (dp_size(cfg) % p.dp_group_size or replica_group_problems(cfg)):
-            changes.append(f"parallel.dp_group_size {p.dp_group_size} -> 0 (not usable with parallel.zero={p.zero} "
-                           f"ft={ft_names(cfg)} on {dp_size(cfg)} data-parallel ranks)")
-            p.dp_group_size = 0
         if p.zero and zero_problems(cfg):
             changes.append(f"parallel.zero {p.zero} -> 0 (not usable with ft={list(cfg.ft.keys())} on this layout)")
             p.zero = 0
@@ -207,6 +203,10 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
         if why:
             changes.append(", ".join(why))
             p.tp, p.pp = tp, pp
+        if p.dp_group_size and (dp_size(cfg) % p.dp_group_size or replica_group_problems(cfg)):
+            changes.append(f"parallel.dp_group_size {p.dp_group_size} -> 0 (not usable with parallel.zero={p.zero} "
+                           f"ft={ft_names(cfg)} on {dp_size(cfg)} data-parallel ranks)")
+            p.dp_group_size = 0
         dp = dp_size(cfg)
         micro = (cfg.trainer.micro_batches or p.pp) if p.pp > 1 else 1
         cfg.trainer.global_batch_size = 2 * dp * micro  # with pp > 1, pipeline micro-batches of 2
