@@ -193,6 +193,16 @@ def test_zero1_at_pp2_is_bit_identical_to_pp2_and_its_checkpoint_resumes_at_anot
 
 
 @pytest.mark.slow
+def test_flash_ckpt_kill_all_at_pp2_with_zero1_restores_every_shard_exactly(pp2, run_dir):
+    run = run_cli(*PP2, "parallel.zero=1", f"trainer.max_steps={MAX_STEPS}", "ft=[flash_ckpt]", "fault=kill_all",
+                  "fault.step=5", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == pp2.summary["param_checksum"] and len(s["recoveries"]) == 1
+    assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
+
+
+@pytest.mark.slow
 def test_master_weights_at_pp2_train_within_a_few_percent_of_fp32_and_checkpoint_the_masters(pp2, run_dir):
     """bf16 stages with fp32 masters and moments in each stage's ZeRO-1 shard; the file holds every stage's
     masters, of which the bf16 parameters are the rounding."""
