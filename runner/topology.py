@@ -10,10 +10,11 @@ checks it without starting anything.
 
 Layout coordinates: each rank has a (dp, pp, tp) coordinate. ``order`` names the dimensions
 innermost first; the default ``tp-pp-dp`` puts a tensor-parallel group on neighbouring ranks of one
-node, then pipeline stages, and data-parallel replicas outermost. With tp = pp = 1 (the only layout
-training accepts today) every rank is its own replica and the recovery rules below are the ones the
-runner uses; docs/parallelism.md says how each generalises to "the same (pp, tp) coordinate in
-another DP replica" (``dp_peer``).
+node, then pipeline stages, and data-parallel replicas outermost. With tp = pp = 1 every rank is its
+own replica and the recovery rules below are the ones the runner uses; docs/parallelism.md says how
+each generalises to "the same (pp, tp) coordinate in another DP replica" (``dp_peer``). DP replica
+groups (``dp_group_size``, HSDP) say where ZeRO-1's shards and their copies live: a shard group per
+replica group, and the same shard index in every group (``shard_group``, ``replica_group_peer``).
 """
 
 from __future__ import annotations
