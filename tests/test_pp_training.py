@@ -193,6 +193,14 @@ def test_zero1_at_pp2_is_bit_identical_to_pp2_and_its_checkpoint_resumes_at_anot
 
 
 @pytest.mark.slow
+def test_zero1_at_tp2_pp2_is_bit_identical_to_the_same_layout_without_it(tp2pp2, run_dir):
+    """Each (pp, tp) coordinate shards its own slices of its stage over its DP group."""
+    run = run_cli(*TP2PP2, "parallel.zero=1", f"trainer.max_steps={MAX_STEPS}", run_dir=run_dir)
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    assert run.summary["param_checksum"] == tp2pp2.summary["param_checksum"]
+
+
+@pytest.mark.slow
 def test_flash_ckpt_kill_all_at_pp2_with_zero1_restores_every_shard_exactly(pp2, run_dir):
     run = run_cli(*PP2, "parallel.zero=1", f"trainer.max_steps={MAX_STEPS}", "ft=[flash_ckpt]", "fault=kill_all",
                   "fault.step=5", run_dir=run_dir)
