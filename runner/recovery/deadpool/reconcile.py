@@ -19,8 +19,9 @@ its committed step count. With sharded state the replica-wide hand-over of ZeRO-
 4. joiners receive the source's Lightning state (taken after the sync) with their own shard's
    optimizer state put in.
 
-With tensor or pipeline parallelism a rank's state is its slice of the model, so the source of steps 1 and 4
-is chosen per (pp, tp) coordinate, among the members at it.
+With tensor or pipeline parallelism a member's parameters, gradients and shard plan are those of its
+(pp, tp) coordinate: final gradients and Lightning state come from a member at the receiver's
+coordinate, and a shard from its holder, which ``Topology.replica_holder`` places at that coordinate.
 """
 
 from __future__ import annotations
@@ -40,19 +41,18 @@ def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, tab
     layout = comm.layout
     assert layout is not None  # reconciling happens in the generation just joined
     me, logical = comm.rank, layout.logical
-    holders = [(c, r) for r, (c, j) in enumerate(table) if not j]
-    newest = max(c for c, _ in holders)
-    slot = [comm.coords_of(lrank)[1:] for lrank in logical]  # each member's (pp, tp) coordinate
+    newest = max(c for c, j in table if not j)
     laggards = [r for r, (c, j) in enumerate(table) if not j and c < newest]
     joiners = [r for r, (_, j) in enumerate(table) if j]
     replicator = sharded.replicator
     if replicator is not None and replicator.drain():  # the broken generation's exchange, if one was in flight
         events.emit("replication_abandoned", gen=comm.gen, waited_s=ABANDON_AFTER_S)
-    for source, receivers in _served(comm, slot, holders, newest, laggards):
-        final = exchange(comm, sharded.final_gradients() if me == source else None, source, receive=me in receivers)
+    source = _sources(comm, table, newest, laggards + joiners)
+    for src, receivers in _by_source(source, laggards):
+        final = exchange(comm, sharded.final_gradients() if me == src else None, src, receive=me in receivers)
         if me in receivers:
             sharded.finish_update(final)
-            events.emit("shard_update_finished", gen=comm.gen, step=newest, source=logical[source])
+            events.emit("shard_update_finished", gen=comm.gen, step=newest, source=logical[src])
     if not layout.complete:
         return None  # survivors only: joiners are served, and everyone synced, in the complete generation
     shard = None
@@ -65,8 +65,8 @@ def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, tab
                         replayed_updates=shard.gen - shard.base_gen)
     sharded.zero.sync(comm)
     ckpt = None
-    for source, receivers in _served(comm, slot, holders, newest, joiners):
-        got = exchange(comm, state.dump_state() if me == source else None, source, receive=me in receivers)
+    for src, receivers in _by_source(source, joiners):
+        got = exchange(comm, state.dump_state() if me == src else None, src, receive=me in receivers)
         ckpt = got if me in receivers else ckpt
     if ckpt is None:
         return None
@@ -75,18 +75,28 @@ def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, tab
     return ckpt
 
 
-def _served(comm: Comm, slot: list[tuple[int, int]], holders: list[tuple[int, int]], newest: int,
-            receivers: list[int]) -> list[tuple[int, list[int]]]:
-    """(source, receivers there) for each (pp, tp) coordinate some of ``receivers`` (group ranks) hold:
-    the source is the lowest-ranked member at it that holds the newest committed step."""
-    out = []
-    for coordinate in sorted({slot[r] for r in receivers}):
-        sources = [r for c, r in holders if c == newest and slot[r] == coordinate]
-        if not sources:
-            raise RunFailedError(f"no live replica holds step {newest} of the model slice at (pp, tp) = {coordinate} "
-                                 f"in generation {comm.gen}")
-        out.append((min(sources), [r for r in receivers if slot[r] == coordinate]))
+def _sources(comm: Comm, table: list[list[int]], newest: int, receivers: list[int]) -> dict[int, int]:
+    """For each group rank in ``receivers``, the group rank it takes the step's final gradients or the Lightning
+    state from: the lowest-ranked member holding step ``newest`` at its (pp, tp) coordinate (with tp*pp > 1 a
+    member's model and gradients are its slice; at tp = pp = 1 every member shares the one coordinate)."""
+    logical = comm.joined.logical
+    slot = [comm.coords_of(lrank)[1:] for lrank in logical]
+    holders = [r for r, (c, j) in enumerate(table) if not j and c == newest]
+    out = {}
+    for r in receivers:
+        at = [h for h in holders if slot[h] == slot[r]]
+        if not at:
+            raise RunFailedError(f"no live replica holds step {newest} of the model slice (pp, tp) = {slot[r]} that "
+                                 f"logical rank {logical[r]} needs in generation {comm.gen} (a failure during the "
+                                 "gradient reduction left the model-parallel slices of the model at different steps)")
+        out[r] = at[0]
     return out
+
+
+def _by_source(source: dict[int, int], receivers: list[int]) -> list[tuple[int, list[int]]]:
+    """``receivers`` grouped by the source that serves them, sources in group-rank order (every member runs the
+    same exchanges in the same order)."""
+    return [(src, [r for r in receivers if source[r] == src]) for src in sorted({source[r] for r in receivers})]
 
 
 def _fetch_shard(comm: Comm, sharded: ShardedState, lrank: int, joiners: list[int],
@@ -123,4 +133,3 @@ def _fetch_shard(comm: Comm, sharded: ShardedState, lrank: int, joiners: list[in
     if "lost" in payload:
         raise RunFailedError(f"logical rank {lrank}'s optimizer shard cannot be rebuilt: {payload['lost']}")
     return holder, ShardState.from_payload(payload)
-
