@@ -8,8 +8,10 @@ pending collective fail at once instead of waiting for a timeout.
 With tensor or pipeline parallelism (``Topology.tp`` or ``pp`` > 1) every complete generation also builds,
 over the same store, this rank's DP group (the ranks holding the same slice of the model in every replica:
 its gradient all-reduce), its TP group (the ranks holding the other slices of its layers) with tp > 1, and
-its PP group (the stages of its replica at its TP slot, point to point) with pp > 1. They are rebuilt and
-dropped with the world group, so a replacement rank joins them like any other member.
+its PP group (the stages of its replica at its TP slot, point to point) with pp > 1. With DP replica groups
+(``Topology.dp_group_size`` below dp) it also builds its shard group: the members of its DP group in its replica
+group, over which ZeRO-1's shards are all-gathered. They are rebuilt and dropped with the world group, so a
+replacement rank joins them like any other member.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Comm:
         self.tp_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # tp > 1: this rank's TP group
         self.pp_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # pp > 1: this rank's PP group
         self.dp_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # tp*pp > 1: this rank's DP group
+        self.shard_pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None  # replica groups: its shard group
         self.layout: Layout | None = None
         self._in_flight: list = []  # work objects of launched collectives not waited for yet
         self._sends: list = []  # work objects of launched pipeline sends not waited for yet
@@ -120,6 +123,21 @@ class Comm:
         return self.coords_of(self.logical_rank)[0]
 
     @property
+    def replica_groups(self) -> int:
+        """DP replica groups (``Topology.replica_groups``): each holds every ZeRO-1 shard once; 1 without a topology."""
+        return self.topology.replica_groups if self.topology is not None else 1
+
+    @property
+    def shard_size(self) -> int:
+        """ZeRO-1 shards per copy of the optimizer state: the DP replicas of one replica group."""
+        return self.dp_size // self.replica_groups
+
+    @property
+    def shard_rank(self) -> int:
+        """Which ZeRO-1 shard this rank holds: its DP coordinate within its replica group."""
+        return self.dp_rank % self.shard_size
+
+    @property
     def tp_rank(self) -> int:
         """This rank's slice of the layers (its TP coordinate)."""
         return self.coords_of(self.logical_rank)[2]
@@ -175,16 +193,19 @@ class Comm:
                 self.tp_pg = self._subgroup("tp", wait) if self.tp > 1 else None
                 self.pp_pg = self._subgroup("pp", wait) if self.pp > 1 else None
                 self.dp_pg = self._subgroup("dp", wait)
+            if self.replica_groups > 1 and layout.complete:
+                self.shard_pg = self._subgroup("shard", wait)
             opened.record()
         except Exception as err:  # a member died during the rendezvous
-            self.pg = self.side_pg = self.tp_pg = self.pp_pg = self.dp_pg = None
+            self.pg = self.side_pg = self.tp_pg = self.pp_pg = self.dp_pg = self.shard_pg = None
             raise CollectiveFailure(f"rendezvous of gen {layout.gen} failed: {err}") from err
 
     def _subgroup(self, dim: str, wait: timedelta):
-        """This rank's ``dim`` group ("tp", "pp" or "dp") of the generation: the logical ranks ``Topology`` lists
-        for it, ranked by that coordinate, over a store prefix of its own."""
+        """This rank's ``dim`` group ("tp", "pp", "dp" or "shard") of the generation: the logical ranks ``Topology``
+        lists for it, ranked by that coordinate (a shard group by shard index), over a store prefix of its own."""
         assert self.topology is not None
-        lists = {"tp": self.topology.tp_group, "pp": self.topology.pp_group, "dp": self.topology.dp_group}
+        lists = {"tp": self.topology.tp_group, "pp": self.topology.pp_group, "dp": self.topology.dp_group,
+                 "shard": self.topology.shard_group}
         # a replica NDB took over has no member: the DP group is the live replicas (a live one is complete)
         ranks = [r for r in lists[dim](self.logical_rank) if r in self.joined.logical]
         prefix = PrefixStore(f"pg/{self.joined.gen}/{dim}/{ranks[0]}/", self.store)
@@ -227,7 +248,8 @@ class Comm:
             self._drain()  # gloo: nothing may be in flight when the group goes (see the collectives below)
         self._in_flight, self._sends, self._failure = [], [], None
         if self._stuck:  # gloo's destructor would wait for the stuck work: keep its groups until it ends
-            self._retired.append((self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.side_pg, self._stuck))
+            groups = (self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg, self.side_pg)
+            self._retired.append((*groups, self._stuck))
             self._stuck = []
         self._retired = [r for r in self._retired if not all(w.is_completed() for w in r[-1])]
         if self.pg is not None:
@@ -235,10 +257,10 @@ class Comm:
                 self.pg.abort()  # NCCL: abort the communicator instead of waiting for its timeout
             self.pg = None
         if self.backend == "nccl":
-            for sub in (self.tp_pg, self.pp_pg, self.dp_pg):
+            for sub in (self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg):
                 if sub is not None:
                     sub.abort()
-        self.tp_pg = self.pp_pg = self.dp_pg = None
+        self.tp_pg = self.pp_pg = self.dp_pg = self.shard_pg = None
         self.side_pg = None  # an exchange still in flight holds it until its peers' groups close too
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
@@ -364,6 +386,20 @@ class Comm:
         out = [torch.empty_like(tensor) for _ in range(self.dp_size)]
         self._run([lambda pg: self._reduction_pg(pg).allgather([out], [tensor])])
         return dict(enumerate(out))
+
+    def allgather_shards(self, tensor: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Every ZeRO-1 shard's ``tensor`` by shard index: over the shard group with DP replica groups, whose group
+        rank is the shard index, else ``allgather_replicas`` (each DP coordinate holds its own shard)."""
+        if self.replica_groups == 1:
+            return self.allgather_replicas(tensor)
+        out = [torch.empty_like(tensor) for _ in range(self.shard_size)]
+        self._run([lambda pg: self._shard_pg().allgather([out], [tensor])])
+        return dict(enumerate(out))
+
+    def _shard_pg(self):
+        if self.shard_pg is None:
+            raise RuntimeError("no shard group (aborted)")
+        return self.shard_pg
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()

@@ -55,7 +55,10 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
     lost_shards = shards_without_copy(cfg, ft, victims)
     if lost_shards and cls != "transient":
         cls = "replica_lost"  # ZeRO-1: no live process holds these ranks' optimizer shards
-    what = _what(fault, cls, victims, lost_nodes, spares, lost_shards)
+    copies = ("their only copy (DeadPool's replica on the next node)" if replicates_shards(ft) or not lost_shards
+              or Topology.from_cfg(cfg).replica_groups == 1 else "every copy (the same shard in the other DP replica "
+              "groups)")
+    what = _what(fault, cls, victims, lost_nodes, spares, lost_shards, copies)
     row = policy.table(cfg, ft)[cls]
     situation = Situation(ft=ft, cfg=cfg, can_restart=can_restart, victims=victims, lost_nodes=lost_nodes,
                           restarts_left=restarts_left, spares=spares, full_restarts_left=full_restarts_left,
@@ -78,22 +81,25 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
 
 
 def shards_without_copy(cfg, ft: list[str], victims: list[int]) -> list[int]:
-    """ZeRO-1: the failed ranks whose optimizer shard no live process holds. Its only copy is the replica
-    a strategy in ``ft`` keeps on the holder (``Topology.replica_holder``), if one does."""
+    """ZeRO-1: the failed ranks whose optimizer shard no live process holds. Its copies are the replica
+    a strategy in ``ft`` keeps on the holder (``Topology.replica_holder``), if one does, else the same shard
+    in the other DP replica groups (``Topology.shard_copies``), if there are any."""
     if not victims or not cfg.get("parallel", {}).get("zero", 0):
         return []
-    if not replicates_shards(ft):
-        return sorted(victims)
-    return Topology.from_cfg(cfg).shards_without_copy(victims)
+    topology = Topology.from_cfg(cfg)
+    if replicates_shards(ft):
+        return topology.shards_without_copy(victims)
+    lost = set(victims)
+    return sorted(v for v in lost if all(c in lost for c in topology.shard_copies(v)))
 
 
 def _what(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spares: int,
-          lost_shards: Sequence[int] = ()) -> str:
+          lost_shards: Sequence[int], copies: str) -> str:
     if cls == "transient":
         return "collective error with every process alive"
     if lost_shards:
         return (f"{fault} of logical rank(s) {victims} took the ZeRO-1 optimizer shard(s) of rank(s) "
-                f"{list(lost_shards)} together with their only copy (DeadPool's replica on the next node)")
+                f"{list(lost_shards)} together with {copies}")
     if fault == "node_loss":
         return f"node(s) {lost_nodes} lost with logical ranks {victims} ({spares} ready spare(s))"
     if cls == "replica_lost":

@@ -88,6 +88,12 @@ class Layout:
     micro_batch: int  # samples in one forward
     micro_batches: int  # forwards per step and rank
     deadpool: bool  # ft has deadpool (with zero=1 it replicates every shard)
+    dp_group_size: int = 0  # ZeRO-1 shards within DP replica groups of this many ranks; 0 = one group of dp
+
+    @property
+    def shards(self) -> int:
+        """How many ZeRO-1 shards one copy of the optimizer state is cut into: the ranks of a DP replica group."""
+        return self.dp_group_size or self.dp
 
 
 @dataclass(frozen=True)
@@ -152,11 +158,11 @@ def stage_memory(gpt: GPTConfig, precision: Precision, layout: Layout, stage: in
     in_flight = min(lay.pp - stage, lay.micro_batches)
     sends = (stage < lay.pp - 1) + (stage > 0)  # activations forward, gradients back: held until the step ends
     pipeline = (in_flight - 1) * blocks * one_block + sends * lay.micro_batches * boundary if lay.pp > 1 else 0
-    sharded = lay.dp if lay.zero else 1  # ZeRO-1 keeps the moments and masters of the rank's own shard only
+    sharded = lay.shards if lay.zero else 1  # ZeRO-1 keeps the moments and masters of the rank's own shard only
     moments = n * precision.moments / sharded
     replicas = 0.0
     if lay.deadpool and lay.zero:
-        shard = n / lay.dp  # the optimizer's own weights are the masters where there are any
+        shard = n / lay.shards  # the optimizer's own weights are the masters where there are any
         replicas = 3 * shard * ((precision.master or precision.weights) + precision.moments) + shard * precision.grads
     return RankMemory(
         stage=stage, params=n * precision.weights, grads=n * precision.grads, master=n * precision.master / sharded,

@@ -23,6 +23,7 @@ from runner.config.validate import (
     dp_size,
     ft_names,
     layout_problems,
+    replica_group_problems,
     trained_pp,
     trained_tp,
     world_size,
@@ -60,7 +61,9 @@ class Plan:
             f"  model       {scaled(self.params)} parameters, {scaled(self.flops_per_token, giga='G')}FLOP per token "
             "(training)",
             f"  layout      {p.nodes} node(s) x {p.procs_per_node} rank(s) = {self.world} ranks: dp={lay.dp} "
-            f"tp={lay.tp} pp={lay.pp} zero={lay.zero}, {spares}",
+            f"tp={lay.tp} pp={lay.pp} zero={lay.zero}"
+            + (f" dp_group_size={lay.dp_group_size} ({lay.dp // lay.dp_group_size} replica groups)"
+               if lay.dp_group_size else "") + f", {spares}",
             f"  batch       {cfg.trainer.global_batch_size} samples/step = {lay.micro_batch * lay.micro_batches} per "
             f"rank x {lay.dp} replicas, as {lay.micro_batches} micro-batch(es) of {lay.micro_batch}, seq "
             f"{cfg.model.seq_len}",
@@ -96,7 +99,9 @@ def make_plan(cfg: DictConfig) -> Plan:
     else:  # as this runner trains it: the per-rank batch in one forward, or in the pipeline's micro-batches
         micro_batches = (cfg.trainer.micro_batches or int(p.pp)) if p.pp > 1 else 1
         micro_batch = max(1, per_rank // micro_batches)
-    layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches, "deadpool" in ft_names(cfg))
+    groups = int(p.dp_group_size) if p.dp_group_size > 0 and dp % p.dp_group_size == 0 else 0
+    layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches, "deadpool" in ft_names(cfg),
+                    groups)
     name, precision = precision_of(cfg.trainer.precision, bool(cfg.trainer.master_weights))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return Plan(n, world_size(cfg), layout, precision.describe(name), rank_memory(gpt, precision, layout),
@@ -174,9 +179,6 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
         if cfg.trainer.master_weights:
             changes.append("trainer.master_weights true -> false (32-true weights are the optimizer's own)")
             cfg.trainer.master_weights = False
-        if p.dp_group_size:
-            changes.append(f"parallel.dp_group_size {p.dp_group_size} -> 0 (not available yet)")
-            p.dp_group_size = 0
         if p.nodes * p.procs_per_node > limit:
             nodes = min(p.nodes, limit)
             per = max(1, limit // nodes)
@@ -196,11 +198,15 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
                        f"trains with ft among {list(TP_TECHNIQUES)}") + ")")
         if pp < p.pp:
             why.append(f"parallel.pp {p.pp} -> {pp} (" + ("the smoke model's layers and the ranks allow no more"
-                       if top_pp >= p.pp else f"training runs pp <= 1 with ft={ft_names(cfg)} parallel.zero={p.zero}: "
-                       f"pipeline parallelism trains with ft among {list(PP_TECHNIQUES)} and parallel.zero=0") + ")")
+                       if top_pp >= p.pp else f"training runs pp <= 1 with ft={ft_names(cfg)}: pipeline parallelism "
+                       f"trains with ft among {list(PP_TECHNIQUES)}") + ")")
         if why:
             changes.append(", ".join(why))
             p.tp, p.pp = tp, pp
+        if p.dp_group_size and (dp_size(cfg) % p.dp_group_size or replica_group_problems(cfg)):
+            changes.append(f"parallel.dp_group_size {p.dp_group_size} -> 0 (not usable with parallel.zero={p.zero} "
+                           f"ft={ft_names(cfg)} on {dp_size(cfg)} data-parallel ranks)")
+            p.dp_group_size = 0
         dp = dp_size(cfg)
         micro = (cfg.trainer.micro_batches or p.pp) if p.pp > 1 else 1
         cfg.trainer.global_batch_size = 2 * dp * micro  # with pp > 1, pipeline micro-batches of 2

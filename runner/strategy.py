@@ -273,8 +273,8 @@ class ResilientStrategy(ParallelStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"parallel.zero=1 supports a module with one optimizer; configure_optimizers() returned "
                              f"{len(self.optimizers)}: use one optimizer or parallel.zero=0")
-        zero = ZeroOne(self._module, self.optimizers[0], self.dp_size, master_weights=self.master_weights)
-        zero.shard_for(self.comm.dp_rank)
+        zero = ZeroOne(self._module, self.optimizers[0], self.comm.shard_size, master_weights=self.master_weights)
+        zero.shard_for(self.comm.shard_rank)
         # Lightning clips the gradients of the optimizer's parameters (main_params); the norm must stay the whole
         # gradient's (every rank holds it after the full all-reduce), summed in the same order as unsharded.
         # The plugin is whichever one Lightning chose for the precision, so this one method is replaced on it.

@@ -13,7 +13,9 @@ Layout coordinates: each rank has a (dp, pp, tp) coordinate. ``order`` names the
 innermost first; the default ``tp-pp-dp`` puts a tensor-parallel group on neighbouring ranks of one
 node, then pipeline stages, and data-parallel replicas outermost. With tp = pp = 1 every rank is its
 own replica; docs/parallelism.md says how each recovery rule generalises to "the same (pp, tp)
-coordinate in another DP replica" (``dp_peer``, ``replica_holder``).
+coordinate in another DP replica" (``dp_peer``, ``replica_holder``). DP replica groups
+(``dp_group_size``, HSDP) say where ZeRO-1's shards and their copies live: a shard group per
+replica group, and the same shard index in every group (``shard_group``, ``replica_group_peer``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Topology:
     tp: int = 1
     pp: int = 1
     order: str = "tp-pp-dp"
+    dp_group_size: int = 0
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.procs_per_node < 1 or self.spares < 0:
@@ -65,6 +68,9 @@ class Topology:
             raise ValueError(f"tp*pp = {self.tp}*{self.pp} does not divide the {self.world} training ranks "
                              f"({self.nodes} node(s) x {self.procs_per_node}): change parallel.tp/parallel.pp or "
                              "the number of ranks so that tp*pp*dp equals the world size.")
+        if self.dp_group_size < 0 or (self.dp_group_size and self.dp % self.dp_group_size):
+            raise ValueError(f"dp_group_size={self.dp_group_size} must be 0 (one group) or divide the data-parallel "
+                             f"size {self.dp}: change parallel.dp_group_size.")
         if self._dimensions[0] == "tp" and self.procs_per_node % self.tp:
             fits = [d for d in range(1, self.procs_per_node + 1) if self.procs_per_node % d == 0]
             raise ValueError(
@@ -77,10 +83,11 @@ class Topology:
     @classmethod
     def from_cfg(cls, cfg) -> Topology:
         """The topology a run's config asks for (``parallel.nodes``, ``procs_per_node``, ``spares``, and the
-        layout degrees ``tp`` and ``pp`` where the config has them)."""
+        layout degrees ``tp`` and ``pp`` and the replica groups' ``dp_group_size`` where the config has them)."""
         p = cfg.parallel
         return cls(int(p.nodes), int(p.procs_per_node), spare_count(cfg),
-                   tp=int(p.get("tp", 1) or 1), pp=int(p.get("pp", 1) or 1))
+                   tp=int(p.get("tp", 1) or 1), pp=int(p.get("pp", 1) or 1),
+                   dp_group_size=int(p.get("dp_group_size", 0) or 0))
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -199,6 +206,48 @@ class Topology:
         holds the same parameters; None with a single replica."""
         dp, pp, tp = self.coords(rank)
         return None if self.dp == 1 else self.rank_of((dp + 1) % self.dp, pp, tp)
+
+    # -- HSDP: replica groups of the DP dimension ------------------------------------------------------
+    @property
+    def shard_group_size(self) -> int:
+        """DP replicas per replica group: ``dp_group_size``, or every replica when it is 0. ZeRO-1 cuts the
+        optimizer state into this many shards."""
+        return self.dp_group_size or self.dp
+
+    @property
+    def replica_groups(self) -> int:
+        """How many replica groups the DP dimension splits into (1 when ``dp_group_size`` is 0 or ``dp``); each
+        holds every ZeRO-1 shard once."""
+        return self.dp // self.shard_group_size
+
+    def shard_index(self, rank: int) -> int:
+        """Which ZeRO-1 shard ``rank`` holds: its DP coordinate within its replica group."""
+        return self.coords(rank)[0] % self.shard_group_size
+
+    def shard_group(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s DP group in its replica group, by shard index: together they hold one copy of
+        the optimizer state of ``rank``'s (pp, tp) coordinate (the all-gather of the ZeRO-1 shards)."""
+        dp, pp, tp = self.coords(rank)
+        first = dp - dp % self.shard_group_size
+        return [self.rank_of(first + i, pp, tp) for i in range(self.shard_group_size)]
+
+    def replica_group_peer(self, rank: int) -> Optional[int]:
+        """The rank at ``rank``'s (pp, tp) coordinate and shard index in the next replica group (wrapping
+        around): it holds the same ZeRO-1 shard, so a restarted ``rank`` takes its shard from it. None with a
+        single replica group."""
+        if self.replica_groups == 1:
+            return None
+        dp, pp, tp = self.coords(rank)
+        return self.rank_of((dp + self.shard_group_size) % self.dp, pp, tp)
+
+    def shard_copies(self, rank: int) -> list[int]:
+        """The other ranks that hold ``rank``'s ZeRO-1 shard: its ``replica_group_peer``, that rank's peer and so on,
+        nearest group first (none with a single replica group)."""
+        copies, peer = [], self.replica_group_peer(rank)
+        while peer is not None and peer != rank:
+            copies.append(peer)
+            peer = self.replica_group_peer(peer)
+        return copies
 
     # -- DeadPool: the replication ring ---------------------------------------------------------------
     @cached_property

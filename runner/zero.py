@@ -8,9 +8,11 @@ reduction, which is where recovery expects them; and every ZeRO-1 recovery ends 
 its own, so whichever collective a member was in when the fault struck, all leave it up to date.
 
 The shards are cut over the DP group: the ranks that hold the same parameters, one per model replica.
-With tensor parallelism each TP coordinate has a DP group of its own and shards its own slices of the
-layers; a rank's shard is named by its DP coordinate, and the all-gather runs over its DP group
-(``Comm.allgather_replicas``).
+With tensor or pipeline parallelism each (pp, tp) coordinate has a DP group of its own and shards its own
+slices (of its stage) of the layers. With DP replica groups (HSDP, ``parallel.dp_group_size``) the shards
+are cut within each replica group only, so every group holds a whole copy of the optimizer state and the
+same shard index in each group holds the same shard. A rank's shard is named by its shard index (its DP
+coordinate without replica groups), and the all-gather runs over its shard group (``Comm.allgather_shards``).
 
 With ``master_weights`` (Megatron's distributed optimizer) the module keeps 16-bit parameters and
 gradients, and the optimizer steps fp32 master copies of the rank's own parameters, with fp32 Adam
@@ -41,7 +43,7 @@ MASTER_KEY = "master_weight"  # a parameter's fp32 master copy in the optimizer'
 class ShardPlan:
     """Who owns which parameter; parameters are indices into the module's trainable parameter list."""
 
-    owner: list[int]  # owner[i]: the DP coordinate that updates parameter i
+    owner: list[int]  # owner[i]: the shard index that updates parameter i
     groups: list[list[int]]  # the optimizer's param groups before sharding, as parameter indices
     dp: int
 
@@ -93,11 +95,12 @@ class ZeroOne:
 
     @property
     def rank(self) -> int:
-        """The DP coordinate whose shard this rank holds (set by ``shard_for``)."""
+        """The shard index (the DP coordinate within the replica group) whose shard this rank holds (set by
+        ``shard_for``)."""
         return self._rank
 
     def shard_for(self, dp_rank: int) -> None:
-        """Keep only ``dp_rank``'s parameters in the optimizer's groups (group indices stay); with master
+        """Keep only shard ``dp_rank``'s parameters in the optimizer's groups (group indices stay); with master
         weights, their fp32 masters instead.
 
         ``zero_grad`` keeps clearing every parameter's gradient: all of them still go into the full
@@ -172,14 +175,14 @@ class ZeroOne:
                 self.params[i].copy_(value)
 
     def sync(self, comm) -> None:
-        """All-gather over the DP group: every member sends its own shard and copies the others' into its
+        """All-gather over the shard group: every member sends its own shard and copies the others' into its
         parameters."""
         offset = 0
         for i in self.plan.flat_shard(self._rank):
             n = self.params[i].numel()
             self._send[offset:offset + n].copy_(self.params[i].detach().reshape(-1))
             offset += n
-        gathered = comm.allgather_replicas(self._send)
+        gathered = comm.allgather_shards(self._send)
         with torch.no_grad():
             for owner, flat in gathered.items():
                 if owner == self._rank:

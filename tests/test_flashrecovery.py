@@ -33,6 +33,24 @@ def assert_exact(run, fault_free, recoveries: int):
     return s
 
 
+HSDP = ["parallel.zero=1", "parallel.dp_group_size=2"]  # two replica groups of two, each holding every shard
+
+
+def test_zero1_in_replica_groups_is_bit_identical_to_replicated_optimizer_state(fault_free, run_dir):
+    """ZeRO-1 within DP replica groups (the shards all-gathered over each group's shard group) makes the very
+    updates the replicated optimizer does."""
+    run = run_cli(*FOUR, *FR, *HSDP, run_dir=run_dir)
+    assert_exact(run, fault_free, recoveries=0)
+
+
+@pytest.mark.slow
+def test_kill_rank_with_zero1_takes_the_shard_from_the_other_replica_group(fault_free, run_dir):
+    run = run_cli(*FOUR, *FR, *HSDP, "fault=kill_rank", "fault.rank=2", "fault.step=12", run_dir=run_dir)
+    s = assert_exact(run, fault_free, recoveries=1)
+    assert (s["recoveries"][0]["victims"], s["recoveries"][0]["action"]) == ([2], "restart_rank")
+    assert [(e["rank"], e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(2, 0, 0)]
+
+
 def test_kill_rank_restarts_only_that_rank_and_loses_nothing(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=kill_rank", "fault.rank=2", "fault.step=12", run_dir=run_dir)
     s = assert_exact(run, fault_free, recoveries=1)

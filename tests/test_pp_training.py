@@ -76,7 +76,6 @@ def test_a_pp_run_writes_the_full_model_and_optimizer_state_into_one_file(pp2):
 
 @pytest.mark.parametrize("override, says", [
     ("ft=[ndb] ft.ndb.repair_after_s=0", "set ft.ndb.repair_after_s=-1 or parallel.pp=1"),
-    ("parallel.zero=1", "set parallel.zero=0 or parallel.pp=1"),
     ("model.dropout=0.1", "set model.dropout=0 or parallel.pp=1"),
     ("trainer.accumulate_grad_batches=2", "set trainer.accumulate_grad_batches=1 and trainer.micro_batches"),
     ("trainer.val_check_interval=5", "set trainer.val_check_interval=0 or parallel.pp=1"),
@@ -157,6 +156,85 @@ def test_a_pp_checkpoint_resumes_at_its_own_layout_exactly_and_at_another_one(pp
     assert [e["at_step"] for e in elsewhere.events("resumed")] == [MAX_STEPS]
     tail = [m["loss"] for m in straight.metrics()][MAX_STEPS:]
     assert [m["loss"] for m in elsewhere.metrics()] == pytest.approx(tail, rel=0.01)
+
+
+@pytest.mark.slow
+def test_zero1_at_pp2_is_bit_identical_to_pp2_and_its_checkpoint_resumes_at_another_layout(pp2, tmp_path):
+    """ZeRO-1 shards each stage's optimizer over the DP group of its (pp, tp) coordinate: the first half with it
+    writes the full model and optimizer, and the second half, resumed with it at pp=2, ends on the checksum of the
+    pp=2 run without it (the same updates, bit for bit); resumed at tp=pp=1 the loss follows within 1 %."""
+    half = MAX_STEPS // 2
+    first = run_cli(*PP2, "parallel.zero=1", f"trainer.max_steps={half}", run_dir=tmp_path / "first")
+    assert first.summary["status"] == "completed", first.output[-4000:]
+    module = GPTModule.load_from_checkpoint(first.dir / "checkpoints" / "last.ckpt", map_location="cpu")
+    state = torch.load(first.dir / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"][0]["state"]
+    assert sorted(state) == list(range(len(list(module.model.parameters()))))  # every shard of every stage
+    resumed = run_cli(*PP2, "parallel.zero=1", f"trainer.max_steps={MAX_STEPS}", f"runner.resume={first.dir}",
+                      run_dir=tmp_path / "resumed")
+    assert resumed.summary["status"] == "completed", resumed.output[-4000:]
+    assert [e["at_step"] for e in resumed.events("resumed")] == [half]
+    assert resumed.summary["param_checksum"] == pp2.summary["param_checksum"]
+    elsewhere = run_cli(*DP2, "parallel.zero=1", f"trainer.max_steps={MAX_STEPS}", f"runner.resume={first.dir}",
+                        run_dir=tmp_path / "dp2")
+    assert elsewhere.summary["status"] == "completed", elsewhere.output[-4000:]
+    tail = [m["loss"] for m in pp2.metrics()][half:]
+    assert [m["loss"] for m in elsewhere.metrics()] == pytest.approx(tail, rel=0.01)
+
+
+@pytest.mark.slow
+def test_zero1_at_tp2_pp2_is_bit_identical_to_the_same_layout_without_it(tp2pp2, run_dir):
+    """Each (pp, tp) coordinate shards its own slices of its stage over its DP group."""
+    run = run_cli(*TP2PP2, "parallel.zero=1", f"trainer.max_steps={MAX_STEPS}", run_dir=run_dir)
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    assert run.summary["param_checksum"] == tp2pp2.summary["param_checksum"]
+
+
+@pytest.mark.slow
+def test_flash_ckpt_kill_all_at_pp2_with_zero1_restores_every_shard_exactly(pp2, run_dir):
+    run = run_cli(*PP2, "parallel.zero=1", f"trainer.max_steps={MAX_STEPS}", "ft=[flash_ckpt]", "fault=kill_all",
+                  "fault.step=5", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == pp2.summary["param_checksum"] and len(s["recoveries"]) == 1
+    assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
+
+
+@pytest.mark.slow
+def test_master_weights_at_pp2_train_within_a_few_percent_of_fp32_and_checkpoint_the_masters(pp2, run_dir):
+    """bf16 stages with fp32 masters and moments in each stage's ZeRO-1 shard; the file holds every stage's
+    masters, of which the bf16 parameters are the rounding."""
+    run = run_cli(*PP2, "parallel.zero=1", "trainer.precision=bf16-true", "trainer.master_weights=true",
+                  f"trainer.max_steps={MAX_STEPS}", run_dir=run_dir)
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    bf16, fp32 = [m["loss"] for m in run.metrics()], [m["loss"] for m in pp2.metrics()]
+    assert bf16 == pytest.approx(fp32, rel=0.02)
+    path = run.dir / "checkpoints" / "last.ckpt"
+    named = list(GPTModule.load_from_checkpoint(path, map_location="cpu").named_parameters())
+    names = [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    state = ckpt["optimizer_states"][0]["state"]
+    assert sorted(state) == list(range(len(names)))
+    for k, entry in state.items():
+        master = entry["master_weight"]
+        assert master.dtype == torch.float32 and torch.equal(master.bfloat16(), ckpt["state_dict"][names[k]])
+
+
+@pytest.mark.slow
+def test_flashrecovery_at_pp2_takes_a_zero1_shard_from_the_other_replica_group(tmp_path):
+    """pp=2 and dp=4 in two replica groups of two: the restarted rank 3 (stage 1 of replica 1) takes its shard
+    from rank 7 (stage 1 of replica 3, the same shard index in the other group)."""
+    dp4 = [*CLIPPED_TINY, "parallel.procs_per_node=4", "parallel.pp=2", "ft=[flashrecovery]",
+           f"trainer.max_steps={MAX_STEPS}"]
+    replicated = run_cli(*dp4, run_dir=tmp_path / "replicated")
+    assert replicated.summary["status"] == "completed", replicated.output[-4000:]
+    run = run_cli(*dp4, "parallel.zero=1", "parallel.dp_group_size=2", "fault=kill_rank", "fault.rank=3",
+                  "fault.step=5", run_dir=tmp_path / "killed")
+    s, ref = run.summary, replicated.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == ref["param_checksum"] and s["samples_committed"] == ref["samples_committed"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert [(r["victims"], r["action"], r["rpo_steps"]) for r in s["recoveries"]] == [([3], "restart_rank", 0)]
+    assert [e["holder"] for e in run.events("shard_restored")] == [7]
 
 
 def test_micro_batches_without_a_pipeline_are_refused():

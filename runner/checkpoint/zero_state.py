@@ -5,7 +5,8 @@ Under ZeRO-1 each rank's optimizer holds only the parameters it owns (``runner.z
 holds what an unsharded optimizer's ``state_dict()`` would: parameters numbered in the optimizer's own
 order, group after group. It therefore loads into a plain optimizer (a single-process
 ``Trainer.fit(ckpt_path=...)``) as well as back into ZeRO-1 shards, for any DP size. With tensor
-parallelism the shards are gathered over the rank's DP group, which gives the unsharded optimizer state of
+parallelism the shards are gathered over the rank's shard group (its DP group, or with DP replica groups the
+part of it in its replica group, which holds every shard once), which gives the unsharded optimizer state of
 its TP slice (``runner.checkpoint.tp_state`` gathers the slices). fp32 master weights (``MASTER_KEY``) are
 per-parameter state like the Adam moments, so they are gathered and cut with them.
 """
@@ -33,14 +34,15 @@ def own_state_by_param(zero: ZeroOne, rank: int) -> dict[int, Any]:
 
 
 def gather_full_state(zero: ZeroOne, rank: int, comm: Comm) -> dict:
-    """All-gather every DP member's shard (collectives of the current DP group: every member calls this at the
-    same step) and assemble the unsharded optimizer's state_dict; ``rank`` is this member's DP coordinate."""
+    """All-gather every shard of the rank's shard group (collectives of the current generation: every member calls
+    this at the same step) and assemble the unsharded optimizer's state_dict; ``rank`` is this member's shard
+    index."""
     data = to_bytes(own_state_by_param(zero, rank)).to(comm.device)
-    sizes = comm.allgather_replicas(torch.tensor([data.numel()], dtype=torch.int64, device=comm.device))
+    sizes = comm.allgather_shards(torch.tensor([data.numel()], dtype=torch.int64, device=comm.device))
     width = max(int(s[0]) for s in sizes.values())
     padded = torch.zeros(width, dtype=torch.uint8, device=comm.device)
     padded[: data.numel()] = data
-    shards = [from_bytes(flat[: int(sizes[owner][0])]) for owner, flat in comm.allgather_replicas(padded).items()]
+    shards = [from_bytes(flat[: int(sizes[owner][0])]) for owner, flat in comm.allgather_shards(padded).items()]
     position = _unsharded_position(zero.plan)
     groups = zero.optimizer.state_dict()["param_groups"]
     return {"state": {position[i]: s for shard in shards for i, s in shard.items()},

@@ -51,12 +51,15 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree: stages of whole blocks per model replica (docs/parallelism.md for what trains)."""
     dp_group_size: int = 0
-    """Ranks per data-parallel replica group; 0 = all DP ranks form one group (training requires 0 for now)."""
+    """Data-parallel replicas per replica group (HSDP); 0 = all of them form one group. With zero=1 the optimizer is
+    sharded within a group and every group holds each shard, so FlashRecovery restores a restarted rank's shard from
+    another group when this is below dp (docs/parallelism.md)."""
     spares: Optional[int] = None
     """Hot spares on nodes of their own, which only DeadPool uses (needs ft=deadpool); null = one spare node
     (procs_per_node spares) when ft has deadpool, else none."""
     zero: ZeroStage = 0
-    """0 = replicated optimizer state, 1 = ZeRO-1 (optimizer state sharded over the DP ranks)."""
+    """0 = replicated optimizer state, 1 = ZeRO-1 (optimizer state sharded over the DP ranks, or within each replica
+    group of dp_group_size)."""
     backend: Backend = "auto"
     """Collective backend; auto = NCCL on GPUs, gloo on CPU."""
 

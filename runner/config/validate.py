@@ -139,9 +139,7 @@ def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
                    f"trainer.accumulate_grad_batches={k}: each rank's {gbs // dp} samples per step are split into "
                    f"{k} equal micro-batches.")
     if for_training:
-        if p.dp_group_size:
-            out.append(f"parallel.dp_group_size={p.dp_group_size}: DP replica groups are not available yet; set it "
-                       "to 0 (a recipe's plan may still show it).")
+        out += replica_group_problems(cfg)
         out += zero_problems(cfg)
         out += master_weight_problems(cfg)
         if spare_count(cfg) and "deadpool" not in ft_names(cfg):
@@ -174,9 +172,6 @@ def pp_problems(cfg: DictConfig) -> list[str]:
         placed_by="pipeline stage", split="cuts the runner's own GPT into stages", lacks="pipeline stages",
         dropout="the stages draw no dropout stream per micro-batch yet")
     out += ndb_repair_problems(cfg, "pp")
-    if p.zero:
-        out.append(f"parallel.zero={p.zero} with parallel.pp={p.pp}: the optimizer is not sharded over the DP group "
-                   "of a pipeline-parallel run yet; set parallel.zero=0 or parallel.pp=1.")
     if t.accumulate_grad_batches > 1:
         out.append(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} with parallel.pp={p.pp}: the pipeline "
                    "splits each step's batch into trainer.micro_batches itself; set trainer.accumulate_grad_batches=1 "
@@ -281,24 +276,56 @@ def trained_tp(cfg: DictConfig) -> int:
     return int(cfg.parallel.tp) if not tp_problems(cfg) else 1
 
 
+def replica_groups(cfg: DictConfig) -> int:
+    """How many DP replica groups ``parallel.dp_group_size`` makes (1 when it is 0 or the whole DP size)."""
+    size = int(cfg.parallel.dp_group_size)
+    return dp_size(cfg) // size if size > 0 and dp_size(cfg) % size == 0 else 1
+
+
+def replica_group_problems(cfg: DictConfig) -> list[str]:
+    """``parallel.dp_group_size``: replica groups (HSDP) exist for ZeRO-1's shards, and only FlashRecovery and
+    flash_ckpt recover with them."""
+    p, names = cfg.parallel, ft_names(cfg)
+    if not p.dp_group_size:
+        return []
+    out = []
+    if p.zero != 1:
+        out.append(f"parallel.dp_group_size={p.dp_group_size} splits the data-parallel replicas into groups within "
+                   f"which ZeRO-1 shards the optimizer state, but parallel.zero={p.zero} shards nothing: set "
+                   "parallel.zero=1 or parallel.dp_group_size=0.")
+    elif replica_groups(cfg) > 1 and "deadpool" in names:
+        out.append(f"parallel.dp_group_size={p.dp_group_size} with ft=deadpool: DeadPool replicates each rank's shard "
+                   "to the rank one node on, which with DP replica groups holds another shard; the replica groups "
+                   "already hold a copy of every shard (ft=flashrecovery restores a restarted rank's shard from "
+                   "them): remove deadpool from ft or set parallel.dp_group_size=0.")
+    return out
+
+
 def zero_problems(cfg: DictConfig) -> list[str]:
-    """ZeRO-1 state lives in one place per shard: a failed rank's shard comes back only from DeadPool's
-    per-step replica on a neighbour, or, with every rank restarting, from its flash snapshot."""
+    """ZeRO-1 state lives in one place per shard within a DP replica group: a failed rank's shard comes back only
+    from the same shard in another replica group (``parallel.dp_group_size`` below dp), from DeadPool's per-step
+    replica on a neighbour, or, with every rank restarting, from its flash snapshot."""
     p, names = cfg.parallel, ft_names(cfg)
     if p.zero != 1 or not names:
         return []
     out = []
+    grouped = replica_groups(cfg) > 1
+    groups = (f"set parallel.dp_group_size to a divisor of the data-parallel size {dp_size(cfg)} below it (each "
+              "replica group of that many ranks then holds a copy of every shard"
+              + (f"; parallel.dp_group_size={p.dp_group_size} is the whole DP dimension, one group)"
+                 if p.dp_group_size else ")"))
     if "ndb" in names:
         out.append("parallel.zero=1 is not supported with ft=ndb yet (the neighbour would need the failed rank's "
                    "optimizer shard): remove ndb from ft or set parallel.zero=0.")
-    if "deadpool" not in names and "flash_ckpt" not in names:
+    if "deadpool" not in names and "flash_ckpt" not in names and not (grouped and "flashrecovery" in names):
         out.append(f"parallel.zero=1 shards the optimizer state, so a failed rank's shard exists nowhere else and "
                    f"ft={names} cannot rebuild it: add deadpool to ft (it replicates every shard to a neighbour each "
-                   "step), or flash_ckpt (every rank restarts from its snapshot), or set parallel.zero=0.")
-    elif "deadpool" not in names and "flashrecovery" in names:
-        out.append("ft=flashrecovery restarts a failed rank alone, and with parallel.zero=1 only DeadPool's replicas "
-                   "hold its optimizer shard: add deadpool to ft, or leave flash_ckpt alone to restart every rank from "
-                   "its snapshot.")
+                   f"step), or flash_ckpt (every rank restarts from its snapshot), or {groups}, or set "
+                   "parallel.zero=0.")
+    elif "deadpool" not in names and "flashrecovery" in names and not grouped:
+        out.append(f"ft=flashrecovery restarts a failed rank alone, and with parallel.zero=1 only DeadPool's replicas "
+                   f"hold its optimizer shard: add deadpool to ft, or {groups}, or leave flash_ckpt alone to restart "
+                   "every rank from its snapshot.")
     if "deadpool" in names and p.nodes < 2:
         out.append("parallel.zero=1 with ft=deadpool keeps each shard's replica on another node, but parallel.nodes=1: "
                    "use parallel.nodes >= 2 (e.g. parallel.nodes=2 parallel.procs_per_node=1).")

@@ -121,6 +121,11 @@ class TrainerState:
         self.adopt_guard_history(final)
         self.update.finish(final["grads"])
 
+    def own_shard(self) -> dict:
+        zero = self.zero
+        return {"params": [zero.params[i].detach() for i in zero.plan.flat_shard(zero.rank)],
+                "state": zero.optimizer.state_dict()["state"]}
+
     def adopt_shard_state(self, ckpt: dict, shard_state: dict) -> None:
         """The source's optimizer state is the source's shard; the parameters are everyone's, synced before
         the source dumped them."""

@@ -8,10 +8,11 @@ its committed step count. With sharded state the replica-wide hand-over of ZeRO-
    receive the final gradients of that step from the source, which still has them (the others
    can only be waiting in the next step's parameter sync), and apply their own update with them:
    the very update they would have made;
-2. *joiners* (spares, restarted ranks) receive their own shard from its holder's replica
+2. *joiners* (spares, restarted ranks) receive their own shard: from its holder's replica
    (``ShardReplicator.replica_of``, which replays at most the updates whose copy was in flight
-   when the owner died); a joiner whose holder is lost too has no source for it, and the run fails
-   with that reason;
+   when the owner died) when DeadPool replicates shards, else from the rank at the same shard index
+   in another DP replica group (``Topology.replica_group_peer``), which holds the same shard; a joiner
+   whose every copy is lost too has no source for it, and the run fails with that reason;
 3. everyone runs the parameter sync: each owner's current shard reaches every member, so members
    that were in different collectives when the fault struck (one in the sync, the others already
    in the reduction) all leave the recovery up to date, and the sync is never retried alone;
@@ -29,7 +30,7 @@ from typing import Optional
 
 from runner.comm import Comm, RunFailedError
 from runner.events import EventLog
-from runner.recovery.deadpool.replicator import ABANDON_AFTER_S, ReplicaLost, ShardReplicator
+from runner.recovery.deadpool.replicator import ABANDON_AFTER_S, ReplicaLost
 from runner.recovery.deadpool.shard_state import ShardState
 from runner.training.state import ReplicaState, ShardedState
 from runner.training.transfer import exchange
@@ -56,11 +57,11 @@ def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, tab
         return None  # survivors only: joiners are served, and everyone synced, in the complete generation
     shard = None
     for j in joiners:
-        received = _fetch_shard(comm, replicator, logical[j], joiners, newest)
+        holder, received = _fetch_shard(comm, sharded, logical[j], joiners, newest)
         if me == j:
             shard = received
             sharded.zero.load_own(shard.params)
-            events.emit("shard_restored", gen=comm.gen, step=newest, holder=replicator.holder(logical[j]),
+            events.emit("shard_restored", gen=comm.gen, step=newest, holder=holder,
                         replayed_updates=shard.gen - shard.base_gen)
     sharded.zero.sync(comm)
     ckpt = None
@@ -98,26 +99,37 @@ def _by_source(source: dict[int, int], receivers: list[int]) -> list[tuple[int, 
     return [(src, [r for r in receivers if source[r] == src]) for src in sorted({source[r] for r in receivers})]
 
 
-def _fetch_shard(comm: Comm, replicator: ShardReplicator | None, lrank: int, joiners: list[int],
-                 gen: int) -> ShardState:
-    """Logical rank ``lrank``'s shard after ``gen`` updates, from its holder to every member (so that all
-    of them fail alike when it cannot be had)."""
-    holder = replicator.holder(lrank) if replicator is not None else None
+def _fetch_shard(comm: Comm, sharded: ShardedState, lrank: int, joiners: list[int],
+                 gen: int) -> tuple[int, ShardState]:
+    """Logical rank ``lrank``'s shard after ``gen`` updates and the logical rank that held it, from its holder to
+    every member (so that all of them fail alike when it cannot be had): DeadPool's replica holder, else the first
+    live rank at the same shard index in the next DP replica groups."""
     assert comm.layout is not None  # fetched in the generation just joined
-    h = comm.layout.logical.index(holder) if holder is not None else None
-    if h is None or h in joiners:
-        lost = (f"with its replica on logical rank {holder}" if holder is not None
-                else "and nothing replicates it (add ft=deadpool)")
+    members, replicator = comm.layout.logical, sharded.replicator
+    if replicator is not None:
+        holder = replicator.holder(lrank)
+        lost = f"with its replica on logical rank {holder}"
+        candidates = [holder]
+    else:
+        candidates = comm.topology.shard_copies(lrank) if comm.topology is not None else []
+        lost = (f"with every copy of it (logical ranks {candidates}, the same shard in the other DP replica groups)"
+                if candidates else "and nothing replicates it (add ft=deadpool, or parallel.dp_group_size below dp)")
+    live = [c for c in candidates if c in members and members.index(c) not in joiners]
+    if not live:
         raise RunFailedError(f"logical rank {lrank}'s ZeRO-1 optimizer shard was lost {lost}: no member of the new "
                              "generation holds it")
+    holder, h = live[0], members.index(live[0])
     payload = None
     if comm.rank == h:
-        assert replicator is not None  # h is set only when a replicator names the holder
-        try:
-            payload = replicator.replica_of(lrank, gen).to_payload()
-        except ReplicaLost as err:
-            payload = {"lost": str(err)}
+        if replicator is None:
+            own = sharded.own_shard()
+            payload = ShardState(gen, own["params"], own["state"], gen).to_payload()
+        else:
+            try:
+                payload = replicator.replica_of(lrank, gen).to_payload()
+            except ReplicaLost as err:
+                payload = {"lost": str(err)}
     payload = exchange(comm, payload, h, receive=True)
     if "lost" in payload:
         raise RunFailedError(f"logical rank {lrank}'s optimizer shard cannot be rebuilt: {payload['lost']}")
-    return ShardState.from_payload(payload)
+    return holder, ShardState.from_payload(payload)
