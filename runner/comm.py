@@ -426,8 +426,8 @@ def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: tim
     waits at most ``rendezvous``.
 
     Pairs connect eagerly even when ``TORCH_GLOO_LAZY_INIT`` is set: dropping a lazily connected group after a
-    failed collective can block forever in gloo's teardown (docs/recovery.md, "Gloo's rendezvous and
-    connections")."""
+    failed collective can block forever in gloo's teardown (docs/recovery.md, "Why lazy gloo groups stay
+    off")."""
     interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stubs call it Options
     opts._devices = ([dist.ProcessGroupGloo.create_device(interface=name, lazy_init=False) for name in interfaces]
