@@ -16,6 +16,7 @@ replacement rank joins them like any other member.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -470,7 +471,17 @@ def _opts(op) -> dist.AllreduceOptions:
 
 
 def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta) -> dist.ProcessGroupGloo:
-    """Gloo over loopback (or the host's interface); the rendezvous waits at most ``rendezvous``."""
-    pg = dist.ProcessGroupGloo(store, rank, size, rendezvous)
+    """Gloo over loopback (or the interfaces ``GLOO_SOCKET_IFNAME`` names, as torch's default); the rendezvous
+    waits at most ``rendezvous``.
+
+    Pairs connect eagerly even when ``TORCH_GLOO_LAZY_INIT`` is set: dropping a lazily connected group after a
+    failed collective can block forever in gloo's teardown (docs/recovery.md, "Why lazy gloo groups stay
+    off")."""
+    interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stubs call it Options
+    opts._devices = ([dist.ProcessGroupGloo.create_device(interface=name, lazy_init=False) for name in interfaces]
+                     or [dist.ProcessGroupGloo.create_default_device(lazy_init=False)])
+    opts._threads, opts._timeout = 2 * len(opts._devices), rendezvous  # torch's defaults
+    pg = dist.ProcessGroupGloo(store, rank, size, opts)
     pg.set_timeout(timeout)
     return pg

@@ -125,14 +125,15 @@ class SocketsOpened:
     its peers, counted from /proc/self/fd); does nothing when counting is off."""
 
     def __init__(self) -> None:
-        self.before = _socket_inodes() if enabled() else None
+        self.before = socket_inodes() if enabled() else None
 
     def record(self) -> None:
         if self.before is not None:
-            record("sockets", "gloo", len(_socket_inodes() - self.before))
+            record("sockets", "gloo", len(socket_inodes() - self.before))
 
 
-def _socket_inodes() -> set[str]:
+def socket_inodes() -> set[str]:
+    """The sockets this process holds now, by inode (from /proc/self/fd)."""
     out = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
