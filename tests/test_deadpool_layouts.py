@@ -47,8 +47,7 @@ def test_zero1_replicas_that_cannot_leave_their_node_are_refused():
     # 2 nodes x 6 ranks at tp=2, dp=6: a replica per TP pair, three per node, so three replicas on is the other node
     validate(_compose(TINY, "ft=[deadpool]", "parallel.nodes=2", "parallel.procs_per_node=6", "parallel.tp=2",
                       "trainer.global_batch_size=12", "parallel.zero=1"))
-    # tp*pp=4 on nodes of 6: replica 1 straddles both nodes, and no shift puts every replica on another node (refused
-    # also for ZeRO-1 at pp > 1, which is not built yet)
+    # tp*pp=4 on nodes of 6: replica 1 straddles both nodes, and no shift puts every replica on another node
     cfg = _compose(TINY, "ft=[deadpool]", "parallel.nodes=2", "parallel.procs_per_node=6", "parallel.tp=2",
                    "parallel.pp=2", "trainer.global_batch_size=12", "parallel.zero=1")
     with pytest.raises(ConfigError, match="no shift of the replicas puts every replica on another node"):
@@ -79,6 +78,26 @@ def test_tp2_zero1_node_loss_shards_come_from_the_holder_at_the_same_tp_coordina
     assert (rec["action"], rec["victims"]) == ("swap_spare", [2, 3]) and rec["rpo_steps"] <= 1
     restored = {e["rank"]: e for e in run.events("shard_restored")}
     assert {r: e["holder"] for r, e in restored.items()} == {2: 0, 3: 1}  # (dp 1, tp k) is held by (dp 0, tp k)
+
+
+@pytest.fixture(scope="module")
+def pp2_zero(tmp_path_factory):
+    """The fault-free run at pp=2, dp=2 with ZeRO-1 on 2 nodes x 2 ranks."""
+    run = run_cli(TINY, *PP2_2X2, "parallel.zero=1", CONSTANT_LR, f"trainer.max_steps={STEPS}",
+                  run_dir=tmp_path_factory.mktemp("pp2z") / "run")
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    return run
+
+
+@pytest.mark.slow
+def test_pp2_zero1_node_loss_shards_come_from_the_holder_at_the_same_pp_coordinate(pp2_zero, run_dir):
+    run = run_cli(TINY, *PP2_2X2, "parallel.zero=1", CONSTANT_LR, f"trainer.max_steps={STEPS}", "ft=[deadpool]",
+                  "fault=kill_node", "fault.node=1", "fault.step=6", run_dir=run_dir)
+    assert_exact(run, pp2_zero.summary)
+    rec = run.only_recovery()
+    assert (rec["action"], rec["victims"]) == ("swap_spare", [2, 3]) and rec["rpo_steps"] <= 1
+    restored = {e["rank"]: e for e in run.events("shard_restored")}
+    assert {r: e["holder"] for r, e in restored.items()} == {2: 0, 3: 1}  # (dp 1, pp k) is held by (dp 0, pp k)
 
 
 @pytest.mark.slow
