@@ -168,8 +168,25 @@ class ZeroOne:
         state = {k: {key: v for key, v in s.items() if key != MASTER_KEY} for k, s in state_dict["state"].items()}
         return {**state_dict, "state": state}
 
+    def own_optimizer_params(self) -> list[Tensor]:
+        """This rank's shard as its optimizer steps it, in the optimizer's order: the fp32 masters with master
+        weights, else the module's own parameters. A copy of the shard (DeadPool's replica, the shard a peer
+        in another DP replica group hands over) is these and their optimizer state, so it restores exactly."""
+        if self.master_weights:
+            return self._own_masters()
+        return [self.params[i] for i in self.plan.flat_shard(self._rank)]
+
+    def shard_state_dict(self, params: list[Tensor], state: dict) -> dict:
+        """The optimizer state of a copy of this rank's shard (``params`` from ``own_optimizer_params``, ``state``
+        by position) as this optimizer's state_dict carries it: with master weights, each parameter's fp32 master
+        as ``MASTER_KEY``, which loading the state_dict puts back into the masters."""
+        if not self.master_weights:
+            return state
+        return {pos: {**state.get(pos, {}), MASTER_KEY: p} for pos, p in enumerate(params)}
+
     def load_own(self, params: list[Tensor]) -> None:
-        """A joiner's shard parameters (from the replica), in place, before the sync hands them to everyone."""
+        """A joiner's shard parameters (from a copy of the shard), in place, before the sync hands them to everyone;
+        fp32 masters are rounded into the 16-bit parameters as an update rounds them."""
         with torch.no_grad():
             for i, value in zip(self.plan.flat_shard(self._rank), params):
                 self.params[i].copy_(value)

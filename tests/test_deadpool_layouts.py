@@ -24,7 +24,9 @@ PP2_2X2 = ["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.pp=2"]
 TP2PP2_2X4 = ["parallel.nodes=2", "parallel.procs_per_node=4", "parallel.tp=2", "parallel.pp=2"]
 
 
-@pytest.mark.parametrize("layout", [TP2_2X2, PP2_2X2, TP2PP2_2X4, [*TP2_2X2, "parallel.zero=1"]])
+@pytest.mark.parametrize("layout", [TP2_2X2, PP2_2X2, TP2PP2_2X4, [*TP2_2X2, "parallel.zero=1"],
+                                    [*TP2_2X2, "parallel.zero=1", "trainer.precision=bf16-true",
+                                     "trainer.master_weights=true"]])
 def test_deadpool_trains_at_tp_and_pp_and_smoke_mode_keeps_them(layout):
     cfg = _compose(TINY, "ft=[deadpool]", *layout)
     validate(cfg)
@@ -35,8 +37,6 @@ def test_deadpool_trains_at_tp_and_pp_and_smoke_mode_keeps_them(layout):
     ([*TP2_2X2, "ft.deadpool.crash_action=swap"], "its tensor-parallel group would span two hosts"),
     (["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.tp=2", "parallel.pp=2"],  # dp=1
      "some coordinate has no replica on another node"),
-    ([*TP2_2X2, "parallel.zero=1", "trainer.precision=bf16-true", "trainer.master_weights=true"],
-     "trains with ft=[] or ft=[flash_ckpt] only"),
 ])
 def test_what_deadpool_does_not_do_at_tp_and_pp_is_refused_with_the_reason(overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)):

@@ -18,9 +18,11 @@ from runner.lightning_module import GPTModule
 from runner.memory import MASTER_WEIGHTS, PRECISIONS, Layout, rank_memory, stage_params
 from runner.model import GPTConfig
 from runner.plan import make_plan
+from runner.recovery.deadpool.shard_state import ShardState, UpdateRecord, replay
 from runner.zero import MASTER_KEY, ZeroOne
 from tests.conftest import run_cli
 from tests.test_config import _compose
+from tests.test_deadpool import assert_exact
 
 TP2 = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "parallel.tp=2"]
 MASTER = ["parallel.zero=1", "trainer.precision=bf16-true", "trainer.master_weights=true"]
@@ -99,6 +101,43 @@ def test_master_weights_travel_in_the_optimizer_state_dict_and_load_back_exactly
     assert all(torch.equal(a, b) for a, b in zip(half.parameters(), fresh.parameters()))
 
 
+def test_a_copy_of_a_master_weight_shard_replays_and_restores_the_fp32_masters_exactly():
+    """What DeadPool's replica holds and a joiner loads: the masters (not the bf16 parameters) and their moments; a
+    replay of a recorded update (bf16 gradients) makes the owner's very update, and loading the copy into a fresh
+    rank gives it the owner's masters, so both step alike afterwards."""
+    _, half = _modules()
+    zero = ZeroOne(half, _adamw(half), dp=2, master_weights=True)
+    zero.shard_for(1)
+    own = zero.plan.flat_shard(1)
+    assert all(a is zero.masters[i] for a, i in zip(zero.own_optimizer_params(), own))
+    torch.manual_seed(3)
+    _step(half, zero.optimizer, [torch.randn_like(p) for p in half.parameters()])
+    base = ShardState(1, [p.detach().clone() for p in zero.own_optimizer_params()],
+                      copy.deepcopy(dict(enumerate(zero.optimizer.state[p] for p in zero.own_optimizer_params()))), 1)
+    grads = [torch.randn_like(p) for p in half.parameters()]
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
+    _step(half, zero.optimizer, grads)
+    groups = [g for g, idx in enumerate(zero.plan.shard(1)) for _ in idx]
+    shard_grads = [list(half.parameters())[i].grad for i in own]
+    replayed = replay(zero.optimizer, base, groups, [UpdateRecord(2, shard_grads, hyper)])
+    assert all(torch.equal(a, zero.masters[i]) for a, i in zip(replayed.params, own))
+
+    fresh = copy.deepcopy(half)
+    other = ZeroOne(fresh, _adamw(fresh), dp=2, master_weights=True)
+    other.shard_for(1)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()  # a joiner's own values are all overwritten
+    other.load_own(replayed.params)
+    other.optimizer.load_state_dict({"state": other.shard_state_dict(replayed.params, replayed.state),
+                                     "param_groups": other.optimizer.state_dict()["param_groups"]})
+    assert all(torch.equal(other.masters[i], zero.masters[i]) for i in own)
+    assert all(torch.equal(fresh.get_parameter(n), half.get_parameter(n)) for n in (other.names[i] for i in own))
+    grads = [torch.randn_like(p) for p in half.parameters()]
+    _step(half, zero.optimizer, grads)
+    _step(fresh, other.optimizer, grads)
+    assert all(torch.equal(other.masters[i], zero.masters[i]) for i in own)
+
 def test_master_weights_need_bf16_parameters():
     ref, _ = _modules()
     with pytest.raises(ValueError, match="trainer.precision=bf16-true"):
@@ -125,8 +164,8 @@ def test_the_plan_counts_bf16_weights_and_gradients_and_fp32_masters_and_moments
 @pytest.mark.parametrize("overrides, says", [
     (["trainer.precision=bf16-true", "trainer.master_weights=true"], "set parallel.zero=1"),
     (["parallel.zero=1", "trainer.master_weights=true"], "set trainer.precision=bf16-true"),
-    (["parallel.zero=1", "trainer.precision=bf16-true", "trainer.master_weights=true", "ft=[flashrecovery]"],
-     "trains with ft=[] or ft=[flash_ckpt] only"),
+    ([*TP2[1:], *MASTER, "ft=[ndb]"], "with ft=ndb: a neighbour taking over a failed rank's work would need"),
+    ([*MASTER, "ft=[flashrecovery]"], "add deadpool to ft"),
     ([*TP2[1:], "parallel.zero=1", "ft=[flashrecovery]"], "add deadpool to ft"),
 ])
 def test_what_zero_and_master_weights_do_not_train_is_refused(overrides, says):
@@ -134,7 +173,10 @@ def test_what_zero_and_master_weights_do_not_train_is_refused(overrides, says):
         validate(_compose("+recipe=gpt_tiny", *overrides))
 
 
-@pytest.mark.parametrize("overrides", [TP2[1:], [*TP2[1:], "ft=[flash_ckpt]"], []])
+@pytest.mark.parametrize("overrides", [
+    TP2[1:], [*TP2[1:], "ft=[flash_ckpt]"], [], [*TP2[1:], "ft=[deadpool]"], [*TP2[1:], "ft=[flashrecovery,deadpool]"],
+    [*TP2[1:3], "parallel.dp_group_size=2", "ft=[flashrecovery]"],  # dp=4 in two replica groups
+])
 def test_zero1_trains_at_tp2_and_with_master_weights(overrides):
     validate(_compose("+recipe=gpt_tiny", "parallel.zero=1", *overrides))
     validate(_compose("+recipe=gpt_tiny", *MASTER, *overrides))
@@ -234,3 +276,40 @@ def test_flash_ckpt_kill_all_with_master_weights_restores_the_fp32_masters_exact
     assert s["global_step"] == STEPS and len(s["recoveries"]) == 1
     assert s["param_checksum"] == tp2_master.summary["param_checksum"]
     assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
+
+
+# -- recoveries that hand a restored rank its shard: the fp32 masters and moments, not the bf16 parameters ----------
+@pytest.mark.slow
+def test_master_weights_node_loss_spare_host_gets_the_fp32_shards_exactly(tp2_master, run_dir):
+    run = run_cli(*TP2, *MASTER, CONSTANT_LR, f"trainer.max_steps={STEPS}", "ft=[deadpool]", "fault=kill_node",
+                  "fault.node=1", "fault.step=6", run_dir=run_dir)
+    assert_exact(run, tp2_master.summary)
+    rec = run.only_recovery()
+    assert (rec["action"], rec["victims"]) == ("swap_spare", [2, 3]) and rec["rpo_steps"] <= 1
+    restored = {e["rank"]: e for e in run.events("shard_restored")}
+    assert {r: e["holder"] for r, e in restored.items()} == {2: 0, 3: 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ft", ["ft=[deadpool]", "ft=[flashrecovery,deadpool]"])
+def test_master_weights_kill_during_replication_replays_the_update_on_the_fp32_masters(tp2_master, run_dir, ft):
+    # rank 3's copy of update 7 was in flight: its holder, rank 1, replays that update on the fp32 masters
+    run = run_cli(*TP2, *MASTER, CONSTANT_LR, f"trainer.max_steps={STEPS}", ft, "fault=kill_rank", "fault.rank=3",
+                  "fault.step=6", "fault.during=replication", run_dir=run_dir)
+    assert_exact(run, tp2_master.summary)
+    (restored,) = run.events("shard_restored")
+    assert (restored["rank"], restored["holder"], restored["replayed_updates"]) == (3, 1, 1)
+
+
+FOUR_GROUPED = [*TP2[:3], *MASTER, "parallel.dp_group_size=2", "ft=[flashrecovery]", CONSTANT_LR,
+                f"trainer.max_steps={STEPS}"]  # dp=4 in two replica groups of two, each holding every shard
+
+
+@pytest.mark.slow
+def test_master_weights_kill_rank_takes_the_fp32_shard_from_the_other_replica_group(tmp_path, run_dir):
+    fault_free = run_cli(*FOUR_GROUPED, run_dir=tmp_path / "fault_free")
+    assert fault_free.summary["status"] == "completed", fault_free.output[-4000:]
+    run = run_cli(*FOUR_GROUPED, "fault=kill_rank", "fault.rank=2", "fault.step=6", run_dir=run_dir)
+    assert_exact(run, fault_free.summary)
+    assert [rec["action"] for rec in run.summary["recoveries"]] == ["restart_rank"]
+    assert [(e["rank"], e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(2, 0, 0)]

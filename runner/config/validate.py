@@ -351,13 +351,11 @@ def master_weight_problems(cfg: DictConfig) -> list[str]:
                    f"trainer.precision={t.precision}: set trainer.precision=bf16-true (16-true would need loss "
                    "scaling, which the runner does not do; under 32-true or a -mixed precision the fp32 weights are "
                    "already the optimizer's own).")
-    other = [n for n in names if n != "flash_ckpt"]
-    if other:
-        out.append(f"trainer.master_weights=true trains with ft=[] or ft=[flash_ckpt] only (a snapshot holds the "
-                   f"optimizer's state_dict, masters included): DeadPool's shard replicas and replays, NDB and the "
-                   f"state a recovery hands between replicas carry the bf16 parameters, not the fp32 masters the "
-                   f"optimizer steps, so {other} would resume from rounded weights; remove {', '.join(other)} from ft "
-                   "or set trainer.master_weights=false.")
+    if "ndb" in names:
+        out.append("trainer.master_weights=true with ft=ndb: a neighbour taking over a failed rank's work would need "
+                   "that rank's ZeRO-1 shard (its fp32 masters and Adam moments), which NDB does not hand over (only "
+                   "DeadPool's replica and the shard in another DP replica group do): remove ndb from ft or set "
+                   "trainer.master_weights=false.")
     return out
 
 

@@ -26,9 +26,10 @@ class ShardedState(Protocol):
         """A laggard applies the update it missed with ``final`` (``final_gradients`` of a peer)."""
 
     def own_shard(self) -> dict:
-        """This rank's shard as ``{"params", "state"}``: its parameters in the sharded optimizer's order and that
-        optimizer's state. With DP replica groups the rank at the same shard index in another group holds the
-        same shard, and hands it to a restarted rank."""
+        """This rank's shard as ``{"params", "state"}``: the tensors its optimizer steps, in that optimizer's order
+        (``ZeroOne.own_optimizer_params``: the fp32 masters with master weights), and that optimizer's state.
+        With DP replica groups the rank at the same shard index in another group holds the same shard, and hands
+        it to a restarted rank."""
 
     def adopt_shard_state(self, ckpt: dict, shard_state: dict) -> None:
         """Put a joiner's own shard's optimizer state into a peer's checkpoint ``ckpt`` before it is restored."""

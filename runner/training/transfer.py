@@ -123,7 +123,7 @@ class TrainerState:
 
     def own_shard(self) -> dict:
         zero = self.zero
-        return {"params": [zero.params[i].detach() for i in zero.plan.flat_shard(zero.rank)],
+        return {"params": [p.detach() for p in zero.own_optimizer_params()],
                 "state": zero.optimizer.state_dict()["state"]}
 
     def adopt_shard_state(self, ckpt: dict, shard_state: dict) -> None:

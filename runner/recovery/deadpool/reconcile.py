@@ -71,7 +71,7 @@ def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, tab
     if ckpt is None:
         return None
     assert shard is not None
-    sharded.adopt_shard_state(ckpt, shard.state)
+    sharded.adopt_shard_state(ckpt, sharded.zero.shard_state_dict(shard.params, shard.state))
     return ckpt
 
 

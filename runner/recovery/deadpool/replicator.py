@@ -169,7 +169,7 @@ class ShardReplicator:
         if self._group_gen != group_gen:  # a new group: the holder has nothing of ours yet
             self._group_gen, self._layout_sent = group_gen, b""
             self._expect_send = self._expect_recv = HEADER_BYTES
-        own = [self.zero.params[i] for i in self.zero.plan.flat_shard(self.zero.rank)]
+        own = self.zero.own_optimizer_params()
         layout = describe(own, self.zero.optimizer)
         if layout != self._layout:  # the layout changes only when the optimizer state gains keys
             self._layout, self._encoded = layout, _encode_layout(layout)

@@ -31,7 +31,8 @@ class ShardLayout:
 
 @dataclass
 class ShardState:
-    """A shard decoded: parameters in optimizer order and the optimizer state by position."""
+    """A shard decoded: the tensors its optimizer steps (``ZeroOne.own_optimizer_params``: the parameters, or
+    their fp32 masters) in optimizer order, and the optimizer state by position."""
 
     gen: int  # optimizer updates it includes
     params: list[Tensor]
@@ -141,7 +142,7 @@ def replay(template: torch.optim.Optimizer, shard: ShardState, groups: list[int]
         for group, hyper in zip(opt.param_groups, record.hyper):
             group.update(hyper)
         for p, g in zip(params, record.grads):
-            p.grad = g.clone()
+            p.grad = g.to(p.dtype, copy=True)  # a 16-bit gradient widened for an fp32 master, as the update does
         type(opt).step(opt)
         gen = record.gen
     state = {pos: opt.state[p] for pos, p in enumerate(params) if opt.state[p]}
