@@ -21,6 +21,8 @@ not depend on the CPU: store operations and new connections of every process (``
 phase of the recovery and per fault-free step.
 
 --decide-only: only the FlashRecovery job with decide-at-once on and off, and the ratios.
+--standby-only: only the FlashRecovery job with ``ft.flashrecovery.standby`` off and on (two jobs each, alternately),
+printing every RTO phase.
 --launcher local,per_host (instead of the above): the same faults under ``launcher=local`` and under three torchrun
 trees on this machine as three hosts (``launcher.mode=per_host``; 2 training hosts of 2 ranks, 1 spare host, ft
 flashrecovery and deadpool): a worker killed (restarted in place) and host 1 lost (every process of its tree
@@ -28,6 +30,7 @@ SIGKILLed; the spare host takes over; under launcher=local ``fault=kill_node``),
 kill -> loss decided and kill -> full world commits per launcher and the ratio per_host / local.
 
     python bench/recovery.py [--kills 5] [--emit-calibration FILE] [--loggers-only] [--decide-only]
+                             [--standby-only]
                              [--world 4,8,16] [--launcher local,per_host --runs 3]
 
 --emit-calibration FILE writes what was measured here as the simulator's calibration file
@@ -71,6 +74,8 @@ def flashrecovery(kills: int, ranks: int, *overrides: str, logger: str = "none")
         "survivors ready": [r["survivors_ready_s"] for r in recs],
         "full world commits": [r["rto_s"] for r in recs],
         "replacement start-up": [r["replace_s"] for r in recs],
+        "complete group rebuild": [r["rebuild_s"] for r in recs],
+        "restore to first commit": [r["restore_s"] for r in recs],
     }
 
 
@@ -199,6 +204,26 @@ def print_decide_cost(at_once: dict[str, list[float]], window: dict[str, list[fl
         print(f"  {'':22s} on  {median_spread(at_once[key])} s   off / on: {off / on:.2f}x")
 
 
+STANDBY = ("ft.flashrecovery.standby=true", "runner.device=cpu")
+
+
+def print_standby_cost(kills: int, ranks: int) -> None:
+    """The same FlashRecovery job with and without a warm standby per host, run alternately (a shared host's load
+    then weighs on both alike), the RTO and each of its phases."""
+    off: dict[str, list[float]] = {}
+    on: dict[str, list[float]] = {}
+    for _ in range(2):
+        for out, overrides in ((off, ()), (on, STANDBY)):
+            for key, values in flashrecovery(kills, ranks, *overrides).items():
+                out.setdefault(key, []).extend(values)
+    print(f"flashrecovery, standby off / on (ft.flashrecovery.standby), 2 jobs of {kills} kills each")
+    for key in ("detected", "replacement start-up", "complete group rebuild", "restore to first commit",
+                "full world commits"):
+        print(f"  {key:24s} off {median_spread(off[key])} s")
+        print(f"  {'':24s} on  {median_spread(on[key])} s")
+    print("  target (one host): full world back <= 0.1 s")
+
+
 PER_HOST_LAYOUT = ["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[flashrecovery,deadpool]",
                    "trainer.max_steps=20"]
 QUIET_EVENTS = "runner.console_events=false"  # local_hosts.BASE has the rest of common.QUIET
@@ -282,6 +307,8 @@ def main() -> None:
                     help="only the FlashRecovery RTO with logger=none beside logger=wandb")
     ap.add_argument("--decide-only", action="store_true",
                     help="only the FlashRecovery RTO phases with decide-at-once on beside off")
+    ap.add_argument("--standby-only", action="store_true",
+                    help="only the FlashRecovery RTO phases with a warm standby per host off beside on")
     ap.add_argument("--world", metavar="N,N,...", help="only the recovery cost against world size, e.g. 4,8,16")
     ap.add_argument("--launcher", metavar="L,L,...", help="only the same faults under these launchers: local,per_host")
     ap.add_argument("--runs", type=int, default=3, help="jobs per fault and launcher (--launcher)")
@@ -291,6 +318,9 @@ def main() -> None:
         return
     if args.launcher:
         print_launchers(args.launcher.split(","), args.runs)
+        return
+    if args.standby_only:
+        print_standby_cost(args.kills, args.ranks)
         return
     ours = flashrecovery(args.kills, args.ranks)
     if not args.loggers_only:

@@ -7,6 +7,7 @@ replacements start in a fraction of a second.
 
 from __future__ import annotations
 
+import copy
 import logging
 import multiprocessing.util
 import os
@@ -136,6 +137,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                                                          comm, events, status, recovery))
     micro_batch = cfg.trainer.global_batch_size // dp
     module, datamodule = build_module_and_data(cfg, micro_batch)
+    if spec.role == "spare" and device.type == "cpu":
+        warm_up(module, micro_batch)
     placement: list[pl.Callback] = []
     if spec.role != "spare":
         place_model(module, comm, topology, spec.logical_rank)
@@ -217,6 +220,21 @@ class SparePlacement(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.place()
+
+
+def warm_up(module: Any, micro_batch: int) -> None:
+    """A spare waits for a rank warm: a forward, backward and AdamW step of a copy of the runner's GPT on a random
+    batch pays the process's one-time costs of a first step before it takes a rank (a user's module: nothing,
+    its batches are its own). The copy is dropped and the random generator restored: what the spare computes
+    once it has a rank stays the same."""
+    if not isinstance(module, GPTModule):
+        return
+    shape = module.model_cfg
+    with torch.random.fork_rng(devices=[]):
+        model = copy.deepcopy(module.model)
+        idx = torch.randint(0, shape.vocab_size, (micro_batch, shape.seq_len))
+        model.loss(idx, idx).backward()
+        torch.optim.AdamW(model.parameters()).step()
 
 
 def select_device(cfg: DictConfig, logical_rank: int) -> tuple[torch.device, str]:

@@ -285,3 +285,10 @@ def test_a_target_that_cannot_be_imported_exits_2_before_any_worker(run_dir, gro
     assert run.returncode == 2
     assert f"{group}._target_=no_such_pkg.Thing cannot be imported (No module named 'no_such_pkg')" in run.output
     assert not (run_dir / "events.jsonl").exists()
+
+
+def test_a_flashrecovery_standby_is_refused_where_it_could_take_a_gpu_slot():
+    cfg = _compose("+recipe=gpt_tiny", "ft=[flashrecovery]", "ft.flashrecovery.standby=true")
+    with pytest.raises(ConfigError, match="ft.flashrecovery.standby=true with runner.device=auto"):
+        validate(cfg)
+    validate(_compose("+recipe=gpt_tiny", "ft=[flashrecovery]", "ft.flashrecovery.standby=true", "runner.device=cpu"))

@@ -99,6 +99,20 @@ def test_a_rank_that_alone_misses_a_completed_reduction_adopts_the_committed_sta
     assert (laggard["rank"], laggard["step"]) == (1, 9)  # the others had committed step 8
 
 
+def test_a_warm_standby_takes_the_crashed_rank_exactly_and_is_replaced(fault_free, run_dir):
+    run = run_cli(*FOUR, *FR, "ft.flashrecovery.standby=true", "runner.device=cpu", "fault=kill_rank", "fault.rank=1",
+                  "fault.step=10", "+fault.extra=[{kind: kill_rank, rank: 3, step: 22}]", run_dir=run_dir)
+    s = assert_exact(run, fault_free, recoveries=2)
+    assert [r["victims"] for r in s["recoveries"]] == [[1], [3]]
+    assigned = run.events("standby_assigned")
+    assert [(e["logical"], e["node"]) for e in assigned] == [(1, 0), (3, 1)]  # each host's own standby
+    for r in s["recoveries"]:
+        assert r["survivors_ready_s"] is None  # the complete generation came at once: no survivors-only group
+    started = run.events("worker_started")
+    assert [e["role"] for e in started].count("joiner") == 0  # nobody was started after a crash...
+    assert [e["role"] for e in started].count("spare") >= 3  # ...a standby per host, and a new one after the first
+
+
 @pytest.mark.slow
 def test_two_kills_at_different_steps(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=kill_rank", "fault.rank=0", "fault.step=6",

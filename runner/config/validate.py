@@ -149,6 +149,7 @@ def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         out += tp_problems(cfg)
         out += pp_problems(cfg)
         out += deadpool_layout_problems(cfg)
+        out += standby_problems(cfg)
         if p.pp > 1 and not out:
             out += _pipeline_batch_problems(cfg, dp)
     if p.pp == 1 and cfg.trainer.micro_batches:
@@ -250,6 +251,16 @@ def deadpool_layout_problems(cfg: DictConfig) -> list[str]:
                    "host and its tensor-parallel group would span two hosts; set ft.deadpool.crash_action="
                    "restart_in_place (a lost host's ranks still move to a spare host together).")
     return out
+
+
+def standby_problems(cfg: DictConfig) -> list[str]:
+    """A FlashRecovery standby is forked before it knows which slot of its host it will take, so it cannot pick
+    that slot's GPU; it runs on CPU hosts only."""
+    if "flashrecovery" not in ft_names(cfg) or not cfg.ft.flashrecovery.standby or cfg.runner.device == "cpu":
+        return []
+    return [f"ft.flashrecovery.standby=true with runner.device={cfg.runner.device}: a standby is started before it "
+            "knows which slot of its host (and so which GPU) it takes; set runner.device=cpu or "
+            "ft.flashrecovery.standby=false."]
 
 
 def _topology(cfg: DictConfig) -> Optional[Topology]:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+import torch.utils.serialization.config  # noqa: F401  torch.load's first use would import it during a restore
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
