@@ -69,17 +69,6 @@ def test_tp2_pp2_node_loss_is_taken_by_a_spare_host_exactly(tp2pp2, run_dir):
     assert sorted(e["rank"] for e in run.events("state_restored")) == [4, 5, 6, 7]
 
 
-@pytest.mark.slow
-def test_tp2_zero1_node_loss_shards_come_from_the_holder_at_the_same_tp_coordinate(tp2_zero, run_dir):  # noqa: F811
-    run = run_cli(*TP2, "parallel.zero=1", CONSTANT_LR, f"trainer.max_steps={STEPS}", "ft=[deadpool]",
-                  "fault=kill_node", "fault.node=1", "fault.step=6", run_dir=run_dir)
-    assert_exact(run, tp2_zero.summary)
-    rec = run.only_recovery()
-    assert (rec["action"], rec["victims"]) == ("swap_spare", [2, 3]) and rec["rpo_steps"] <= 1
-    restored = {e["rank"]: e for e in run.events("shard_restored")}
-    assert {r: e["holder"] for r, e in restored.items()} == {2: 0, 3: 1}  # (dp 1, tp k) is held by (dp 0, tp k)
-
-
 @pytest.fixture(scope="module")
 def pp2_zero(tmp_path_factory):
     """The fault-free run at pp=2, dp=2 with ZeRO-1 on 2 nodes x 2 ranks."""
@@ -89,15 +78,22 @@ def pp2_zero(tmp_path_factory):
     return run
 
 
+# (layout, its fault-free fixture): rank (dp 1, c) is held by rank (dp 0, c) at the same tp or pp coordinate c
+ZERO1_LAYOUTS = {"tp2": ([*TP2, "parallel.zero=1"], "tp2_zero"),
+                 "pp2": ([TINY, *PP2_2X2, "parallel.zero=1"], "pp2_zero")}
+
+
 @pytest.mark.slow
-def test_pp2_zero1_node_loss_shards_come_from_the_holder_at_the_same_pp_coordinate(pp2_zero, run_dir):
-    run = run_cli(TINY, *PP2_2X2, "parallel.zero=1", CONSTANT_LR, f"trainer.max_steps={STEPS}", "ft=[deadpool]",
+@pytest.mark.parametrize("layout", sorted(ZERO1_LAYOUTS))
+def test_zero1_node_loss_shards_come_from_the_holder_at_the_same_coordinate(layout, request, run_dir):
+    overrides, fault_free = ZERO1_LAYOUTS[layout]
+    run = run_cli(*overrides, CONSTANT_LR, f"trainer.max_steps={STEPS}", "ft=[deadpool]",
                   "fault=kill_node", "fault.node=1", "fault.step=6", run_dir=run_dir)
-    assert_exact(run, pp2_zero.summary)
+    assert_exact(run, request.getfixturevalue(fault_free).summary)
     rec = run.only_recovery()
     assert (rec["action"], rec["victims"]) == ("swap_spare", [2, 3]) and rec["rpo_steps"] <= 1
     restored = {e["rank"]: e for e in run.events("shard_restored")}
-    assert {r: e["holder"] for r, e in restored.items()} == {2: 0, 3: 1}  # (dp 1, pp k) is held by (dp 0, pp k)
+    assert {r: e["holder"] for r, e in restored.items()} == {2: 0, 3: 1}
 
 
 @pytest.mark.slow
