@@ -27,6 +27,7 @@ from typing import Literal, Optional
 
 NeighbourPolicy = Literal["ring_next", "ring_prev"]
 DIMENSIONS = ("tp", "pp", "dp")
+ORDER = "-".join(DIMENSIONS)  # the default placement: TP innermost (inside a node), then PP, DP outermost
 
 
 def spare_count(cfg) -> int:
@@ -52,7 +53,7 @@ class Topology:
     spares: int = 0
     tp: int = 1
     pp: int = 1
-    order: str = "tp-pp-dp"
+    order: str = ORDER
     dp_group_size: int = 0
 
     def __post_init__(self) -> None:
@@ -83,10 +84,11 @@ class Topology:
     @classmethod
     def from_cfg(cls, cfg) -> Topology:
         """The topology a run's config asks for (``parallel.nodes``, ``procs_per_node``, ``spares``, and the
-        layout degrees ``tp`` and ``pp`` and the replica groups' ``dp_group_size`` where the config has them)."""
+        layout degrees ``tp`` and ``pp``, their ``order`` and the replica groups' ``dp_group_size`` where the config
+        has them)."""
         p = cfg.parallel
         return cls(int(p.nodes), int(p.procs_per_node), spare_count(cfg),
-                   tp=int(p.get("tp", 1) or 1), pp=int(p.get("pp", 1) or 1),
+                   tp=int(p.get("tp", 1) or 1), pp=int(p.get("pp", 1) or 1), order=str(p.get("order", ORDER)),
                    dp_group_size=int(p.get("dp_group_size", 0) or 0))
 
     # -- sizes ------------------------------------------------------------------------------------

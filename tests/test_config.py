@@ -58,6 +58,9 @@ def test_recipe_override_of_parallel_group_is_honoured():
     [
         (["parallel.tp=3"], "tp*pp"),
         (["parallel.dp_group_size=3"], "dp_group_size"),
+        (["parallel.order=tp-dp"], "must name tp, pp and dp once each"),
+        (["parallel.nodes=2", "parallel.procs_per_node=3", "parallel.tp=2", "trainer.global_batch_size=6"],
+         "a tensor-parallel group would span two nodes"),
         (["parallel.spares=-1"], "negative"),
         (["parallel.nodes=4", "parallel.procs_per_node=4"], "global_batch_size"),
         (["fault=kill_rank", "fault.rank=9"], "fault.rank=9"),

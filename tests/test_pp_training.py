@@ -108,6 +108,17 @@ def test_tp2_pp2_dp2_on_two_nodes_of_four_matches_pure_data_parallel(tp2pp2, dp2
     _same_loss_curve(tp2pp2, dp2, "tp=2 pp=2")
 
 
+@pytest.mark.slow
+def test_another_placement_order_trains_the_same_model_with_other_ranks_in_each_group(tp2pp2, run_dir):
+    """parallel.order=pp-tp-dp puts a replica's two stages side by side and its TP pairs two ranks apart: the groups
+    change, the model and its data do not."""
+    run = run_cli(*TP2PP2, "parallel.order=pp-tp-dp", f"trainer.max_steps={TP2PP2_STEPS}", run_dir=run_dir)
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    assert run.summary["samples_committed"] == tp2pp2.summary["samples_committed"]
+    assert run.summary["samples_lost"] == run.summary["samples_duplicated"] == 0
+    _same_loss_curve(run, tp2pp2, "order pp-tp-dp")
+
+
 # the last stage of replica 0 (at tp=2, its second TP slot); the replacement takes its slice from the replica at the
 # same (pp, tp) coordinate, and every rank of replica 0 redoes the step
 KILLED = {"pp2": (PP2, 1, 3), "tp2pp2": (TP2PP2, 3, 7)}  # layout, killed rank, the rank that serves it

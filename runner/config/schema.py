@@ -50,6 +50,9 @@ class ParallelConfig:
     """Tensor-parallel degree: ranks per model replica, inside a node (docs/parallelism.md for what trains)."""
     pp: int = 1
     """Pipeline-parallel degree: stages of whole blocks per model replica (docs/parallelism.md for what trains)."""
+    order: str = "tp-pp-dp"
+    """Placement of the layout's dimensions over the ranks, innermost first: the default puts each TP group inside a
+    node, then the pipeline stages, and the DP replicas outermost (docs/parallelism.md)."""
     dp_group_size: int = 0
     """Data-parallel replicas per replica group (HSDP); 0 = all of them form one group. With zero=1 the optimizer is
     sharded within a group and every group holds each shard, so FlashRecovery restores a restarted rank's shard from

@@ -115,6 +115,11 @@ def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         )
     if spare_count(cfg) < 0:
         out.append(f"parallel.spares={p.spares} is negative; use 0 or more hot spares.")
+    if not out:  # the placement: the order names each dimension once, and TP placed innermost stays in a node
+        try:
+            Topology.from_cfg(cfg)
+        except ValueError as err:
+            out.append(f"parallel.order={p.order}, tp={p.tp}, pp={p.pp}: {err}")
     if p.backend == "nccl" and cfg.runner.device == "cpu":
         out.append("parallel.backend=nccl needs GPUs: use runner.device=cuda (or auto on a GPU host), or backend=gloo.")
     m = cfg.model
