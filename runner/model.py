@@ -98,8 +98,12 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(idx)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return token_loss(self(idx), targets)
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross entropy of a batch's next-token logits (a pipeline's last stage computes it as ``GPT.loss``)."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def count_params(cfg: GPTConfig) -> int:

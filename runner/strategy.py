@@ -22,7 +22,8 @@ the steps it is due at and rides in their reduction. With manual optimization (t
 Pipeline parallelism (``parallel.pp`` > 1): the module's model is this rank's ``GPTStage``, and the step's
 forward and backward are one 1F1B schedule over the step's batch in ``trainer.micro_batches`` micro-batches,
 run where Lightning runs the backward (``training_step`` only keeps the batch); the reduction is launched after
-the schedule, once the tied embedding's gradient is summed, never during it.
+the schedule, once the tied embedding's gradient is summed, never during it. A validation's batches run forward
+only through the stages (``OneFOneB.forward_only``), and the last stage's loss sum is summed over the pipeline.
 """
 
 from __future__ import annotations
@@ -297,7 +298,7 @@ class ResilientStrategy(ParallelStrategy):
             self.commit.sync_params()
         if self.validation.due(step):
             self.status.phase = "validate"
-            self.commit.record_validation(*self.validation.run(module.trainer, module, self.data_rank, self.dp_size))
+            self.commit.record_validation(*self._validate())
             seed_step(derive_seed(self.seed, step, self.data_rank, 1), self.root_device)
         self.status.phase = "compute"
         if self._pipeline is not None:  # the schedule runs the step's forward and backward (``backward``)
@@ -316,6 +317,21 @@ class ResilientStrategy(ParallelStrategy):
                                f"{module.trainer.global_step - step} times at step {step}; with manual optimization "
                                "the runner commits one optimizer.step() per training_step: call it exactly once.")
         return out
+
+    def _validate(self) -> tuple[float, int]:
+        """This rank's share of the step's validation: the loss sum and number of its DP coordinate's batches. With
+        pp > 1 they run forward only through the replica's stages, and the last stage's sum is summed over the PP
+        group in float64 (the other stages add 0, so every stage records that sum exactly, as the loss)."""
+        module = self._module
+        pipeline = self._pipeline
+        if pipeline is None:
+            return self.validation.run(module.trainer, module, self.data_rank, self.dp_size)
+        total, count = self.validation.run(
+            module.trainer, module, self.data_rank, self.dp_size,
+            lambda batches: pipeline.forward_only((b["idx"], b["targets"]) for b in batches))
+        summed = torch.tensor([total], dtype=torch.float64, device=self.root_device)
+        pipeline.group.allreduce([summed])
+        return float(summed[0]), count
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:

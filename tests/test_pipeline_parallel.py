@@ -107,6 +107,35 @@ def test_tp2_pp2_on_four_ranks_matches_the_unsharded_model():
         assert loss is None if report["stage"] == 0 else loss == pytest.approx(loss_ref, rel=1e-5)
 
 
+def _validate_stage_and_reference(rank: int, groups: GlooGroups) -> dict:
+    group = groups("pp", list(range(PP)))
+    torch.manual_seed(0)
+    reference = GPT(CFG)
+    stage = GPTStage(copy.deepcopy(reference), rank, PP)
+    schedule = OneFOneB(stage, group, micro_batches=2)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(CFG.vocab_size, (rows, CFG.seq_len), generator=gen),
+                torch.randint(CFG.vocab_size, (rows, CFG.seq_len), generator=gen)) for rows in (4, 4, 3, 4, 2)]
+    with torch.no_grad():
+        expected = [reference.loss(idx, targets).item() for idx, targets in batches]
+    losses = schedule.forward_only(batches)
+    return {"losses": [loss.item() for loss in losses], "expected": expected, "sends": group.sends,
+            "grads": [n for n, p in stage.named_parameters() if p.grad is not None]}
+
+
+@pytest.mark.slow
+def test_forward_only_gives_each_batch_the_unsharded_models_loss_exactly():
+    """Five validation batches, more than the stages keep in flight and of two sizes: each goes through the
+    pipeline whole, so the last stage's loss is the unsharded model's bit for bit; the first stage returns zeros
+    (a sum over the pipeline is the last stage's), sends one activation per batch, and no gradient appears."""
+    reports = run_ranks(_validate_stage_and_reference, PP)
+    first, last = reports[0], reports[PP - 1]
+    assert last["losses"] == last["expected"]
+    assert first["losses"] == [0.0] * len(first["expected"])
+    assert (first["sends"], last["sends"]) == (len(first["expected"]), 0)
+    assert first["grads"] == last["grads"] == []
+
+
 def test_a_stage_needs_whole_blocks_and_its_own_slot_in_the_group():
     with pytest.raises(ValueError, match="divide model.n_layer"):
         GPTStage(GPT(CFG), 0, 3)

@@ -24,6 +24,7 @@ from tests.test_config import _compose
 MAX_STEPS = TP2PP2_STEPS  # every layout's runs, as long as the shared tp2pp2 reference (tests/conftest.py)
 PP2 = [*CLIPPED_TINY, "parallel.procs_per_node=2", "parallel.pp=2"]
 DP2 = [*CLIPPED_TINY, "parallel.procs_per_node=1"]  # the same DP size and global batch, one rank per replica
+VALIDATED = ["trainer.val_check_interval=3", "trainer.limit_val_batches=4"]  # two batches per replica at 3, 6, 9
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,10 @@ def _same_loss_curve(run: Run, reference: Run, what: str) -> None:
     assert len(ours) == len(theirs) == run.summary["global_step"]
     for step, (a, b) in enumerate(zip(ours, theirs)):
         assert a == pytest.approx(b, rel=0.01), f"step {step}: {what} loss {a} vs tp=1 pp=1 loss {b}"
+
+
+def _val_losses(run: Run) -> dict[int, float]:
+    return {m["step"]: m["val/loss"] for m in run.metrics() if "val/loss" in m}
 
 
 def test_pp2_dp2_trains_and_matches_pure_data_parallel(pp2, dp2):
@@ -78,7 +83,6 @@ def test_a_pp_run_writes_the_full_model_and_optimizer_state_into_one_file(pp2):
     ("ft=[ndb] ft.ndb.repair_after_s=0", "set ft.ndb.repair_after_s=-1 or parallel.pp=1"),
     ("model.dropout=0.1", "set model.dropout=0 or parallel.pp=1"),
     ("trainer.accumulate_grad_batches=2", "set trainer.accumulate_grad_batches=1 and trainer.micro_batches"),
-    ("trainer.val_check_interval=5", "set trainer.val_check_interval=0 or parallel.pp=1"),
     ("trainer.micro_batches=3", "must split into that many equal micro-batches"),
 ])
 def test_a_mix_pipeline_parallelism_does_not_train_is_refused(override, says):
@@ -97,6 +101,57 @@ def test_the_mixes_pipeline_parallelism_trains_with_keep_their_pp_in_smoke_mode(
     assert trained_pp(cfg) == 1
     changes = apply_smoke(cfg)
     assert cfg.parallel.pp == 1 and any("parallel.pp 2 -> 1 (training runs pp <= 1" in c for c in changes)
+
+
+def test_validation_at_pp2_is_accepted_and_keeps_the_pipeline():
+    cfg = _compose(*PP2, *VALIDATED)
+    validate(cfg)
+    assert trained_pp(cfg) == 2
+
+
+@pytest.fixture(scope="module")
+def dp2_validated(tmp_path_factory) -> Run:
+    run = run_cli(*DP2, *VALIDATED, f"trainer.max_steps={MAX_STEPS}", run_dir=tmp_path_factory.mktemp("dp2val") / "run")
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def pp2_validated(tmp_path_factory) -> Run:
+    run = run_cli(*PP2, *VALIDATED, f"trainer.max_steps={MAX_STEPS}", run_dir=tmp_path_factory.mktemp("pp2val") / "run")
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2", "tp2pp2"])
+def test_validation_through_the_stages_logs_the_val_loss_of_pure_data_parallel_and_trains_nothing(
+        layout, dp2_validated, request, run_dir):
+    """Each replica's validation batches (the same as at pp=1) run forward only through its stages. The pipeline's
+    weights differ from the pp=1 run's by the rounding of their gradient sums (over micro-batches, and of the tied
+    embedding's gradient across stages), so val/loss is compared within 1e-5, float32 rounding, not bit for bit;
+    and the run's training is the one without validation, bit for bit."""
+    reference = request.getfixturevalue(layout)
+    run = request.getfixturevalue("pp2_validated") if layout == "pp2" else run_cli(
+        *TP2PP2, *VALIDATED, f"trainer.max_steps={MAX_STEPS}", run_dir=run_dir)
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    ours = _val_losses(run)
+    assert sorted(ours) == [3, 6, 9]
+    assert ours == pytest.approx(_val_losses(dp2_validated), rel=1e-5)
+    assert run.summary["param_checksum"] == reference.summary["param_checksum"]
+    assert [m["loss"] for m in run.metrics()] == [m["loss"] for m in reference.metrics()]
+
+
+@pytest.mark.slow
+def test_a_stage_restarted_at_a_validation_step_leaves_val_loss_exact(pp2_validated, run_dir):
+    """The last stage of replica 0 is killed at step 6, which carries a validation: the replica's stages redo the
+    step, the validation's forward passes with it, from the same committed weights."""
+    run = run_cli(*PP2, *VALIDATED, f"trainer.max_steps={MAX_STEPS}", "ft=[flashrecovery]", "fault=kill_rank",
+                  "fault.rank=1", "fault.step=6", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed" and len(s["recoveries"]) == 1, run.output[-4000:]
+    assert s["param_checksum"] == pp2_validated.summary["param_checksum"]
+    assert _val_losses(run) == _val_losses(pp2_validated)
 
 
 @pytest.mark.slow

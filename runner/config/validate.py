@@ -182,9 +182,6 @@ def pp_problems(cfg: DictConfig) -> list[str]:
         out.append(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} with parallel.pp={p.pp}: the pipeline "
                    "splits each step's batch into trainer.micro_batches itself; set trainer.accumulate_grad_batches=1 "
                    "and trainer.micro_batches instead.")
-    if t.val_check_interval:
-        out.append(f"trainer.val_check_interval={t.val_check_interval} with parallel.pp={p.pp}: validation runs the "
-                   "whole model's forward, which no stage holds; set trainer.val_check_interval=0 or parallel.pp=1.")
     return out
 
 

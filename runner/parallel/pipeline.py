@@ -12,22 +12,22 @@ equal under the same optimizer step (Megatron's embedding group does the same).
 backwards, so a stage keeps at most ``pp - s`` micro-batches' activations. Sends are posted without
 waiting and waited for at the end of the step; only receives block, so the schedule's own data
 dependencies order the stages and no rank waits on a send. The passed group is one pipeline's ranks
-in stage order (``Topology.pp_group``); the group rank is the stage. torch.distributed.pipelining is
+in stage order (``Topology.pp_group``); the group rank is the stage. ``OneFOneB.forward_only`` runs
+validation batches through the same stages and group, forward only. torch.distributed.pipelining is
 not used because it needs the default process group, which the runner's per-generation groups do
 not have (docs/parallelism.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
-from runner.model import GPT
+from runner.model import GPT, token_loss
 
 
 class GPTStage(nn.Module):
@@ -77,10 +77,33 @@ class GPTStage(nn.Module):
         return name
 
 
+class _Links:
+    """One pass's point-to-point traffic with the neighbouring stages: a send is posted without waiting and its
+    tensor kept alive until ``wait_sends``; a receive blocks, in the stage's dtype and device (those of ``like``)."""
+
+    def __init__(self, group, like: torch.Tensor) -> None:
+        self.group, self.like = group, like
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # the tensor stays alive until its send completes
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        tensor = tensor.contiguous()
+        self.sends.append((self.group.send([tensor], peer, tag), tensor))
+
+    def recv(self, shape: tuple[int, ...], peer: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=self.like.dtype, device=self.like.device)
+        self.group.recv([buf], peer, tag).wait()
+        return buf
+
+    def wait_sends(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends = []
+
+
 class OneFOneB:
     """One training step of a pipeline stage: forward and backward of ``micro_batches`` micro-batches in
     1F1B order over ``group`` (this pipeline's ranks, in stage order), then the tied-embedding gradient
-    exchange between the first and the last stage."""
+    exchange between the first and the last stage; and forward-only passes of validation batches."""
 
     def __init__(self, stage: GPTStage, group, micro_batches: int) -> None:
         if micro_batches < 1:
@@ -102,38 +125,28 @@ class OneFOneB:
         if idx.shape[0] % m:
             raise ValueError(f"a batch of {idx.shape[0]} samples does not split into {m} equal micro-batches.")
         ids, tgts = idx.chunk(m), targets.chunk(m)
-        shape = (ids[0].shape[0], ids[0].shape[1], stage.cfg.d_model)
-        like = next(stage.parameters())  # received activations and gradients: the stage's dtype and device
+        shape = self._activation_shape(ids[0])
+        links = _Links(self.group, next(stage.parameters()))
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
-        sends: list[tuple[dist.Work, torch.Tensor]] = []  # the tensor stays alive until its send completes
         losses: list[torch.Tensor] = []
 
-        def send(tensor: torch.Tensor, peer: int, tag: int) -> None:
-            tensor = tensor.contiguous()
-            sends.append((self.group.send([tensor], peer, tag), tensor))
-
-        def recv(peer: int, tag: int) -> torch.Tensor:
-            buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-            self.group.recv([buf], peer, tag).wait()
-            return buf
-
         def forward(i: int) -> None:
-            x = ids[i] if stage.is_first else recv(self.index - 1, 2 * i).requires_grad_()
+            x = ids[i] if stage.is_first else links.recv(shape, self.index - 1, 2 * i).requires_grad_()
             y = run(x)
             if stage.is_last:
-                y = F.cross_entropy(y.view(-1, y.size(-1)), tgts[i].reshape(-1)) / m
+                y = token_loss(y, tgts[i]) / m
                 losses.append(y.detach())
             else:
-                send(y.detach(), self.index + 1, 2 * i)
+                links.send(y.detach(), self.index + 1, 2 * i)
             inputs[i], outputs[i] = x, y
 
         def backward(i: int) -> None:
             x, y = inputs.pop(i), outputs.pop(i)
-            y.backward(None if stage.is_last else recv(self.index + 1, 2 * i + 1))
+            y.backward(None if stage.is_last else links.recv(shape, self.index + 1, 2 * i + 1))
             if not stage.is_first:
                 assert x.grad is not None  # a received activation requires its gradient
-                send(x.grad, self.index - 1, 2 * i + 1)
+                links.send(x.grad, self.index - 1, 2 * i + 1)
 
         warmup = min(self.stages - self.index - 1, m)
         for i in range(warmup):
@@ -143,10 +156,37 @@ class OneFOneB:
             backward(i)
         for i in range(m - warmup, m):
             backward(i)
-        for work, _ in sends:
-            work.wait()
+        links.wait_sends()
         self._sum_tied_gradients(tag=2 * m)
         return torch.stack(losses).sum() if stage.is_last else None
+
+    def forward_only(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each batch's mean loss on the last stage (a zero on the other stages, so that a sum over the pipeline
+        is the last stage's), forward only and without gradients. Every stage passes the same (``idx``, ``targets``)
+        batches (the inner stages use only their shapes). A batch goes through the stages whole, as one micro-batch,
+        so its loss is computed as the unsharded model computes it, with the same operations on the same shapes.
+        The stages run ahead of each other as far as the receives let them; a stage waits for its sends once
+        ``pp`` are in flight, so it keeps at most that many batches' activations."""
+        stage = self.stage
+        links = _Links(self.group, next(stage.parameters()))
+        losses: list[torch.Tensor] = []
+        with torch.no_grad():
+            for i, (idx, targets) in enumerate(batches):
+                x = idx if stage.is_first else links.recv(self._activation_shape(idx), self.index - 1, i)
+                y = stage(x)
+                if stage.is_last:
+                    losses.append(token_loss(y, targets))
+                    continue
+                links.send(y, self.index + 1, i)
+                losses.append(torch.zeros((), device=y.device))
+                if len(links.sends) >= self.stages:
+                    links.wait_sends()
+        links.wait_sends()
+        return losses
+
+    def _activation_shape(self, idx: torch.Tensor) -> tuple[int, int, int]:
+        """The activations a stage sends for a batch of token ids ``idx``."""
+        return idx.shape[0], idx.shape[1], self.stage.cfg.d_model
 
     def _sum_tied_gradients(self, tag: int) -> None:
         """First and last stage swap their tied copy's gradient and add the other's: both then hold the sum,

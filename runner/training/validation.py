@@ -11,13 +11,15 @@ and the same logical rank, computes the one of the rank it replaces.
 
 The loss of a validation batch is what the module's ``validation_step`` returns (a scalar tensor or
 a dict with ``loss``); ``self.log`` calls inside it are not recorded (Lightning's validation loop
-does not run), ``val/loss`` in metrics.jsonl and the logger is the mean over the batches.
+does not run), ``val/loss`` in metrics.jsonl and the logger is the mean over the batches. With
+pipeline parallelism no stage holds the whole model, so the strategy passes the batches' losses
+in place of ``validation_step`` (``BatchLosses``): the same batches, through the pipeline's stages.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -25,6 +27,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
+
+BatchLosses = Callable[[Iterator[Any]], Iterable[Tensor]]
+"""The loss of each of a rank's validation batches (on its device), in place of the module's ``validation_step``."""
 
 
 class StepValidation:
@@ -48,8 +53,10 @@ class StepValidation:
             raise ValueError(f"trainer.val_check_interval={self.interval} but neither the DataModule nor "
                              f"{type(module).__name__} defines val_dataloader(): add one or set val_check_interval=0.")
 
-    def run(self, trainer: pl.Trainer, module: pl.LightningModule, logical_rank: int, dp: int) -> tuple[float, int]:
-        """This rank's share of one validation: (sum of its batches' losses, their number)."""
+    def run(self, trainer: pl.Trainer, module: pl.LightningModule, logical_rank: int, dp: int,
+            batch_losses: Optional[BatchLosses] = None) -> tuple[float, int]:
+        """This rank's share of one validation: (sum of its batches' losses, their number); each batch's loss is
+        the module's ``validation_step``'s, or ``batch_losses``'."""
         if self._loader is None:
             hook = self._loader_hook(trainer, module)
             assert hook is not None  # check() ran at set-up
@@ -59,8 +66,10 @@ class StepValidation:
         module.eval()
         try:
             with torch.no_grad(), _logging_ignored(module):
-                for i, batch in self._own_batches(logical_rank, dp):
-                    out = module.validation_step(trainer.strategy.batch_to_device(batch), i)
+                own = ((i, trainer.strategy.batch_to_device(batch)) for i, batch in self._own_batches(logical_rank, dp))
+                outs = (module.validation_step(batch, i) for i, batch in own) if batch_losses is None else \
+                    batch_losses(batch for _, batch in own)
+                for out in outs:
                     total += _loss_value(out, type(module).__name__)
                     count += 1
         finally:
