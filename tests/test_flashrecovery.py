@@ -99,6 +99,7 @@ def test_a_rank_that_alone_misses_a_completed_reduction_adopts_the_committed_sta
     assert (laggard["rank"], laggard["step"]) == (1, 9)  # the others had committed step 8
 
 
+@pytest.mark.slow
 def test_a_warm_standby_takes_the_crashed_rank_exactly_and_is_replaced(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "ft.flashrecovery.standby=true", "runner.device=cpu", "fault=kill_rank", "fault.rank=1",
                   "fault.step=10", "+fault.extra=[{kind: kill_rank, rank: 3, step: 22}]", run_dir=run_dir)
