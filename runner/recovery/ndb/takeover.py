@@ -30,7 +30,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from runner.model import GPT, Block
+from runner.model import GPT, Block, token_loss
 from runner.parallel.pipeline import GPTStage
 from runner.parallel.tensor import ColumnParallelLinear, RowParallelLinear, copy_to_tp, reduce_from_tp
 from runner.recovery.ndb.config import NDBConfig
@@ -59,7 +59,7 @@ def extra_microbatch_loss(
     x = model.drop(model.tok_emb(idx) + model.pos_emb(pos))
     x = _through_blocks(_blocks(model), x, cfg, step, svd_cache)
     logits = model.head(model.ln_f(x))
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+    return token_loss(logits, targets)
 
 
 def extra_microbatch_stage(stage: GPTStage, x: torch.Tensor, cfg: NDBConfig, step: int,
