@@ -18,12 +18,12 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from runner.config.validate import (
-    PP_TECHNIQUES,
-    TP_TECHNIQUES,
     dp_size,
     ft_names,
     layout_problems,
+    pp_problems,
     replica_group_problems,
+    tp_problems,
     trained_pp,
     trained_tp,
     world_size,
@@ -194,12 +194,10 @@ def apply_smoke(cfg: DictConfig) -> list[str]:
         why = []
         if tp < p.tp:
             why.append(f"parallel.tp {p.tp} -> {tp} (" + ("the smoke model's heads and the ranks per node allow no more"
-                       if top_tp >= p.tp else f"training runs tp <= 1 with ft={ft_names(cfg)}: tensor parallelism "
-                       f"trains with ft among {list(TP_TECHNIQUES)}") + ")")
+                       if top_tp >= p.tp else f"training runs tp <= 1 here: {tp_problems(cfg)[0]}") + ")")
         if pp < p.pp:
             why.append(f"parallel.pp {p.pp} -> {pp} (" + ("the smoke model's layers and the ranks allow no more"
-                       if top_pp >= p.pp else f"training runs pp <= 1 with ft={ft_names(cfg)}: pipeline parallelism "
-                       f"trains with ft among {list(PP_TECHNIQUES)}") + ")")
+                       if top_pp >= p.pp else f"training runs pp <= 1 here: {pp_problems(cfg)[0]}") + ")")
         if why:
             changes.append(", ".join(why))
             p.tp, p.pp = tp, pp

@@ -34,8 +34,6 @@ from runner.config.schema import (
 )
 from runner.topology import Topology, spare_count
 
-TP_TECHNIQUES = ("flashrecovery", "flash_ckpt", "deadpool", "ndb")  # the ft entries that recover a tensor-parallel run
-PP_TECHNIQUES = TP_TECHNIQUES  # the same ft entries recover a pipeline-parallel run
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
                "wipe_shm", "corrupt_snapshot")
 _TIMED = tuple(k for k in choices(FaultKind) or () if k not in ("none", "chaos"))  # injected at a step or time
@@ -170,12 +168,7 @@ def pp_problems(cfg: DictConfig) -> list[str]:
     if p.pp <= 1:
         return []
     out = _split_model_problems(
-        cfg, "pp", PP_TECHNIQUES,
-        mix="flashrecovery (a crashed rank takes its stage from the replica at the same (pp, tp) coordinate), "
-            "deadpool (a spare host takes a lost host's coordinates, each from the replica at its coordinate), "
-            "flash_ckpt (every rank restores its own stage's snapshot) and ndb (the failed rank's whole replica "
-            "leaves, and the neighbour replica runs its batch through its own pipeline as a second pass of the step)",
-        placed_by="pipeline stage", split="cuts the runner's own GPT into stages", lacks="pipeline stages",
+        cfg, "pp", split="cuts the runner's own GPT into stages", lacks="pipeline stages",
         dropout="the stages draw no dropout stream per micro-batch yet")
     out += ndb_repair_problems(cfg, "pp")
     if t.accumulate_grad_batches > 1:
@@ -205,26 +198,16 @@ def tp_problems(cfg: DictConfig) -> list[str]:
     if cfg.parallel.tp <= 1:
         return []
     return ndb_repair_problems(cfg, "tp") + _split_model_problems(
-        cfg, "tp", TP_TECHNIQUES,
-        mix="flashrecovery (a crashed rank takes its slice of the model from the replica at the same TP "
-            "coordinate), deadpool (a spare host takes a lost host's coordinates, each from the replica at its "
-            "coordinate), flash_ckpt (every rank restores its own snapshot) and ndb (the failed rank's whole replica "
-            "leaves, and each rank of the neighbour replica takes over the rank at its own TP coordinate)",
-        placed_by="TP coordinate", split="slices the runner's own GPT", lacks="tensor-parallel layers",
+        cfg, "tp", split="slices the runner's own GPT", lacks="tensor-parallel layers",
         dropout="the tensor-parallel layers keep no dropout stream per TP rank yet")
 
 
-def _split_model_problems(cfg: DictConfig, dim: str, techniques: tuple[str, ...], *, mix: str, placed_by: str,
-                          split: str, lacks: str, dropout: str) -> list[str]:
-    """The refusals a model split along ``dim`` (tp or pp) shares: techniques that do not place work or state by
-    that coordinate, a user's model the runner cannot split, and dropout."""
+def _split_model_problems(cfg: DictConfig, dim: str, *, split: str, lacks: str, dropout: str) -> list[str]:
+    """The refusals a model split along ``dim`` (tp or pp) shares: a user's model the runner cannot split, and
+    dropout. (Every ft technique places its work and state by (pp, tp) coordinate.)"""
     key = f"parallel.{dim}"
     size = cfg.parallel[dim]
     out = []
-    other = [n for n in ft_names(cfg) if n not in techniques]
-    if other:
-        out.append(f"{key}={size} trains with ft=[], {mix}; {other} do(es) not place work or state by {placed_by} "
-                   f"yet: remove {', '.join(other)} from ft or set {key}=1.")
     if cfg.model._target_:
         out.append(f"{key}={size} {split}; {cfg.model._target_} has no {lacks}: set {key}=1.")
     elif cfg.model.dropout:
