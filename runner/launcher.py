@@ -83,6 +83,10 @@ def check_mode(cfg: DictConfig, kind: str) -> None:
         raise ConfigError(f"launcher.secret_file={cfg.launcher.secret_file} signs the commands to node agents, and "
                           "launcher.mode=per_rank starts none (the launcher owns the processes): drop "
                           "launcher.secret_file.")
+    if (cfg.get("ft") or {}).get("flashrecovery", {}).get("standby"):
+        raise ConfigError(f"ft.flashrecovery.standby=true keeps a warm replacement on each host's node agent, and "
+                          f"launcher.mode=per_rank starts none (under {kind} the launcher restarts ranks itself): set "
+                          "ft.flashrecovery.standby=false, or launcher.mode=per_host.")
     ppn = cfg.parallel.procs_per_node
     for f in all_faults(cfg):
         if f.kind in NO_PER_RANK:

@@ -48,6 +48,7 @@ def _cfg(**keys):
     ({"launcher.secret_file": "/etc/hostname"}, "torchrun", "drop launcher.secret_file"),
     ({"launcher.control_host": "10.0.0.1"}, "torchrun", "drop launcher.control_host"),
     ({"launcher.control_host": "127.0.0.1"}, "local", "drop launcher.control_host"),
+    ({"ft": {"flashrecovery": {"standby": True}}}, "torchrun", "set ft.flashrecovery.standby=false"),
 ])
 def test_what_per_rank_cannot_do_is_refused_before_anything_starts(keys, kind, refused):
     from runner.launcher import check_mode
