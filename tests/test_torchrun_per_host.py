@@ -278,20 +278,21 @@ def _complete_after_losing_host_1(job: Job, hosts: int, *overrides: str) -> tupl
     return s, rest
 
 
-# host 1 lost, a spare host of as many ranks: (layout, its fault-free run, host 1's ranks); at tp=2 host 1 holds
-# replica 1, at tp=2 pp=2 replica 1's two stages; the spare host takes every coordinate, each served by replica 0
+# host 1 lost, a spare host of as many ranks: (layout, its fault-free run, host 1's ranks, the ranks that serve their
+# state); at tp=2 host 1 holds replica 1, at tp=2 pp=2 replica 1's two stages, and the spare host takes every
+# coordinate, each served by replica 0's rank at it (at tp = pp = 1 one coordinate, served by rank 0)
 SPARE_HOST = {
-    "dp4": (LAYOUT, "local_run", [2, 3]),
-    "tp2": ([*on_hosts(TP2), "parallel.spares=2", "ft=[deadpool]"], "tp2", [2, 3]),
+    "dp4": (LAYOUT, "local_run", [2, 3], [0]),
+    "tp2": ([*on_hosts(TP2), "parallel.spares=2", "ft=[deadpool]"], "tp2", [2, 3], [0, 1]),
     "tp2pp2": ([*on_hosts(TP2PP2), f"trainer.max_steps={TP2PP2_STEPS}", "parallel.spares=4", "ft=[deadpool]"],
-               "tp2pp2", [4, 5, 6, 7]),
+               "tp2pp2", [4, 5, 6, 7], [0, 1, 2, 3]),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(SPARE_HOST))
 def test_a_lost_training_host_is_replaced_by_the_spare_host(layout, make_job, request):
-    overrides, fault_free, lost = SPARE_HOST[layout]
+    overrides, fault_free, lost, sources = SPARE_HOST[layout]
     ref = request.getfixturevalue(fault_free).summary
     job = make_job()
     s, rest = _complete_after_losing_host_1(job, 3, *overrides)
@@ -303,6 +304,7 @@ def test_a_lost_training_host_is_replaced_by_the_spare_host(layout, make_job, re
     assigned = events(job.run_dir, "spare_assigned")
     assert sorted(e["logical"] for e in assigned) == lost and {e["node"] for e in assigned} == {2}
     assert sorted(e["rank"] for e in events(job.run_dir, "state_restored")) == lost
+    assert sorted(e["rank"] for e in events(job.run_dir, "state_sent")) == sources
     assert_agents_and_workers_end(job, rest)
 
 
