@@ -356,10 +356,21 @@ def test_flash_ckpt_restores_every_worker_killed_on_every_host_from_memory(make_
     assert_trees_end(job)
 
 
+# two hosts, host 1 lost with its memory: (layout, its fault-free run); at tp=2 host 1 holds replica 1's two TP
+# slices, whose partner copies host 0 holds
+PARTNER_HOST = {
+    "dp4": (FLASH, "local_run"),
+    "tp2": ([*on_hosts(TP2), "ft=[flash_ckpt]", "ft.flash_ckpt.every_n_steps=5"], "tp2"),
+}
+
+
 @pytest.mark.slow
-def test_flash_ckpt_restores_a_lost_hosts_ranks_from_the_partner_hosts_memory(make_job, local_checksum):
+@pytest.mark.parametrize("layout", sorted(PARTNER_HOST))
+def test_flash_ckpt_restores_a_lost_hosts_ranks_from_the_partner_hosts_memory(layout, make_job, request):
+    overrides, fault_free = PARTNER_HOST[layout]
+    ref = request.getfixturevalue(fault_free).summary
     job = make_job()
-    hosts = hosts_behind_the_rendezvous_store(job, 2, *FLASH, "ft.flash_ckpt.persist_every_n_steps=0")
+    hosts = hosts_behind_the_rendezvous_store(job, 2, *overrides, "ft.flash_ckpt.persist_every_n_steps=0")
     wait_for("a snapshot", lambda: max_step(job.run_dir) >= 7, procs=hosts)
     rest = job.lose_host(hosts, 1)
     # its memory goes with it: its ranks' own snapshots and the partner copies it held (one /dev/shm here)
@@ -374,7 +385,7 @@ def test_flash_ckpt_restores_a_lost_hosts_ranks_from_the_partner_hosts_memory(ma
     assert len({e["step"] for e in restored.values()}) == 1
     moved = [e for e in events(job.run_dir, "worker_started") if e["role"] == "restore" and e["rank"] in (2, 3)]
     assert {e["node"] for e in moved} == {0}  # the lost host's ranks restart on its partner host
-    assert s["samples_lost"] == 0 and s["param_checksum"] == local_checksum
+    assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0) and s["param_checksum"] == ref["param_checksum"]
     assert_agents_and_workers_end(job, rest)
 
 
