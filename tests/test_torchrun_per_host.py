@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -30,7 +31,9 @@ from runner.local_hosts import (
 )
 from runner.recovery.flash_names import flash_job_id
 from runner.summary import recovery_entry
-from tests.conftest import run_cli
+from tests.conftest import TP2PP2, TP2PP2_STEPS, Run, run_cli  # and the fixture tp2pp2, tp2pp2's fault-free run
+from tests.test_pp_training import PP2, pp2  # noqa: F401  (pp2: the fixture, pp=2 dp=2's fault-free run)
+from tests.test_tp_training import TP2, assert_replica_taken_over, tp2  # noqa: F401  (tp2: the fixture)
 
 LAYOUT = ["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[flashrecovery,deadpool]",
           "trainer.max_steps=30"]
@@ -40,12 +43,17 @@ SECRET = {"RESILIENT_RUNNER_SECRET": "per-host-test-secret"}  # every host holds
 
 
 @pytest.fixture(scope="module")
-def local_fault_free(tmp_path_factory) -> dict:
-    """The fault-free summary of the same layout (2 training hosts of 2 ranks, 30 steps) under launcher=local;
-    the techniques in ``ft`` do not change a fault-free run's training."""
+def local_run(tmp_path_factory) -> Run:
+    """The fault-free run of the same layout (2 training hosts of 2 ranks, 30 steps) under launcher=local; the
+    techniques in ``ft`` do not change a fault-free run's training."""
     run = run_cli(*BASE, *LAYOUT, run_dir=tmp_path_factory.mktemp("local") / "run")
     assert run.summary["status"] == "completed", run.output[-3000:]
-    return run.summary
+    return run
+
+
+@pytest.fixture(scope="module")
+def local_fault_free(local_run) -> dict:
+    return local_run.summary
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +62,25 @@ def local_checksum(local_fault_free) -> str:
     return local_fault_free["param_checksum"]
 
 
-def three_hosts(job: Job, *overrides: str, layout: list[str] = LAYOUT) -> list:
+def on_hosts(layout: list[str]) -> list[str]:
+    """A layout of the local tests as the overrides of a torchrun tree, which names the recipe itself (BASE)."""
+    return [o for o in layout if o not in BASE]
+
+
+def hosts(job: Job, n: int, *overrides: str) -> list:
+    """``n`` per_host torchrun trees of one job, one process each, started together."""
     rdzv = c10d_rendezvous()
-    return [job.torchrun(3, 1, rdzv, 0, "launcher.mode=per_host", *layout, *overrides, extra_env=SECRET)
-            for _ in range(3)]
+    return [job.torchrun(n, 1, rdzv, 0, "launcher.mode=per_host", *overrides, extra_env=SECRET) for _ in range(n)]
+
+
+def three_hosts(job: Job, *overrides: str, layout: list[str] = LAYOUT) -> list:
+    return hosts(job, 3, *layout, *overrides)
+
+
+def as_run(job: Job) -> Run:
+    """A finished job read as the local tests read a run (summary, events, metrics), so their checks apply."""
+    codes = job.wait()
+    return Run(subprocess.CompletedProcess([], max(codes, key=abs), job.output(), ""), job.run_dir)
 
 
 def hosts_behind_the_rendezvous_store(job: Job, hosts: int, *overrides: str) -> list:
@@ -154,20 +177,37 @@ def test_under_slurm_three_hosts_complete_with_the_local_launchers_checksum(make
     assert_trees_end(job)
 
 
-def test_a_killed_worker_restarts_on_its_own_host_and_loses_nothing(make_job, local_checksum):
+# a worker of node 1 killed: (hosts, layout, its fault-free run, the killed rank, the rank that serves its state, the
+# workers started in all); at pp=2 rank 3 is the last stage of replica 1, served by the replica at its coordinate
+KILLED_WORKER = {
+    "dp4": (3, LAYOUT, "local_run", 3, 0, 4 + 2 + 1),  # the spare host's two warm workers among them
+    "pp2": (2, [*on_hosts(PP2), f"trainer.max_steps={TP2PP2_STEPS}", "ft=[flashrecovery]"], "pp2", 3, 1, 4 + 1),
+}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.slow] if k != "dp4" else [])
+                                    for k in sorted(KILLED_WORKER)])
+def test_a_killed_worker_restarts_on_its_own_host_and_loses_nothing(layout, make_job, request):
+    n, overrides, fault_free, killed, source, started_in_all = KILLED_WORKER[layout]
+    ref = request.getfixturevalue(fault_free).summary
     job = make_job()
-    three_hosts(job, "fault=kill_rank", "fault.rank=3", "fault.step=5")  # logical rank 3 lives on node 1
-    assert job.wait() == [0, 0, 0], job.output()
-    s = summary(job)
+    hosts(job, n, *overrides, "fault=kill_rank", f"fault.rank={killed}", "fault.step=5")
+    run = as_run(job)
+    assert run.returncode == 0, job.output()
+    s = run.summary
     assert s["status"] == "completed", job.output()
     (rec,) = s["recoveries"]
-    assert (rec["fault"], rec["victims"], rec["action"], rec["rpo_steps"]) == ("process_crash", [3], "restart_rank", 0)
-    assert s["param_checksum"] == local_checksum
-    started = events(job.run_dir, "worker_started")
+    assert (rec["fault"], rec["victims"], rec["action"], rec["rpo_steps"]) == (
+        "process_crash", [killed], "restart_rank", 0)
+    assert s["param_checksum"] == ref["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert s["samples_committed"] == ref["samples_committed"]
+    started = run.events("worker_started")
     (joiner,) = [e for e in started if e["role"] == "joiner"]
-    killed_node = next(e["node"] for e in started if e["role"] == "initial" and e["wid"] == 3)
+    killed_node = next(e["node"] for e in started if e["role"] == "initial" and e["wid"] == killed)
     assert joiner["node"] == killed_node == 1  # restarted by host 1's agent; nobody else restarted
-    assert len(started) == 4 + 2 + 1
+    assert len(started) == started_in_all
+    assert [e["rank"] for e in run.events("state_sent")] == [source]
     assert_trees_end(job)
 
 
@@ -238,14 +278,33 @@ def _complete_after_losing_host_1(job: Job, hosts: int, *overrides: str) -> tupl
     return s, rest
 
 
+# host 1 lost, a spare host of as many ranks: (layout, its fault-free run, host 1's ranks, the ranks that serve their
+# state); at tp=2 host 1 holds replica 1, at tp=2 pp=2 replica 1's two stages, and the spare host takes every
+# coordinate, each served by replica 0's rank at it (at tp = pp = 1 one coordinate, served by rank 0)
+SPARE_HOST = {
+    "dp4": (LAYOUT, "local_run", [2, 3], [0]),
+    "tp2": ([*on_hosts(TP2), "parallel.spares=2", "ft=[deadpool]"], "tp2", [2, 3], [0, 1]),
+    "tp2pp2": ([*on_hosts(TP2PP2), f"trainer.max_steps={TP2PP2_STEPS}", "parallel.spares=4", "ft=[deadpool]"],
+               "tp2pp2", [4, 5, 6, 7], [0, 1, 2, 3]),
+}
+
+
 @pytest.mark.slow
-def test_a_lost_training_host_is_replaced_by_the_spare_host(make_job, local_checksum):
+@pytest.mark.parametrize("layout", sorted(SPARE_HOST))
+def test_a_lost_training_host_is_replaced_by_the_spare_host(layout, make_job, request):
+    overrides, fault_free, lost, sources = SPARE_HOST[layout]
+    ref = request.getfixturevalue(fault_free).summary
     job = make_job()
-    s, rest = _complete_after_losing_host_1(job, 3, *LAYOUT)
+    s, rest = _complete_after_losing_host_1(job, 3, *overrides)
     (rec,) = s["recoveries"]
-    assert (rec["fault"], rec["action"], rec["victims"]) == ("node_loss", "swap_spare", [2, 3])
+    assert (rec["fault"], rec["action"], rec["victims"]) == ("node_loss", "swap_spare", lost)
     assert rec["step"] > 3 and rec["rpo_steps"] == 0  # the spares resumed at the step the host was lost in
-    assert s["samples_lost"] == 0 and s["param_checksum"] == local_checksum
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert s["samples_committed"] == ref["samples_committed"] and s["param_checksum"] == ref["param_checksum"]
+    assigned = events(job.run_dir, "spare_assigned")
+    assert sorted(e["logical"] for e in assigned) == lost and {e["node"] for e in assigned} == {2}
+    assert sorted(e["rank"] for e in events(job.run_dir, "state_restored")) == lost
+    assert sorted(e["rank"] for e in events(job.run_dir, "state_sent")) == sources
     assert_agents_and_workers_end(job, rest)
 
 
@@ -267,6 +326,19 @@ def test_ndb_neighbours_take_over_a_lost_hosts_ranks(make_job, local_fault_free)
 
 
 @pytest.mark.slow
+def test_ndb_at_tp2_without_approximations_takes_a_killed_workers_replica_over_exactly(make_job, tp2):  # noqa: F811
+    """Rank 2, TP slice 0 of replica 1 (host 1), killed: its partner rank 3 stops, and host 0's ranks 0 and 1 compute
+    ranks 2 and 3 besides their own, at their own TP coordinates; computed exactly, the fault-free run bit for bit."""
+    job = make_job()
+    hosts(job, 2, *on_hosts(TP2), "ft=[ndb]", "ft.ndb.exact_reference=true",
+          "fault=kill_rank", "fault.rank=2", "fault.step=8")
+    run = as_run(job)
+    s = assert_replica_taken_over(run, tp2.summary, failed=2, stopped=3, neighbours=[(2, 0), (3, 1)])
+    assert s["param_checksum"] == tp2.summary["param_checksum"]
+    assert_trees_end(job)
+
+
+@pytest.mark.slow
 def test_flash_ckpt_restores_every_worker_killed_on_every_host_from_memory(make_job, local_checksum):
     job = make_job()
     rdzv = c10d_rendezvous()
@@ -284,10 +356,21 @@ def test_flash_ckpt_restores_every_worker_killed_on_every_host_from_memory(make_
     assert_trees_end(job)
 
 
+# two hosts, host 1 lost with its memory: (layout, its fault-free run); at tp=2 host 1 holds replica 1's two TP
+# slices, whose partner copies host 0 holds
+PARTNER_HOST = {
+    "dp4": (FLASH, "local_run"),
+    "tp2": ([*on_hosts(TP2), "ft=[flash_ckpt]", "ft.flash_ckpt.every_n_steps=5"], "tp2"),
+}
+
+
 @pytest.mark.slow
-def test_flash_ckpt_restores_a_lost_hosts_ranks_from_the_partner_hosts_memory(make_job, local_checksum):
+@pytest.mark.parametrize("layout", sorted(PARTNER_HOST))
+def test_flash_ckpt_restores_a_lost_hosts_ranks_from_the_partner_hosts_memory(layout, make_job, request):
+    overrides, fault_free = PARTNER_HOST[layout]
+    ref = request.getfixturevalue(fault_free).summary
     job = make_job()
-    hosts = hosts_behind_the_rendezvous_store(job, 2, *FLASH, "ft.flash_ckpt.persist_every_n_steps=0")
+    hosts = hosts_behind_the_rendezvous_store(job, 2, *overrides, "ft.flash_ckpt.persist_every_n_steps=0")
     wait_for("a snapshot", lambda: max_step(job.run_dir) >= 7, procs=hosts)
     rest = job.lose_host(hosts, 1)
     # its memory goes with it: its ranks' own snapshots and the partner copies it held (one /dev/shm here)
@@ -302,7 +385,7 @@ def test_flash_ckpt_restores_a_lost_hosts_ranks_from_the_partner_hosts_memory(ma
     assert len({e["step"] for e in restored.values()}) == 1
     moved = [e for e in events(job.run_dir, "worker_started") if e["role"] == "restore" and e["rank"] in (2, 3)]
     assert {e["node"] for e in moved} == {0}  # the lost host's ranks restart on its partner host
-    assert s["samples_lost"] == 0 and s["param_checksum"] == local_checksum
+    assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0) and s["param_checksum"] == ref["param_checksum"]
     assert_agents_and_workers_end(job, rest)
 
 
