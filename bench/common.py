@@ -53,4 +53,5 @@ def throughput_args(doc: str, steps: int = 80, rounds: int = 3, realistic_steps:
     ap.add_argument("--rounds", type=int, default=rounds)
     if realistic_steps:
         ap.add_argument("--realistic-steps", type=int, default=realistic_steps)
+        ap.add_argument("--realistic-only", action="store_true", help="skip the light workload's runs")
     return ap.parse_args()

@@ -21,17 +21,21 @@ relative to the step as on a GPU cluster: there, gpt13b's plan (tp=8, dp=8, ZeRO
 (a few ms) against a step of ~26 GFLOP per rank (about a second on a shared core). The realistic
 workload compares the ZeRO-1 layouts only (steps: --realistic-steps).
 
-A ratio is taken within each round (candidate / its baseline, run one after the other) and the
-median over rounds is reported: the host's speed drifts between minutes, which the pairing
-cancels. Single rounds still spread by about +-5% here (also for ft=[flashrecovery], whose
-fault-free work is the same as ft=[]'s), so the default is 200 steps (gpt_tiny), 30 (realistic)
-and 5 rounds (~30 minutes on the shared 2-core host: a realistic step takes 1-3 s there).
+Rounds come in pairs: the runs of a round go in the listed order, those of the next round in the
+reverse order, so a drift of the host's speed within a round (which a fixed order turns into a
+bias: the same work ran 3% slower third than first in one run) favours a run in one round of the
+pair as much as it hurts it in the other. A ratio is taken per pair of rounds (the geometric mean of
+its two rounds' candidate / baseline) and the median over pairs is reported. Single rounds spread by
+about +-5% here (also for ft=[flashrecovery], whose fault-free work is the same as ft=[]'s), so the
+default is 200 steps (gpt_tiny), 30 (realistic) and 6 rounds (~30 minutes on the shared 2-core
+host: a realistic step takes 1-3 s there); --realistic-only skips the gpt_tiny runs.
 
-    python bench/overhead.py [--ranks 4] [--steps 200] [--realistic-steps 30] [--rounds 5]
+    python bench/overhead.py [--ranks 4] [--steps 200] [--realistic-steps 30] [--rounds 6] [--realistic-only]
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from common import median_spread, run_cli, steady_steps_per_s, throughput_args
@@ -73,28 +77,40 @@ def measure(steps: int, overrides: list[str]) -> tuple[float, dict]:
     return steady_steps_per_s(metrics, SKIP), summary
 
 
+def pair_ratios(candidate: list[float], base: list[float]) -> list[float]:
+    """candidate / base per pair of rounds (one in each order): the geometric mean of the pair's two ratios."""
+    per_round = [c / b for c, b in zip(candidate, base)]
+    return [math.sqrt(per_round[i] * per_round[i + 1]) for i in range(0, len(per_round) - 1, 2)]
+
+
 def main() -> None:
-    args = throughput_args(__doc__, steps=200, rounds=5, realistic_steps=30)
-    runs = layouts(args.ranks)
+    args = throughput_args(__doc__, steps=200, rounds=6, realistic_steps=30)
+    if args.rounds % 2:
+        raise SystemExit(f"--rounds {args.rounds}: give an even number (rounds run in pairs, one in each order)")
+    runs = {name: overrides for name, overrides in layouts(args.ranks).items()
+            if name.startswith("realistic") or not args.realistic_only}
+    comparisons = [c for c in COMPARISONS if c[0] in runs]
     results: dict[str, list[float]] = {name: [] for name in runs}
     shard_mb: dict[str, float] = {}
-    for _ in range(args.rounds):
-        for name, overrides in runs.items():
+    for round_index in range(args.rounds):
+        ordered = list(runs.items())
+        for name, overrides in ordered if round_index % 2 == 0 else reversed(ordered):
             steps = args.realistic_steps if name.startswith("realistic") else args.steps
             rate, summary = measure(steps, overrides)
             results[name].append(rate)
             if "deadpool" in name:
                 shard_mb[name] = summary.get("replication_bytes_per_step", 0) / summary["world_size"] / 2**20
-    print(f"{args.ranks} ranks, steps {SKIP}..{args.steps} (gpt_tiny, ~128 tokens per rank and step) and "
-          f"{SKIP}..{args.realistic_steps} (realistic: {' '.join(REALISTIC)}, "
-          f"{REALISTIC_SAMPLES_PER_RANK * 512} tokens per rank and step), interleaved rounds: {args.rounds}")
+    tiny = "" if args.realistic_only else f"steps {SKIP}..{args.steps} (gpt_tiny, ~128 tokens per rank and step) and "
+    print(f"{args.ranks} ranks, {tiny}steps {SKIP}..{args.realistic_steps} (realistic: {' '.join(REALISTIC)}, "
+          f"{REALISTIC_SAMPLES_PER_RANK * 512} tokens per rank and step), rounds: {args.rounds}, every other one "
+          "in reverse order")
     for name, values in results.items():
         shard = f"   shard replicated {shard_mb[name]:.2f} MiB per rank and step" if name in shard_mb else ""
         print(f"  {name:32s} steps/s {median_spread(values)}{shard}")
-    for candidate, base, target in COMPARISONS:
-        ratios = [c / b for c, b in zip(results[candidate], results[base])]
+    for candidate, base, target in comparisons:
+        ratios = pair_ratios(results[candidate], results[base])
         print(f"  ratio {candidate} / {base}: {statistics.median(ratios):.3f} "
-              f"(per round {', '.join(f'{r:.3f}' for r in ratios)})   {target}")
+              f"(per pair of rounds {', '.join(f'{r:.3f}' for r in ratios)})   {target}")
 
 
 if __name__ == "__main__":
