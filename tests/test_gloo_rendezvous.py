@@ -1,6 +1,7 @@
 """A gloo group's rendezvous reads every member's address in one batch (``runner.gloo_rendezvous``): 3 store
-operations per member whatever the group's size, counted at the store (``runner.store_counts``) over a real
-TCPStore, and a member that never publishes fails the others' build at the rendezvous timeout, as before."""
+operations per member and gloo device whatever the group's size, counted at the store (``runner.store_counts``)
+over a real TCPStore, and a member that never publishes fails the others' build at the rendezvous timeout, as
+before."""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ def _members(n: int) -> tuple[TCPStore, list]:
     return server, [store_counts.counted(TCPStore("127.0.0.1", server.port, 1, False)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("n", [4, 8])
-def test_each_member_reads_every_address_in_three_store_operations(n, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("n", "interfaces"), [(4, ""), (8, ""), (4, "lo,lo")])  # "lo,lo": two gloo devices
+def test_each_member_reads_every_address_in_three_store_operations(n, interfaces, tmp_path, monkeypatch):
     monkeypatch.setenv(store_counts.ENV, str(tmp_path))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", interfaces)
+    devices = len(interfaces.split(","))
     server, clients = _members(n)
     wait = timedelta(seconds=30)
 
@@ -39,7 +42,7 @@ def test_each_member_reads_every_address_in_three_store_operations(n, tmp_path, 
         totals = list(pool.map(member, range(n)))
     assert totals == [n * (n - 1) / 2] * n
     gloo = [(what, keys) for _t, what, key_class, keys in store_counts.load(tmp_path) if key_class == "gloo"]
-    assert Counter(what for what, _ in gloo) == {"set": n, "wait": n, "multi_get": n}, gloo  # O(1) per member
+    assert Counter(what for what, _ in gloo) == dict.fromkeys(("set", "wait", "multi_get"), n * devices), gloo
     assert all(keys == (1 if what == "set" else n) for what, keys in gloo), gloo  # one wait, one read of N keys
 
 
