@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
 from runner import protocol, store_counts
+from runner.gloo_rendezvous import BatchedAddressStore
 from runner.protocol import Layout
 from runner.topology import Topology
 
@@ -472,7 +473,7 @@ def _opts(op) -> dist.AllreduceOptions:
 
 def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta) -> dist.ProcessGroupGloo:
     """Gloo over loopback (or the interfaces ``GLOO_SOCKET_IFNAME`` names, as torch's default); the rendezvous
-    waits at most ``rendezvous``.
+    waits at most ``rendezvous`` and reads every member's address in one batch (``BatchedAddressStore``).
 
     Pairs connect eagerly even when ``TORCH_GLOO_LAZY_INIT`` is set: dropping a lazily connected group after a
     failed collective can block forever in gloo's teardown (docs/recovery.md, "Why lazy gloo groups stay
@@ -482,6 +483,6 @@ def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: tim
     opts._devices = ([dist.ProcessGroupGloo.create_device(interface=name, lazy_init=False) for name in interfaces]
                      or [dist.ProcessGroupGloo.create_default_device(lazy_init=False)])
     opts._threads, opts._timeout = 2 * len(opts._devices), rendezvous  # torch's defaults
-    pg = dist.ProcessGroupGloo(store, rank, size, opts)
+    pg = dist.ProcessGroupGloo(BatchedAddressStore(store, size), rank, size, opts)
     pg.set_timeout(timeout)
     return pg

@@ -27,7 +27,7 @@ from typing import Optional, TypeVar, cast
 import torch.distributed as dist
 
 ENV = "RUNNER_STORE_COUNTS"
-_files: dict[int, int] = {}  # pid -> descriptor of its record file (a forked child opens its own)
+_files: dict[tuple[int, str], int] = {}  # (pid, directory) -> its record file (a forked child opens its own)
 
 
 def enabled() -> bool:
@@ -36,11 +36,11 @@ def enabled() -> bool:
 
 def record(what: str, key_class: str = "", keys: int = 1) -> None:
     """Append one line to this process's record file (counting must be on)."""
-    pid = os.getpid()
-    fd = _files.get(pid)
+    pid, directory = os.getpid(), os.environ[ENV]
+    fd = _files.get((pid, directory))
     if fd is None:
-        fd = _files[pid] = os.open(os.path.join(os.environ[ENV], f"{pid}.tsv"),
-                                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = _files[pid, directory] = os.open(os.path.join(directory, f"{pid}.tsv"),
+                                              os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     line = f"{time.time():.6f}\t{what}\t{key_class}\t{keys}\t{threading.current_thread().name}\n"
     os.write(fd, line.encode())
 

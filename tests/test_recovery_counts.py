@@ -2,8 +2,9 @@
 
 Two real jobs, of 2 and 4 ranks, each lose a rank to SIGKILL with ``RUNNER_STORE_COUNTS`` set: every process
 records its store operations and new connections, and the counts over the recovery and over fault-free steps
-are checked: recorded, nothing rebuilt or reconnected while healthy, and the group rebuild per member of the
-rebuilt groups no more than linear in N (our own arrivals: constant per member).
+are checked: recorded, nothing rebuilt or reconnected while healthy, and per member of the rebuilt groups the
+group rebuild's store operations constant in N (our arrivals, gloo's batched address read) and its connections no
+more than linear (gloo's full mesh).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def test_recovery_counts_are_recorded_and_grow_at_most_linearly_per_member(tmp_p
     assert large["store_clients"] == small["store_clients"]  # one replacement, whatever N
     per_member = {key: (small[key] / small_members, large[key] / large_members)
                   for key in ("arrival_ops", "group_ops", "group_sockets")}
-    assert per_member["arrival_ops"][1] <= 1.5 * per_member["arrival_ops"][0], per_member  # O(1) per member
-    for key in ("group_ops", "group_sockets"):  # gloo's full mesh: O(N) per member, N/2 = 2 from 2 to 4 ranks
-        assert per_member[key][1] <= 2 * 1.25 * per_member[key][0], per_member
+    for key in ("arrival_ops", "group_ops"):  # O(1) per member
+        assert per_member[key][1] <= 1.5 * per_member[key][0], per_member
+    # gloo's full mesh: O(N) per member, N/2 = 2 from 2 to 4 ranks
+    assert per_member["group_sockets"][1] <= 2 * 1.25 * per_member["group_sockets"][0], per_member
