@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -46,6 +47,15 @@ def test_tensors_and_containers_come_back_exactly() -> None:
     assert again["a"] is again["b"]  # one object sent once, as torch.load gives it back
 
 
-def test_anything_but_plain_containers_is_refused() -> None:
+@dataclass
+class Registered:
+    value: int
+
+
+def test_anything_but_plain_containers_is_refused_unless_registered_as_safe() -> None:
     with pytest.raises(pickle.UnpicklingError, match="only tensors, plain containers"):
-        from_bytes(to_bytes({"f": test_anything_but_plain_containers_is_refused}))
+        from_bytes(to_bytes({"f": test_tensors_and_containers_come_back_exactly}))
+    with pytest.raises(pickle.UnpicklingError, match="Registered"):
+        from_bytes(to_bytes(Registered(3)))
+    with torch.serialization.safe_globals([Registered]):  # as torch.load(weights_only=True) would accept it
+        assert from_bytes(to_bytes(Registered(3))) == Registered(3)

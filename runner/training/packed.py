@@ -4,10 +4,11 @@ data, then each tensor's bytes at an aligned offset.
 State handed between replicas (a Lightning checkpoint, a ZeRO-1 shard, a step's final gradients) is mostly a few
 hundred tensors in nested dicts. ``torch.save`` / ``torch.load(weights_only=True)`` of it cost tens of
 milliseconds for gpt_tiny, nearly all per tensor, in ``torch.load``'s pure-Python unpickler; a recovery pays
-both on its critical path. Here the C pickler writes the containers and, through ``persistent_id``, only a
-(dtype, shape, offset) triple per tensor, while the tensors are copied once into the bytes that follow; the
-receiver's unpickler admits plain containers, torch's dtypes, devices and sizes and nothing else (the guarantee
-``weights_only`` gave: bytes from a peer cannot run code) and rebuilds each tensor from its slice.
+both on its critical path. Here the C pickler writes the containers and, through ``persistent_id``, only an
+(index, dtype, shape, offset) per tensor, while the tensors are copied once into the bytes that follow; the
+receiver's unpickler admits plain containers, torch's dtypes, devices and sizes and what was registered with
+``torch.serialization.add_safe_globals`` and nothing else (the guarantee ``weights_only`` gave: bytes from a peer
+cannot run code) and rebuilds each tensor from its slice.
 """
 
 from __future__ import annotations
@@ -85,11 +86,21 @@ class _TensorUnpickler(pickle.Unpickler):
         return made
 
     def find_class(self, module: str, name: str) -> Any:
-        found = SAFE_GLOBALS.get((module, name))
+        found = SAFE_GLOBALS.get((module, name)) or _user_safe_globals().get(f"{module}.{name}")
         if found is None:
             raise pickle.UnpicklingError(f"{module}.{name} in state from a peer: only tensors, plain containers and "
                                          "torch's dtypes, devices and sizes are accepted")
         return found
+
+
+def _user_safe_globals() -> dict[str, Any]:
+    """What ``torch.serialization.add_safe_globals`` admitted to ``torch.load(weights_only=True)``, admitted here
+    too."""
+    out = {}
+    for entry in torch.serialization.get_safe_globals():
+        obj, name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
+        out[name] = obj
+    return out
 
 
 def to_bytes(obj: Any, device: Any = "cpu") -> Tensor:
