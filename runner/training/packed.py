@@ -122,6 +122,8 @@ def to_bytes(obj: Any, device: Any = "cpu") -> Tensor:
 def from_bytes(data: Tensor, device: Any = "cpu") -> Any:
     """The object ``to_bytes`` packed (trailing padding ignored), its tensors on ``device``."""
     data = data.to(device)
+    if data.storage_offset() % ALIGN:  # the typed views need the packed offsets aligned in memory too
+        data = data.clone()
     size = int(data[:HEADER].cpu().view(torch.int64)[0])
     skeleton = data[HEADER:HEADER + size].cpu().numpy().tobytes()
     return _TensorUnpickler(io.BytesIO(skeleton), data, aligned(HEADER + size)).load()
