@@ -73,6 +73,9 @@ class _TensorPickler(pickle.Pickler):
 
 
 class _TensorUnpickler(pickle.Unpickler):
+    """Rebuilds each tensor from its slice of ``data``; admits no global outside ``SAFE_GLOBALS`` and the
+    user's registered ones."""
+
     def __init__(self, file: io.BytesIO, data: Tensor, base: int) -> None:
         super().__init__(file)
         self.data, self.base = data, base
