@@ -54,8 +54,9 @@ from runner.recovery.hooks import MicroBatchTakeover, UpdateReplication
 from runner.recovery.sdc import GradientGuard
 from runner.status import WorkerStatus
 from runner.training.commit import OnCommit, Recover, StepCommit
+from runner.training.packed import from_bytes, to_bytes
 from runner.training.state import ReplicaState
-from runner.training.transfer import TrainerState, from_bytes, to_bytes
+from runner.training.transfer import TrainerState
 from runner.training.update import CommittedUpdate
 from runner.training.validation import StepValidation
 from runner.zero import ZeroOne
@@ -466,7 +467,7 @@ class ResilientStrategy(ParallelStrategy):
         if self.joining:
             return obj
         dev = self.root_device
-        data = to_bytes(obj).to(dev)
+        data = to_bytes(obj, dev)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
         self.comm.allreduce([size], op=torch.distributed.ReduceOp.MAX)
         padded = torch.zeros(int(size[0]), dtype=torch.uint8, device=dev)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from runner.comm import Comm
-from runner.training.transfer import from_bytes, to_bytes
+from runner.training.packed import from_bytes, to_bytes
 from runner.zero import ShardPlan, ZeroOne
 
 
@@ -37,7 +37,7 @@ def gather_full_state(zero: ZeroOne, rank: int, comm: Comm) -> dict:
     """All-gather every shard of the rank's shard group (collectives of the current generation: every member calls
     this at the same step) and assemble the unsharded optimizer's state_dict; ``rank`` is this member's shard
     index."""
-    data = to_bytes(own_state_by_param(zero, rank)).to(comm.device)
+    data = to_bytes(own_state_by_param(zero, rank), comm.device)
     sizes = comm.allgather_shards(torch.tensor([data.numel()], dtype=torch.int64, device=comm.device))
     width = max(int(s[0]) for s in sizes.values())
     padded = torch.zeros(width, dtype=torch.uint8, device=comm.device)

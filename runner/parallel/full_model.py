@@ -18,7 +18,7 @@ from runner.comm import Comm
 from runner.parallel.generation_group import GenerationGroup
 from runner.parallel.pipeline import GPTStage
 from runner.parallel.tensor import gather_full
-from runner.training.transfer import from_bytes, to_bytes
+from runner.training.packed import from_bytes, to_bytes
 
 MODEL_PREFIX = "model."  # GPTModule's attribute holding the GPT (or, with pp > 1, its stage)
 
@@ -59,7 +59,7 @@ def gather_model(module: nn.Module, comm: Comm) -> dict[str, torch.Tensor]:
 def allgather_objects(obj: Any, group: GenerationGroup) -> list[Any]:
     """Every group member's ``obj`` (tensors and plain containers), in group-rank order."""
     device = group.comm.device
-    data = to_bytes(obj).to(device)
+    data = to_bytes(obj, device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(group.size())]
     group.allgather([sizes], [size])

@@ -1,24 +1,23 @@
 """State transfer between data-parallel replicas: what a replica hands over, and how it travels.
 
-``exchange`` broadcasts a picklable object (a checkpoint, a shard, final gradients) from one member
-of the current group to the others; ``TrainerState`` is this replica's state as recovery code sees
+``exchange`` broadcasts an object of tensors and plain containers (a checkpoint, a shard, final gradients)
+from one member of the current group to the others, packed by ``runner.training.packed`` (the tensors as
+bytes, only the rest pickled); ``TrainerState`` is this replica's state as recovery code sees
 it (``runner.training.state``): dumped from Lightning's checkpoint connector with the corruption
 guard's history, adopted by a laggard, and under ZeRO-1 served shard by shard.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-import torch.utils.serialization.config  # noqa: F401  torch.load's first use would import it during a restore
 from lightning.pytorch import LightningModule
-from torch import Tensor
 
 from runner.comm import Comm
 from runner.recovery.sdc import GradientGuard
+from runner.training.packed import from_bytes, to_bytes
 from runner.training.update import CommittedUpdate
 from runner.zero import ZeroOne
 
@@ -31,7 +30,7 @@ def exchange(comm: Comm, obj: Any, src_pg_rank: int, *, receive: bool) -> Any:
     size = torch.zeros(1, dtype=torch.int64, device=dev)
     payload = None
     if comm.rank == src_pg_rank:
-        payload = to_bytes(obj).to(dev)
+        payload = to_bytes(obj, dev)
         size[0] = payload.numel()
     comm.broadcast(size, src_pg_rank)
     if payload is None:
@@ -39,18 +38,7 @@ def exchange(comm: Comm, obj: Any, src_pg_rank: int, *, receive: bool) -> Any:
     comm.broadcast(payload, src_pg_rank)
     if not receive:
         return None
-    return from_bytes(payload, map_location=dev)
-
-
-def to_bytes(obj: Any) -> Tensor:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-
-
-def from_bytes(data: Tensor, map_location: Any = "cpu") -> Any:
-    """Bytes from a replica of this job: tensors and plain containers only (weights_only)."""
-    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True, map_location=map_location)
+    return from_bytes(payload, dev)
 
 
 class TrainerState:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-ALIGN = 8  # byte offsets stay aligned so a slice can be viewed as any dtype
+from runner.training.packed import aligned, typed_view
 
 
 @dataclass
@@ -60,7 +60,7 @@ def describe(params: list[Tensor], optimizer: torch.optim.Optimizer) -> ShardLay
                 values[(pos, key)] = value
         for key, t in tensors:
             entries.append((pos, key, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
-            offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+            offset += aligned(t.numel() * t.element_size())
     return ShardLayout(entries, values, offset)
 
 
@@ -81,7 +81,7 @@ class ShardPacker:
         if self.buffer.numel() < prefix + layout.nbytes:
             self.buffer, self._entries = torch.empty(prefix + layout.nbytes, dtype=torch.uint8), ()
         if self._entries != (prefix, layout.entries):
-            self._views = [_typed(self.buffer, dtype, shape, prefix + offset)
+            self._views = [typed_view(self.buffer, dtype, shape, prefix + offset)
                            for _, _, dtype, shape, offset in layout.entries]
             self._entries = (prefix, layout.entries)
         state = optimizer.state
@@ -90,19 +90,12 @@ class ShardPacker:
         return self.buffer[: prefix + layout.nbytes]
 
 
-def _typed(data: Tensor, dtype: str, shape: tuple[int, ...], offset: int) -> Tensor:
-    """The bytes of one packed tensor as a tensor of its dtype and shape (a view of ``data``)."""
-    dt = getattr(torch, dtype)
-    n = int(torch.Size(shape).numel()) * dt.itemsize
-    return data[offset:offset + n].view(dt).reshape(shape)
-
-
 def unpack(layout: ShardLayout, data: Tensor, gen: int) -> ShardState:
     """Fresh tensors (never views of ``data``, which the next replication overwrites)."""
     params: dict[int, Tensor] = {}
     state: dict[int, dict[str, Any]] = defaultdict(dict)
     for pos, key, dtype, shape, offset in layout.entries:
-        t = _typed(data, dtype, shape, offset).clone()
+        t = typed_view(data, dtype, shape, offset).clone()
         if key == "":
             params[pos] = t
         else:
