@@ -70,3 +70,31 @@ def test_a_repaired_rank_rejoins_from_a_peer_and_the_takeover_ends(fault_free, r
     assert s["param_checksum"]  # every replica, the rejoined one included, ends bit-identical
     (takeover,) = s["takeovers"]
     assert takeover["extra_ranks"] == [1] and 0 < takeover["steps_taken_over"] < 40 - 8
+
+
+# -- ZeRO-1 with DeadPool: the holder of the failed rank's shard replica carries the shard -------------------------
+ZERO_NDB = ["+recipe=gpt_tiny", "trainer.max_steps=20", "parallel.nodes=2", "parallel.procs_per_node=1",
+            "parallel.zero=1", "ft=[ndb,deadpool]", "policy.process_crash=[takeover]", "ft.ndb.exact_reference=true"]
+MASTER = ["trainer.precision=bf16-true", "trainer.master_weights=true"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", [[], MASTER], ids=["fp32", "master_weights"])
+def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(precision, tmp_path_factory):
+    # rank 1 dies at step 8: rank 0 computes its micro-batch too (exactly: every approximation off) and, holding the
+    # replica of its shard (Adam moments, fp32 masters with master weights), updates that shard every step and sends
+    # it in the all-gather: the run ends with the fault-free run's parameters bit for bit
+    fault_free = run_cli(*ZERO_NDB, *precision, run_dir=tmp_path_factory.mktemp("ff") / "run")
+    assert fault_free.summary["status"] == "completed", fault_free.output[-4000:]
+    run = run_cli(*ZERO_NDB, *precision, "fault=kill_rank", "fault.rank=1", "fault.step=8",
+                  run_dir=tmp_path_factory.mktemp("fault") / "run")
+    s, ref = run.summary, fault_free.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == ref["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert (s["global_step"], s["samples_committed"]) == (ref["global_step"], ref["samples_committed"])
+    assert all(m["counts"] == [1, 1] for m in run.metrics())
+    (rec,) = s["recoveries"]
+    assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("takeover", [1], 0)
+    assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, 8)]
+    assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
