@@ -207,7 +207,7 @@ class ZeroOne:
         carrying a shard no longer in ``carriers`` (its owner is back)."""
         self.carriers = dict(carriers)
         self._carried = {s: c for s, c in self._carried.items() if self.carriers.get(s) == self._rank}
-        width = max(sum(self.params[i].numel() for s in self._sent_by(r) for i in self.plan.flat_shard(s))
+        width = max(sum(self.params[i].numel() for s in self.sent_by(r) for i in self.plan.flat_shard(s))
                     for r in range(self.plan.dp) if r not in self.carriers)
         if width != self._send.numel():
             self._send = torch.zeros(max(1, width), dtype=self._send.dtype, device=self._send.device)
@@ -263,7 +263,7 @@ class ZeroOne:
                 self.params[i].copy_(master)
                 master.grad = None
 
-    def _sent_by(self, rank: int) -> list[int]:
+    def sent_by(self, rank: int) -> list[int]:
         """The shards member ``rank`` sends in the all-gather: its own, then those it carries."""
         return [rank] + sorted(s for s, c in self.carriers.items() if c == rank)
 
@@ -271,7 +271,7 @@ class ZeroOne:
         """All-gather over the shard group: every member sends its own shard (and those it carries) and copies the
         others' into its parameters."""
         offset = 0
-        for shard in self._sent_by(self._rank):
+        for shard in self.sent_by(self._rank):
             for i in self.plan.flat_shard(shard):
                 n = self.params[i].numel()
                 self._send[offset:offset + n].copy_(self.params[i].detach().reshape(-1))
@@ -282,7 +282,7 @@ class ZeroOne:
                 if owner == self._rank:
                     continue
                 offset = 0
-                for shard in self._sent_by(owner):
+                for shard in self.sent_by(owner):
                     for i in self.plan.flat_shard(shard):
                         p = self.params[i]
                         p.copy_(flat[offset:offset + p.numel()].view_as(p))
