@@ -79,14 +79,16 @@ MASTER = ["trainer.precision=bf16-true", "trainer.master_weights=true"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", [[], MASTER], ids=["fp32", "master_weights"])
-def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(precision, tmp_path_factory):
+@pytest.mark.parametrize("precision, repair", [([], []), (MASTER, []), ([], ["ft.ndb.repair_after_s=0"])],
+                         ids=["fp32", "master_weights", "repaired"])
+def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(precision, repair, tmp_path_factory):
     # rank 1 dies at step 8: rank 0 computes its micro-batch too (exactly: every approximation off) and, holding the
     # replica of its shard (Adam moments, fp32 masters with master weights), updates that shard every step and sends
-    # it in the all-gather: the run ends with the fault-free run's parameters bit for bit
+    # it in the all-gather: the run ends with the fault-free run's parameters bit for bit. Repaired, rank 1 rejoins
+    # with the carried shard as it is then, and the run is still the fault-free one.
     fault_free = run_cli(*ZERO_NDB, *precision, run_dir=tmp_path_factory.mktemp("ff") / "run")
     assert fault_free.summary["status"] == "completed", fault_free.output[-4000:]
-    run = run_cli(*ZERO_NDB, *precision, "fault=kill_rank", "fault.rank=1", "fault.step=8",
+    run = run_cli(*ZERO_NDB, *precision, *repair, "fault=kill_rank", "fault.rank=1", "fault.step=8",
                   run_dir=tmp_path_factory.mktemp("fault") / "run")
     s, ref = run.summary, fault_free.summary
     assert s["status"] == "completed", run.output[-4000:]
@@ -98,3 +100,6 @@ def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(
     assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("takeover", [1], 0)
     assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, 8)]
     assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
+    if repair:
+        assert [e["logical"] for e in run.events("rejoined")] == [1]
+        assert [(e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(0, 0)]
