@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -216,9 +216,9 @@ class ZeroOne:
         return shard in self._carried
 
     def carry(self, shard: int, params: list[Tensor], state: dict) -> None:
-        """Take over shard ``shard``'s updates from a copy of it (``params`` and ``state`` as
-        ``own_optimizer_params`` and the optimizer's state_dict of its owner have them); its values go into the
-        module's parameters, as an update leaves them."""
+        """Take over shard ``shard``'s updates from a copy of it (``params`` as its owner's ``own_optimizer_params``,
+        ``state`` its optimizer state by position, as DeadPool's replica holds them: ``ShardState``); its values go
+        into the module's parameters, as an update leaves them."""
         indices = self.plan.flat_shard(shard)
         groups = [g for g, idx in enumerate(self.plan.shard(shard)) for _ in idx]
         if self.master_weights:
@@ -253,6 +253,15 @@ class ZeroOne:
         state = carried.optimizer.state
         return ([t.detach() for t in carried.tensors],
                 {pos: dict(state[t]) for pos, t in enumerate(carried.tensors) if state[t]})
+
+    def carried_state_by_param(self) -> dict[int, dict]:
+        """The carried shards' optimizer state by parameter index, as their owners' state_dicts would give it (with
+        master weights, each master as ``MASTER_KEY``): a checkpoint's gathered optimizer state holds them too."""
+        out = {}
+        for shard, carried in self._carried.items():
+            for pos, state in self.shard_state_dict(*self.carried_shard(shard)).items():
+                out[carried.indices[pos]] = state
+        return out
 
     def _round_carried(self, carried: CarriedShard) -> None:
         """With master weights, the carried fp32 masters rounded into the module's 16-bit parameters."""
@@ -300,7 +309,7 @@ class CarriedShard:
     optimizer: torch.optim.Optimizer
 
 
-def optimizer_like(template: torch.optim.Optimizer, params: list[Tensor], groups: list[int],
+def optimizer_like(template: torch.optim.Optimizer, params: Sequence[Tensor], groups: list[int],
                    state: dict[int, dict[str, Any]]) -> torch.optim.Optimizer:
     """A fresh optimizer of ``template``'s kind and hyper-parameters over ``params`` (``groups[pos]``: the template's
     group of the parameter at ``pos``), with ``state`` by position (cloned). Its update is the template's very math;

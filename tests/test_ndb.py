@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import run_cli
 
@@ -100,6 +101,15 @@ def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(
     assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("takeover", [1], 0)
     assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, 8)]
     assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
+    # the checkpoint written while rank 0 carries rank 1's shard holds that shard's optimizer state too
+    assert _optimizer_state(run) == _optimizer_state(fault_free)
     if repair:
         assert [e["logical"] for e in run.events("rejoined")] == [1]
         assert [(e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(0, 0)]
+
+
+def _optimizer_state(run) -> dict:
+    """The last checkpoint's (unsharded) optimizer state, each tensor as bytes, for an exact comparison."""
+    ckpt = torch.load(run.dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    return {pos: {k: v.float().numpy().tobytes() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            for pos, state in ckpt["optimizer_states"][0]["state"].items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runner.checkpoint.zero_state import own_state_by_param
 from runner.recovery.deadpool.shard_state import ShardPacker, UpdateRecord, describe, replay, unpack
 from runner.zero import ShardPlan, ZeroOne
 
@@ -149,6 +150,11 @@ def test_a_carried_shard_is_updated_as_its_owner_would_update_it_bit_for_bit(mas
     assert state.keys() == want_state.keys()
     for pos, values in want_state.items():
         assert all(torch.equal(torch.as_tensor(state[pos][k]), torch.as_tensor(v)) for k, v in values.items())
+    # a checkpoint gathers the carried shard's state as its owner's, fp32 masters included
+    carried, owned = own_state_by_param(carrier, 0), own_state_by_param(owner, 1)
+    assert set(owned) <= set(carried) and all(owned[i].keys() == carried[i].keys() for i in owned)
+    for i, values in owned.items():
+        assert all(torch.equal(torch.as_tensor(carried[i][k]), torch.as_tensor(v)) for k, v in values.items())
     carrier.set_carriers({})  # the owner has a process again
     assert not carrier.carries(1)
 
