@@ -52,12 +52,16 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
     ``no_snapshots``: logical ranks NDB neighbours compute, which write no flash snapshots of their own."""
     fault, cls, victims = classify(dead=dead, hung=hung, lost_nodes=lost_nodes, lost_ranks=lost_ranks,
                                    survivors=survivors, spares=spares)
-    lost_shards = shards_without_copy(cfg, ft, victims)
+    lost_shards = shards_without_copy(cfg, ft, victims, covered=no_snapshots)
     if lost_shards and cls != "transient":
         cls = "replica_lost"  # ZeRO-1: no live process holds these ranks' optimizer shards
-    copies = ("their only copy (DeadPool's replica on the next node)" if replicates_shards(ft) or not lost_shards
-              or Topology.from_cfg(cfg).replica_groups == 1 else "every copy (the same shard in the other DP replica "
-              "groups)")
+    if replicates_shards(ft) and no_snapshots:
+        copies = (f"any copy: DeadPool's replication is suspended while NDB covers logical rank(s) "
+                  f"{sorted(no_snapshots)}, so a failure after the takeover cannot be recovered from a replica")
+    elif replicates_shards(ft) or not lost_shards or Topology.from_cfg(cfg).replica_groups == 1:
+        copies = "their only copy (DeadPool's replica on the next node)"
+    else:
+        copies = "every copy (the same shard in the other DP replica groups)"
     what = _what(fault, cls, victims, lost_nodes, spares, lost_shards, copies)
     row = policy.table(cfg, ft)[cls]
     situation = Situation(ft=ft, cfg=cfg, can_restart=can_restart, victims=victims, lost_nodes=lost_nodes,
@@ -80,15 +84,17 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
     return Decision(fault, "fail", victims, _unhandled(fault, cls, victims, lost_nodes, spares, ft), cls)
 
 
-def shards_without_copy(cfg, ft: list[str], victims: list[int]) -> list[int]:
+def shards_without_copy(cfg, ft: list[str], victims: list[int], covered: Sequence[int] = ()) -> list[int]:
     """ZeRO-1: the failed ranks whose optimizer shard no live process holds. Its copies are the replica
     a strategy in ``ft`` keeps on the holder (``Topology.replica_holder``), if one does, else the same shard
-    in the other DP replica groups (``Topology.shard_copies``), if there are any."""
+    in the other DP replica groups (``Topology.shard_copies``), if there are any. While NDB neighbours compute
+    the ``covered`` ranks, the holders of their replicas carry their shards and DeadPool replicates nothing
+    (``ShardReplication``): no failed rank's shard has a copy."""
     if not victims or not cfg.get("parallel", {}).get("zero", 0):
         return []
     topology = Topology.from_cfg(cfg)
     if replicates_shards(ft):
-        return topology.shards_without_copy(victims)
+        return sorted(victims) if covered else topology.shards_without_copy(victims)
     lost = set(victims)
     return sorted(v for v in lost if all(c in lost for c in topology.shard_copies(v)))
 

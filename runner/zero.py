@@ -23,11 +23,19 @@ so a checkpoint or a replica's state restores them exactly.
 
 Ownership is a pure function of the module's parameter list, the optimizer's groups and the DP
 size, so every process (a spare too) computes the same plan without talking to anyone.
+
+When NDB takes a failed rank over (at tp = pp = 1, with DeadPool's replicas), the rank that held the replica of
+its shard *carries* that shard: it rebuilds the shard from the replica (``carry``), updates it after its own every
+step with the same full gradients and the optimizer's hyper-parameters of the step (``step_carried``, a fresh
+optimizer of the same kind: the very same update math) and sends it in the all-gather with its own. Who carries
+which shard (``carriers``) follows from the generation's layout, so every member unpacks the same messages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -92,6 +100,8 @@ class ZeroOne:
         self._send = torch.zeros(self._width, dtype=self.params[0].dtype, device=self.params[0].device)
         self.stale = False  # other owners' parameters are one update behind until the next sync
         self._rank = -1
+        self.carriers: dict[int, int] = {}  # NDB: a failed rank's shard -> the shard index of the rank carrying it
+        self._carried: dict[int, CarriedShard] = {}  # the shards this rank carries, by shard index
 
     @property
     def rank(self) -> int:
@@ -191,22 +201,124 @@ class ZeroOne:
             for i, value in zip(self.plan.flat_shard(self._rank), params):
                 self.params[i].copy_(value)
 
+    # -- NDB: the shards of failed ranks, carried by the holders of their replicas ------------------------------
+    def set_carriers(self, carriers: dict[int, int]) -> None:
+        """Who carries which failed rank's shard in this generation (the same on every member); this rank stops
+        carrying a shard no longer in ``carriers`` (its owner is back)."""
+        self.carriers = dict(carriers)
+        self._carried = {s: c for s, c in self._carried.items() if self.carriers.get(s) == self._rank}
+        width = max(sum(self.params[i].numel() for s in self.sent_by(r) for i in self.plan.flat_shard(s))
+                    for r in range(self.plan.dp) if r not in self.carriers)
+        if width != self._send.numel():
+            self._send = torch.zeros(max(1, width), dtype=self._send.dtype, device=self._send.device)
+
+    def carries(self, shard: int) -> bool:
+        return shard in self._carried
+
+    def carry(self, shard: int, params: list[Tensor], state: dict) -> None:
+        """Take over shard ``shard``'s updates from a copy of it (``params`` as its owner's ``own_optimizer_params``,
+        ``state`` its optimizer state by position, as DeadPool's replica holds them: ``ShardState``); its values go
+        into the module's parameters, as an update leaves them."""
+        indices = self.plan.flat_shard(shard)
+        groups = [g for g, idx in enumerate(self.plan.shard(shard)) for _ in idx]
+        if self.master_weights:
+            tensors = [p.detach().clone() for p in params]
+        else:
+            tensors = [self.params[i] for i in indices]
+            with torch.no_grad():
+                for t, value in zip(tensors, params):
+                    t.copy_(value)
+        optimizer = optimizer_like(self.optimizer, tensors, groups, state)
+        self._carried[shard] = CarriedShard(indices, tensors, optimizer)
+        self._round_carried(self._carried[shard])
+
+    def step_carried(self) -> None:
+        """Update every carried shard as its owner would have: with its part of the full gradients and this step's
+        hyper-parameters (after this rank's own update)."""
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        for carried in self._carried.values():
+            if self.master_weights:  # else the tensors are the module's parameters, with their gradients
+                for i, master in zip(carried.indices, carried.tensors):
+                    grad = self.params[i].grad
+                    master.grad = None if grad is None else grad.float()
+            for group, h in zip(carried.optimizer.param_groups, hyper):
+                group.update(h)
+            type(carried.optimizer).step(carried.optimizer)
+            self._round_carried(carried)
+
+    def carried_shard(self, shard: int) -> tuple[list[Tensor], dict]:
+        """A carried shard as its owner's ``own_optimizer_params`` and optimizer state (by position) would give it,
+        for the owner's replacement."""
+        carried = self._carried[shard]
+        state = carried.optimizer.state
+        return ([t.detach() for t in carried.tensors],
+                {pos: dict(state[t]) for pos, t in enumerate(carried.tensors) if state[t]})
+
+    def carried_state_by_param(self) -> dict[int, dict]:
+        """The carried shards' optimizer state by parameter index, as their owners' state_dicts would give it (with
+        master weights, each master as ``MASTER_KEY``): a checkpoint's gathered optimizer state holds them too."""
+        out = {}
+        for shard, carried in self._carried.items():
+            for pos, state in self.shard_state_dict(*self.carried_shard(shard)).items():
+                out[carried.indices[pos]] = state
+        return out
+
+    def _round_carried(self, carried: CarriedShard) -> None:
+        """With master weights, the carried fp32 masters rounded into the module's 16-bit parameters."""
+        if not self.master_weights:
+            return
+        with torch.no_grad():
+            for i, master in zip(carried.indices, carried.tensors):
+                self.params[i].copy_(master)
+                master.grad = None
+
+    def sent_by(self, rank: int) -> list[int]:
+        """The shards member ``rank`` sends in the all-gather: its own, then those it carries."""
+        return [rank] + sorted(s for s, c in self.carriers.items() if c == rank)
+
     def sync(self, comm) -> None:
-        """All-gather over the shard group: every member sends its own shard and copies the others' into its
-        parameters."""
+        """All-gather over the shard group: every member sends its own shard (and those it carries) and copies the
+        others' into its parameters."""
         offset = 0
-        for i in self.plan.flat_shard(self._rank):
-            n = self.params[i].numel()
-            self._send[offset:offset + n].copy_(self.params[i].detach().reshape(-1))
-            offset += n
+        for shard in self.sent_by(self._rank):
+            for i in self.plan.flat_shard(shard):
+                n = self.params[i].numel()
+                self._send[offset:offset + n].copy_(self.params[i].detach().reshape(-1))
+                offset += n
         gathered = comm.allgather_shards(self._send)
         with torch.no_grad():
             for owner, flat in gathered.items():
                 if owner == self._rank:
                     continue
                 offset = 0
-                for i in self.plan.flat_shard(owner):
-                    p = self.params[i]
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                for shard in self.sent_by(owner):
+                    for i in self.plan.flat_shard(shard):
+                        p = self.params[i]
+                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
         self.stale = False
+
+
+@dataclass
+class CarriedShard:
+    """A failed rank's shard that this rank updates in its place: the module's parameter indices, the tensors its
+    optimizer steps (the module's parameters, or fp32 masters) and that optimizer."""
+
+    indices: list[int]
+    tensors: list[Tensor]
+    optimizer: torch.optim.Optimizer
+
+
+def optimizer_like(template: torch.optim.Optimizer, params: Sequence[Tensor], groups: list[int],
+                   state: dict[int, dict[str, Any]]) -> torch.optim.Optimizer:
+    """A fresh optimizer of ``template``'s kind and hyper-parameters over ``params`` (``groups[pos]``: the template's
+    group of the parameter at ``pos``), with ``state`` by position (cloned). Its update is the template's very math;
+    step it with ``type(opt).step(opt)``, as the template's own ``step`` may be wrapped."""
+    opt = copy.copy(template)  # a new optimizer object: defaults only, no parameters, no state, no wrappers
+    opt.param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in template.param_groups]
+    opt.state = defaultdict(dict)
+    for pos, p in enumerate(params):
+        opt.param_groups[groups[pos]]["params"].append(p)
+    for pos, p in enumerate(params):
+        opt.state[p] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.get(pos, {}).items()}
+    return opt

@@ -77,7 +77,7 @@ def test_recipe_override_of_parallel_group_is_honoured():
         (["parallel.zero=2"], "parallel.zero=2"),
         (["parallel.zero=1", "ft=flashrecovery"], "add deadpool to ft"),
         (["parallel.zero=1", "ft=deadpool", "parallel.spares=1"], "parallel.nodes >= 2"),
-        (["parallel.zero=1", "parallel.nodes=2", "parallel.procs_per_node=1", "ft=[deadpool,ndb]"], "ft=ndb yet"),
+        (["parallel.zero=1", "parallel.nodes=2", "parallel.procs_per_node=1", "ft=[ndb]"], "add deadpool to ft"),
         (["parallel.zero=1", "ft=[flashrecovery,flash_ckpt]"], "only DeadPool's replicas"),
         (["fault=kill_rank", "fault.during=replication"], "during=replication"),
         (["fault=kill_rank", "fault.during=after_reduce"], "during=after_reduce"),
@@ -98,6 +98,10 @@ def test_impossible_or_unsupported_configs_fail_with_what_to_change(overrides, e
     ["parallel.zero=1"],  # no fault tolerance
     ["parallel.zero=1", "parallel.nodes=2", "parallel.spares=1", "ft=[flashrecovery,deadpool]"],
     ["parallel.zero=1", "ft=[flash_ckpt]"],
+    # NDB takes a failed rank over, and the holder of its shard's replica updates the shard in its place
+    ["parallel.zero=1", "parallel.nodes=2", "parallel.procs_per_node=1", "ft=[ndb,deadpool]"],
+    ["parallel.zero=1", "parallel.nodes=2", "parallel.procs_per_node=1", "ft=[ndb,deadpool]",
+     "trainer.precision=bf16-true", "trainer.master_weights=true"],
 ])
 def test_zero1_trains_alone_or_with_deadpool(overrides):
     validate(_compose("+recipe=gpt_tiny", *overrides))

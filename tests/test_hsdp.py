@@ -79,7 +79,7 @@ def test_what_replica_groups_and_zero1_at_pp2_train_with_validates(overrides):
     (["parallel.dp_group_size=2"], "but parallel.zero=0 shards nothing: set parallel.zero=1 or "
                                    "parallel.dp_group_size=0"),
     ([*HSDP, "ft=[flashrecovery,deadpool]"], "remove deadpool from ft or set parallel.dp_group_size=0"),
-    ([*HSDP, "ft=[flashrecovery,ndb]"], "ft=ndb yet"),
+    ([*HSDP, "ft=[flashrecovery,ndb]"], "parallel.zero=1 with ft=ndb: a neighbour taking over"),
 ])
 def test_what_replica_groups_do_not_make_work_is_refused_with_the_reason(overrides, says):
     with pytest.raises(ConfigError) as refused:

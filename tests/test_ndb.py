@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import run_cli
 
@@ -70,3 +71,45 @@ def test_a_repaired_rank_rejoins_from_a_peer_and_the_takeover_ends(fault_free, r
     assert s["param_checksum"]  # every replica, the rejoined one included, ends bit-identical
     (takeover,) = s["takeovers"]
     assert takeover["extra_ranks"] == [1] and 0 < takeover["steps_taken_over"] < 40 - 8
+
+
+# -- ZeRO-1 with DeadPool: the holder of the failed rank's shard replica carries the shard -------------------------
+ZERO_NDB = ["+recipe=gpt_tiny", "trainer.max_steps=20", "parallel.nodes=2", "parallel.procs_per_node=1",
+            "parallel.zero=1", "ft=[ndb,deadpool]", "policy.process_crash=[takeover]", "ft.ndb.exact_reference=true"]
+MASTER = ["trainer.precision=bf16-true", "trainer.master_weights=true"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, repair", [([], []), (MASTER, []), ([], ["ft.ndb.repair_after_s=0"])],
+                         ids=["fp32", "master_weights", "repaired"])
+def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(precision, repair, tmp_path_factory):
+    # rank 1 dies at step 8: rank 0 computes its micro-batch too (exactly: every approximation off) and, holding the
+    # replica of its shard (Adam moments, fp32 masters with master weights), updates that shard every step and sends
+    # it in the all-gather: the run ends with the fault-free run's parameters bit for bit. Repaired, rank 1 rejoins
+    # with the carried shard as it is then, and the run is still the fault-free one.
+    fault_free = run_cli(*ZERO_NDB, *precision, run_dir=tmp_path_factory.mktemp("ff") / "run")
+    assert fault_free.summary["status"] == "completed", fault_free.output[-4000:]
+    run = run_cli(*ZERO_NDB, *precision, *repair, "fault=kill_rank", "fault.rank=1", "fault.step=8",
+                  run_dir=tmp_path_factory.mktemp("fault") / "run")
+    s, ref = run.summary, fault_free.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == ref["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert (s["global_step"], s["samples_committed"]) == (ref["global_step"], ref["samples_committed"])
+    assert all(m["counts"] == [1, 1] for m in run.metrics())
+    (rec,) = s["recoveries"]
+    assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("takeover", [1], 0)
+    assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, 8)]
+    assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
+    # the checkpoint written while rank 0 carries rank 1's shard holds that shard's optimizer state too
+    assert _optimizer_state(run) == _optimizer_state(fault_free)
+    if repair:
+        assert [e["logical"] for e in run.events("rejoined")] == [1]
+        assert [(e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(0, 0)]
+
+
+def _optimizer_state(run) -> dict:
+    """The last checkpoint's (unsharded) optimizer state, each tensor as bytes, for an exact comparison."""
+    ckpt = torch.load(run.dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    return {pos: {k: v.float().numpy().tobytes() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            for pos, state in ckpt["optimizer_states"][0]["state"].items()}

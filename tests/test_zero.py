@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runner.checkpoint.zero_state import own_state_by_param
 from runner.recovery.deadpool.shard_state import ShardPacker, UpdateRecord, describe, replay, unpack
 from runner.zero import ShardPlan, ZeroOne
 
@@ -84,6 +85,78 @@ def test_a_shard_is_lost_only_with_its_holder_or_without_deadpool():
     assert shards_without_copy(cfg, ["deadpool"], [4, 0]) == [4]  # wraps around: rank 4's holder is rank 0
     assert shards_without_copy(cfg, ["flash_ckpt"], [1]) == [1]  # nothing replicates shards
     assert shards_without_copy(OmegaConf.create({"parallel": {"zero": 0}}), [], [1]) == []
+
+
+def test_while_ndb_covers_a_rank_no_shard_has_a_copy_and_a_second_failure_is_not_recovered():
+    from runner.decision import decide, shards_without_copy
+    from tests.test_config import _compose
+
+    cfg = _compose("+recipe=gpt_tiny", "parallel.zero=1", "parallel.nodes=3", "parallel.procs_per_node=1",
+                   "ft=[ndb,deadpool]")
+    ft = ["ndb", "deadpool"]
+    assert shards_without_copy(cfg, ft, [0]) == []  # rank 0's replica is on rank 1
+    assert shards_without_copy(cfg, ft, [0], covered=[2]) == [0]  # NDB covers rank 2: replication is suspended
+    crash = dict(ft=ft, cfg=cfg, dead=[0], hung=False, lost_nodes=[], lost_ranks=[], survivors=[1], restarts_left=3)
+    assert decide(**crash).action != "fail"
+    second = decide(**crash, no_snapshots=[2])
+    assert (second.action, second.fault_class) == ("fail", "replica_lost")
+    assert "replication is suspended while NDB covers logical rank(s) [2]" in second.reason
+
+
+def _shard_copy(zero: ZeroOne) -> tuple[list[torch.Tensor], dict]:
+    """A copy of a rank's shard as DeadPool's replica holds it: the tensors its optimizer steps, their state."""
+    own = zero.own_optimizer_params()
+    return [p.detach().clone() for p in own], {pos: dict(zero.optimizer.state[p]) for pos, p in enumerate(own)}
+
+
+@pytest.mark.parametrize("master_weights", [False, True], ids=["fp32", "master_weights"])
+def test_a_carried_shard_is_updated_as_its_owner_would_update_it_bit_for_bit(master_weights):
+    """NDB: rank 0 carries rank 1's shard from a copy of it; from then on both update it alike."""
+    ranks = []
+    for r in range(2):
+        module = _module().to(torch.bfloat16) if master_weights else _module()
+        zero = ZeroOne(module, _adamw(module), dp=2, master_weights=master_weights)
+        zero.shard_for(r)
+        ranks.append(zero)
+
+    def step(zeros: list[ZeroOne], grads: list[torch.Tensor]) -> None:
+        for zero in zeros:
+            for p, g in zip(zero.params, grads):
+                p.grad = g.clone()
+            zero.optimizer.step()
+            zero.step_carried()
+            for shard in zero.sent_by(zero.rank):  # the all-gather, by hand
+                for i in zero.plan.flat_shard(shard):
+                    for other in zeros:
+                        other.params[i].data.copy_(zero.params[i].data)
+
+    torch.manual_seed(1)
+    dtype = ranks[0].params[0].dtype
+    for _ in range(2):
+        step(ranks, [torch.randn(p.shape).to(dtype) for p in ranks[0].params])
+    owner, carrier = ranks[1], ranks[0]
+    carrier.set_carriers({1: 0})
+    assert carrier.sent_by(0) == [0, 1]
+    carrier.carry(1, *_shard_copy(owner))
+    assert carrier.carries(1)
+    for _ in range(3):
+        grads = [torch.randn(p.shape).to(dtype) for p in carrier.params]
+        step([carrier], grads)
+        step([owner], grads)
+    for i in owner.plan.flat_shard(1):
+        assert torch.equal(carrier.params[i], owner.params[i])
+    (params, state), (want_params, want_state) = carrier.carried_shard(1), _shard_copy(owner)  # what a replacement gets
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params))
+    assert state.keys() == want_state.keys()
+    for pos, values in want_state.items():
+        assert all(torch.equal(torch.as_tensor(state[pos][k]), torch.as_tensor(v)) for k, v in values.items())
+    # a checkpoint gathers the carried shard's state as its owner's, fp32 masters included
+    carried, owned = own_state_by_param(carrier, 0), own_state_by_param(owner, 1)
+    assert set(owned) <= set(carried) and all(owned[i].keys() == carried[i].keys() for i in owned)
+    for i, values in owned.items():
+        assert all(torch.equal(torch.as_tensor(carried[i][k]), torch.as_tensor(v)) for k, v in values.items())
+    carrier.set_carriers({})  # the owner has a process again
+    assert not carrier.carries(1)
 
 
 def test_replication_failing_twice_in_one_healthy_group_fails_the_run():

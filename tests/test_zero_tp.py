@@ -164,7 +164,8 @@ def test_the_plan_counts_bf16_weights_and_gradients_and_fp32_masters_and_moments
 @pytest.mark.parametrize("overrides, says", [
     (["trainer.precision=bf16-true", "trainer.master_weights=true"], "set parallel.zero=1"),
     (["parallel.zero=1", "trainer.master_weights=true"], "set trainer.precision=bf16-true"),
-    ([*TP2[1:], *MASTER, "ft=[ndb]"], "with ft=ndb: a neighbour taking over a failed rank's work would need"),
+    ([*TP2[1:], *MASTER, "ft=[ndb]"], "only DeadPool's per-step replica keeps a copy of it: add deadpool to ft"),
+    ([*TP2[1:], *MASTER, "ft=[ndb,deadpool]"], "carries a failed rank's shard at parallel.tp=1 parallel.pp=1 only"),
     ([*MASTER, "ft=[flashrecovery]"], "add deadpool to ft"),
     ([*TP2[1:], "parallel.zero=1", "ft=[flashrecovery]"], "add deadpool to ft"),
 ])

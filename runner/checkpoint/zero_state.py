@@ -28,9 +28,11 @@ def _unsharded_position(plan: ShardPlan) -> dict[int, int]:
 
 
 def own_state_by_param(zero: ZeroOne, rank: int) -> dict[int, Any]:
-    """This rank's optimizer state, keyed by parameter index instead of the shard's own numbering."""
+    """This rank's optimizer state, keyed by parameter index instead of the shard's own numbering, with the state
+    of the shards it carries for failed ranks (NDB)."""
     state = zero.optimizer.state_dict()["state"]
-    return {i: state[k] for k, i in enumerate(zero.plan.flat_shard(rank)) if k in state}
+    own = {i: state[k] for k, i in enumerate(zero.plan.flat_shard(rank)) if k in state}
+    return {**own, **zero.carried_state_by_param()}
 
 
 def gather_full_state(zero: ZeroOne, rank: int, comm: Comm) -> dict:

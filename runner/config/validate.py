@@ -310,9 +310,17 @@ def zero_problems(cfg: DictConfig) -> list[str]:
               "replica group of that many ranks then holds a copy of every shard"
               + (f"; parallel.dp_group_size={p.dp_group_size} is the whole DP dimension, one group)"
                  if p.dp_group_size else ")"))
-    if "ndb" in names:
-        out.append("parallel.zero=1 is not supported with ft=ndb yet (the neighbour would need the failed rank's "
-                   "optimizer shard): remove ndb from ft or set parallel.zero=0.")
+    if "ndb" in names and "deadpool" not in names:
+        out.append("parallel.zero=1 with ft=ndb: a neighbour taking over a failed rank's micro-batches leaves that "
+                   "rank's ZeRO-1 optimizer shard (its Adam moments, and fp32 masters with trainer.master_weights) "
+                   "without an owner, and only DeadPool's per-step replica keeps a copy of it: add deadpool to ft (the "
+                   "holder of the replica then updates the shard in the failed rank's place), or set parallel.zero=0.")
+    elif "ndb" in names and p.tp * p.pp > 1:
+        out.append(f"parallel.zero=1 with ft=ndb and ft=deadpool carries a failed rank's shard at parallel.tp=1 "
+                   f"parallel.pp=1 only: with parallel.tp={p.tp} parallel.pp={p.pp} NDB's takeover leaves each "
+                   "(pp, tp) coordinate's DP group without the failed replica's member, and the shard all-gather over "
+                   "the DP groups cannot send a carried shard in its place yet: set parallel.tp=1 parallel.pp=1, "
+                   "remove ndb from ft, or set parallel.zero=0.")
     if "deadpool" not in names and "flash_ckpt" not in names and not (grouped and "flashrecovery" in names):
         out.append(f"parallel.zero=1 shards the optimizer state, so a failed rank's shard exists nowhere else and "
                    f"ft={names} cannot rebuild it: add deadpool to ft (it replicates every shard to a neighbour each "
@@ -335,7 +343,7 @@ def zero_problems(cfg: DictConfig) -> list[str]:
 
 def master_weight_problems(cfg: DictConfig) -> list[str]:
     """trainer.master_weights: fp32 masters of bf16 parameters, kept in the ZeRO-1 shard (``runner.zero``)."""
-    t, names = cfg.trainer, ft_names(cfg)
+    t = cfg.trainer
     if not t.master_weights:
         return []
     out = []
@@ -347,11 +355,6 @@ def master_weight_problems(cfg: DictConfig) -> list[str]:
                    f"trainer.precision={t.precision}: set trainer.precision=bf16-true (16-true would need loss "
                    "scaling, which the runner does not do; under 32-true or a -mixed precision the fp32 weights are "
                    "already the optimizer's own).")
-    if "ndb" in names:
-        out.append("trainer.master_weights=true with ft=ndb: a neighbour taking over a failed rank's work would need "
-                   "that rank's ZeRO-1 shard (its fp32 masters and Adam moments), which NDB does not hand over (only "
-                   "DeadPool's replica and the shard in another DP replica group do): remove ndb from ft or set "
-                   "trainer.master_weights=false.")
     return out
 
 

@@ -170,6 +170,7 @@ class StepCommit:
                 self.status.phase = "sync"
                 zero.sync(self.comm)
             except CollectiveFailure as err:
+                self.reducer.disarm()  # armed before the step began; the new layout may take over micro-batches
                 self.recover_from(err)
 
     def recover_from(self, err: CollectiveFailure) -> None:

@@ -3,8 +3,8 @@
 ``optimizer.step`` is routed through ``CommittedUpdate.apply`` (``gate``): the update is skipped when
 a recovery already gave this replica the step's committed state (a laggard that adopted a peer's
 state, or finished its update from a peer's final gradients); under ZeRO-1 each rank updates its own
-shard (``ZeroOne``), a technique's ``UpdateReplication`` around it, and everyone's parameters are
-synced at the next step.
+shard (``ZeroOne``) and any shard it carries for a failed rank (NDB), a technique's ``UpdateReplication``
+around it, and everyone's parameters are synced at the next step.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class CommittedUpdate:
             self.replication.wait_previous()
             self.replication.record(gen)
         inner()
+        self.zero.step_carried()
         self.zero.stale = True
         if self.replication is not None:
             self.replication.start(gen)
@@ -65,6 +66,7 @@ class CommittedUpdate:
         if self.replication is not None:
             self.replication.record(self._global_step() + 1)
         self._inner()
+        self.zero.step_carried()
         self.zero.stale = True
         self._skip = True
 

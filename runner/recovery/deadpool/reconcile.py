@@ -12,11 +12,13 @@ its committed step count. With sharded state the replica-wide hand-over of ZeRO-
    (``ShardReplicator.replica_of``, which replays at most the updates whose copy was in flight
    when the owner died) when DeadPool replicates shards, else from the rank at the same shard index
    in another DP replica group (``Topology.replica_group_peer``), which holds the same shard; a joiner
-   whose every copy is lost too has no source for it, and the run fails with that reason;
-3. everyone runs the parameter sync: each owner's current shard reaches every member, so members
+   whose every copy is lost too has no source for it, and the run fails with that reason (a joiner whose
+   rank NDB covered until now gets the shard its replica's holder carried: ``ZeroOne.carry``);
+3. the shard of each rank NDB covers is carried by the holder of its replica (``_carry_covered_shards``);
+4. everyone runs the parameter sync: each owner's current shard reaches every member, so members
    that were in different collectives when the fault struck (one in the sync, the others already
    in the reduction) all leave the recovery up to date, and the sync is never retried alone;
-4. joiners receive the source's Lightning state (taken after the sync) with their own shard's
+5. joiners receive the source's Lightning state (taken after the sync) with their own shard's
    optimizer state put in.
 
 With tensor or pipeline parallelism a member's parameters, gradients and shard plan are those of its
@@ -63,6 +65,7 @@ def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, tab
             sharded.zero.load_own(shard.params)
             events.emit("shard_restored", gen=comm.gen, step=newest, holder=holder,
                         replayed_updates=shard.gen - shard.base_gen)
+    _carry_covered_shards(comm, sharded, newest, events)
     sharded.zero.sync(comm)
     ckpt = None
     for src, receivers in _by_source(source, joiners):
@@ -73,6 +76,36 @@ def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, tab
     assert shard is not None
     sharded.adopt_shard_state(ckpt, sharded.zero.shard_state_dict(shard.params, shard.state))
     return ckpt
+
+
+def _carry_covered_shards(comm: Comm, sharded: ShardedState, gen: int, events: EventLog) -> None:
+    """NDB (tp = pp = 1): the shard of each rank a neighbour covers is carried by the holder of its replica, which
+    rebuilds it from the replica (after ``gen`` updates) the first time; a shard whose owner has a process again is
+    no longer carried. Every member learns the carriers from the layout, for the all-gather."""
+    layout, replicator, zero = comm.joined, sharded.replicator, sharded.zero
+    covered = sorted(r for extra in layout.extra for r in extra)
+    if covered and replicator is None:
+        raise RunFailedError(f"NDB covers logical rank(s) {covered}, but nothing replicates their ZeRO-1 optimizer "
+                             "shards (add deadpool to ft)")
+    carriers = {}
+    for lrank in covered:
+        holder = replicator.holder(lrank)
+        if holder not in layout.logical:
+            raise RunFailedError(f"logical rank {lrank}'s ZeRO-1 optimizer shard was lost with its replica on logical "
+                                 f"rank {holder}: no member of generation {comm.gen} can carry it")
+        carriers[comm.coords_of(lrank)[0]] = comm.coords_of(holder)[0]
+    zero.set_carriers(carriers)
+    for lrank in covered:
+        shard = comm.coords_of(lrank)[0]
+        if carriers[shard] != zero.rank or zero.carries(shard):
+            continue
+        try:
+            copy = replicator.replica_of(lrank, gen)
+        except ReplicaLost as err:
+            raise RunFailedError(f"logical rank {lrank}'s optimizer shard cannot be rebuilt to carry: {err}") from None
+        zero.carry(shard, copy.params, copy.state)
+        events.emit("shard_carried", gen=comm.gen, step=gen, logical=lrank, replayed_updates=copy.gen - copy.base_gen,
+                    reason="NDB covers this rank: the holder of its shard's replica updates the shard in its place")
 
 
 def _sources(comm: Comm, table: list[list[int]], newest: int, receivers: list[int]) -> dict[int, int]:
@@ -124,6 +157,9 @@ def _fetch_shard(comm: Comm, sharded: ShardedState, lrank: int, joiners: list[in
         if replicator is None:
             own = sharded.own_shard()
             payload = ShardState(gen, own["params"], own["state"], gen).to_payload()
+        elif sharded.zero.carries(comm.coords_of(lrank)[0]):  # NDB covered it until now: the carried shard is current
+            params, state = sharded.zero.carried_shard(comm.coords_of(lrank)[0])
+            payload = ShardState(gen, params, state, gen).to_payload()
         else:
             try:
                 payload = replicator.replica_of(lrank, gen).to_payload()

@@ -1,7 +1,7 @@
 """DeadPool's update hook under ZeRO-1: every update's shard is copied to its holder (``ShardReplicator``).
 
 Before an update the previous copy must be complete and what a replay of the update needs is kept;
-after it the new shard's copy starts, and overlaps the next step.
+after it the new shard's copy starts, and overlaps the next step. While NDB covers a failed rank nothing is copied.
 """
 
 from __future__ import annotations
@@ -17,12 +17,31 @@ class ShardReplication:
     def __init__(self, replicator: ShardReplicator, comm: Comm, events: EventLog) -> None:
         self.replicator, self.comm, self.events = replicator, comm, events
         self._failed_in: int | None = None  # group generation of the last failed exchange
+        self._suspended_in = -1  # the last generation whose replication NDB's takeover suspended
 
     def start(self, gen: int) -> None:
-        self.replicator.start(self.comm, gen)
+        if not self._suspended():
+            self.replicator.start(self.comm, gen)
 
     def record(self, gen: int) -> None:
-        self.replicator.record(self.comm.logical_rank, gen)
+        if not self._suspended():
+            self.replicator.record(self.comm.logical_rank, gen)
+
+    def _suspended(self) -> bool:
+        """While NDB covers failed ranks, the holders of their replicas carry their shards (``ZeroOne.carry``) and
+        the ring of holders has gaps: nothing is replicated until every rank has a process of its own again, and
+        the controller counts no shard as having a copy (``runner.decision.shards_without_copy``)."""
+        layout = self.comm.joined
+        if not layout.takeovers:
+            return False
+        if self._suspended_in != layout.gen and self.comm.rank == 0:
+            covered = sorted(r for extra in layout.extra for r in extra)
+            self.events.emit("replication_suspended", gen=layout.gen, covered=covered, reason=(
+                f"NDB covers logical rank(s) {covered}, whose shards the holders of their replicas carry: no ZeRO-1 "
+                "shard has a copy until they have processes again, so a further failure cannot be recovered from a "
+                "replica"))
+        self._suspended_in = layout.gen
+        return True
 
     def wait_previous(self) -> None:
         """The previous exchange must be complete before the shard changes again. A failed one is logged

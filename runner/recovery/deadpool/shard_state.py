@@ -8,7 +8,6 @@ replacement needs them, possibly replaying the updates it missed (``replay``).
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 from torch import Tensor
 
 from runner.training.packed import aligned, typed_view
+from runner.zero import optimizer_like
 
 
 @dataclass
@@ -121,13 +121,7 @@ def replay(template: torch.optim.Optimizer, shard: ShardState, groups: list[int]
     ``groups[pos]`` is the optimizer group of the shard's parameter at ``pos`` (positions are group-major).
     """
     params = [torch.nn.Parameter(t.clone()) for t in shard.params]
-    opt = copy.copy(template)  # a new optimizer object: defaults only, no parameters, no state, no wrappers
-    opt.param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in template.param_groups]
-    opt.state = defaultdict(dict)
-    for pos, p in enumerate(params):
-        opt.param_groups[groups[pos]]["params"].append(p)
-    for pos, p in enumerate(params):
-        opt.state[p] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in shard.state.get(pos, {}).items()}
+    opt = optimizer_like(template, params, groups, shard.state)
     gen = shard.gen
     for record in records:
         if record.gen != gen + 1:
