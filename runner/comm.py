@@ -208,12 +208,16 @@ class Comm:
         assert self.topology is not None
         lists = {"tp": self.topology.tp_group, "pp": self.topology.pp_group, "dp": self.topology.dp_group,
                  "shard": self.topology.shard_group}
-        # a replica NDB took over has no member: the DP group is the live replicas (a live one is complete)
-        ranks = [r for r in lists[dim](self.logical_rank) if r in self.joined.logical]
+        ranks = self._live(lists[dim](self.logical_rank))
         prefix = PrefixStore(f"pg/{self.joined.gen}/{dim}/{ranks[0]}/", self.store)
         rank, size = ranks.index(self.logical_rank), len(ranks)
         self._arrive(prefix, wait, rank, size)
         return self._backend_group(prefix, rank, size, wait)
+
+    def _live(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that are members of the generation: a replica NDB took over has no member, so its DP
+        group is the live replicas (a live one is complete), in the same order."""
+        return [r for r in ranks if r in self.joined.logical]
 
     def _backend_group(self, prefix: PrefixStore, rank: int, size: int, wait: timedelta):
         """The run's backend over ``prefix``: NCCL with the collective timeout, or gloo."""
@@ -381,13 +385,16 @@ class Comm:
         return out
 
     def allgather_replicas(self, tensor: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Every model replica's ``tensor`` by DP coordinate (ZeRO-1's shards): over the DP group with tp > 1,
-        whose group rank is the DP coordinate, else over the world, each member's by its logical rank."""
+        """Every live model replica's ``tensor`` by DP coordinate (ZeRO-1's shards): over the DP group with tp*pp > 1,
+        whose members are the live replicas in DP order (a replica NDB took over has none), else over the world, each
+        member's by its logical rank."""
         if self.dp_pg is None:
             return {self.joined.logical[r]: t for r, t in enumerate(self.allgather(tensor))}
-        out = [torch.empty_like(tensor) for _ in range(self.dp_size)]
+        assert self.topology is not None
+        replicas = [self.coords_of(r)[0] for r in self._live(self.topology.dp_group(self.logical_rank))]
+        out = [torch.empty_like(tensor) for _ in replicas]
         self._run([lambda pg: self._reduction_pg(pg).allgather([out], [tensor])])
-        return dict(enumerate(out))
+        return dict(zip(replicas, out))
 
     def allgather_shards(self, tensor: torch.Tensor) -> dict[int, torch.Tensor]:
         """Every ZeRO-1 shard's ``tensor`` by shard index: over the shard group with DP replica groups, whose group

@@ -24,11 +24,12 @@ so a checkpoint or a replica's state restores them exactly.
 Ownership is a pure function of the module's parameter list, the optimizer's groups and the DP
 size, so every process (a spare too) computes the same plan without talking to anyone.
 
-When NDB takes a failed rank over (at tp = pp = 1, with DeadPool's replicas), the rank that held the replica of
-its shard *carries* that shard: it rebuilds the shard from the replica (``carry``), updates it after its own every
-step with the same full gradients and the optimizer's hyper-parameters of the step (``step_carried``, a fresh
-optimizer of the same kind: the very same update math) and sends it in the all-gather with its own. Who carries
-which shard (``carriers``) follows from the generation's layout, so every member unpacks the same messages.
+When NDB takes a failed rank over (with DeadPool's replicas), the rank that held the replica of its shard *carries*
+that shard (at tp*pp > 1 within each (pp, tp) coordinate's DP group, whose shard indices are DP coordinates): it
+rebuilds the shard from the replica (``carry``), updates it after its own every step with the same full gradients
+and the optimizer's hyper-parameters of the step (``step_carried``, a fresh optimizer of the same kind: the very same
+update math) and sends it in the all-gather with its own. Who carries which shard (``carriers``) follows from the
+generation's layout, so every member unpacks the same messages.
 """
 
 from __future__ import annotations

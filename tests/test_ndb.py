@@ -113,3 +113,35 @@ def _optimizer_state(run) -> dict:
     ckpt = torch.load(run.dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     return {pos: {k: v.float().numpy().tobytes() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
             for pos, state in ckpt["optimizer_states"][0]["state"].items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split, killed, replica", [
+    (["parallel.procs_per_node=2", "parallel.tp=2"], 2, [2, 3]),
+    (["parallel.procs_per_node=2", "parallel.pp=2"], 2, [2, 3]),
+    (["parallel.procs_per_node=4", "parallel.tp=2", "parallel.pp=2"], 6, [4, 5, 6, 7]),
+], ids=["tp2", "pp2", "tp2_pp2"])
+def test_zero1_takeover_of_a_split_replica_carries_each_coordinates_shard_exactly(split, killed, replica,
+                                                                                 tmp_path_factory):
+    # dp=2 replicas of TP slices and/or pipeline stages on 2 nodes: a rank of replica 1 dies at step 8, its partners
+    # stop, and replica 0 computes replica 1 besides its own; at each (pp, tp) coordinate the holder of the failed
+    # replica's rank there (replica 0's rank at that coordinate) carries that rank's shard of its part of the model:
+    # the run ends with the fault-free run's parameters bit for bit
+    layout = [*ZERO_NDB, "parallel.nodes=2", *split]
+    fault_free = run_cli(*layout, run_dir=tmp_path_factory.mktemp("ff") / "run")
+    assert fault_free.summary["status"] == "completed", fault_free.output[-4000:]
+    run = run_cli(*layout, "fault=kill_rank", f"fault.rank={killed}", "fault.step=8",
+                  run_dir=tmp_path_factory.mktemp("fault") / "run")
+    s, ref = run.summary, fault_free.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert s["param_checksum"] == ref["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert (s["global_step"], s["samples_committed"]) == (ref["global_step"], ref["samples_committed"])
+    assert all(m["counts"] == [1, 1] for m in run.metrics())
+    stopped = sorted((e["wid"], e["failed"]) for e in run.events("replica_stopped"))
+    assert stopped == [(r, killed) for r in replica if r != killed]
+    (rec,) = s["recoveries"]
+    assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("takeover", [killed], 0)
+    assert sorted((e["logical"], e["step"]) for e in run.events("shard_carried")) == [(r, 8) for r in replica]
+    assert [e["covered"] for e in run.events("replication_suspended")] == [replica]
+    assert _optimizer_state(run) == _optimizer_state(fault_free)

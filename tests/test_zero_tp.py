@@ -165,7 +165,6 @@ def test_the_plan_counts_bf16_weights_and_gradients_and_fp32_masters_and_moments
     (["trainer.precision=bf16-true", "trainer.master_weights=true"], "set parallel.zero=1"),
     (["parallel.zero=1", "trainer.master_weights=true"], "set trainer.precision=bf16-true"),
     ([*TP2[1:], *MASTER, "ft=[ndb]"], "only DeadPool's per-step replica keeps a copy of it: add deadpool to ft"),
-    ([*TP2[1:], *MASTER, "ft=[ndb,deadpool]"], "carries a failed rank's shard at parallel.tp=1 parallel.pp=1 only"),
     ([*MASTER, "ft=[flashrecovery]"], "add deadpool to ft"),
     ([*TP2[1:], "parallel.zero=1", "ft=[flashrecovery]"], "add deadpool to ft"),
 ])
@@ -177,6 +176,8 @@ def test_what_zero_and_master_weights_do_not_train_is_refused(overrides, says):
 @pytest.mark.parametrize("overrides", [
     TP2[1:], [*TP2[1:], "ft=[flash_ckpt]"], [], [*TP2[1:], "ft=[deadpool]"], [*TP2[1:], "ft=[flashrecovery,deadpool]"],
     [*TP2[1:3], "parallel.dp_group_size=2", "ft=[flashrecovery]"],  # dp=4 in two replica groups
+    # NDB takes the failed replica over; at each (pp, tp) coordinate the holder of a rank's replica carries its shard
+    [*TP2[1:], "ft=[ndb,deadpool]"], [*TP2[1:3], "parallel.pp=2", "ft=[ndb,deadpool]"],
 ])
 def test_zero1_trains_at_tp2_and_with_master_weights(overrides):
     validate(_compose("+recipe=gpt_tiny", "parallel.zero=1", *overrides))

@@ -315,12 +315,6 @@ def zero_problems(cfg: DictConfig) -> list[str]:
                    "rank's ZeRO-1 optimizer shard (its Adam moments, and fp32 masters with trainer.master_weights) "
                    "without an owner, and only DeadPool's per-step replica keeps a copy of it: add deadpool to ft (the "
                    "holder of the replica then updates the shard in the failed rank's place), or set parallel.zero=0.")
-    elif "ndb" in names and p.tp * p.pp > 1:
-        out.append(f"parallel.zero=1 with ft=ndb and ft=deadpool carries a failed rank's shard at parallel.tp=1 "
-                   f"parallel.pp=1 only: with parallel.tp={p.tp} parallel.pp={p.pp} NDB's takeover leaves each "
-                   "(pp, tp) coordinate's DP group without the failed replica's member, and the shard all-gather over "
-                   "the DP groups cannot send a carried shard in its place yet: set parallel.tp=1 parallel.pp=1, "
-                   "remove ndb from ft, or set parallel.zero=0.")
     if "deadpool" not in names and "flash_ckpt" not in names and not (grouped and "flashrecovery" in names):
         out.append(f"parallel.zero=1 shards the optimizer state, so a failed rank's shard exists nowhere else and "
                    f"ft={names} cannot rebuild it: add deadpool to ft (it replicates every shard to a neighbour each "

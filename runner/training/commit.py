@@ -112,6 +112,7 @@ class StepCommit:
         t0 = time.perf_counter()
         redo = False
         if failed is not None:
+            self.reducer.disarm()  # armed before the failed forward; the new layout may take over micro-batches
             self.recover_from(failed)
             if self.update.skip_pending:
                 return False

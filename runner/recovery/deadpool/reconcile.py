@@ -79,21 +79,23 @@ def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, tab
 
 
 def _carry_covered_shards(comm: Comm, sharded: ShardedState, gen: int, events: EventLog) -> None:
-    """NDB (tp = pp = 1): the shard of each rank a neighbour covers is carried by the holder of its replica, which
-    rebuilds it from the replica (after ``gen`` updates) the first time; a shard whose owner has a process again is
-    no longer carried. Every member learns the carriers from the layout, for the all-gather."""
+    """NDB: the shard of each rank a neighbour covers is carried by the holder of its replica, which rebuilds it from
+    the replica (after ``gen`` updates) the first time; a shard whose owner has a process again is no longer carried.
+    Every member learns its shard group's carriers from the layout, for the all-gather. With tp*pp > 1 NDB covers
+    whole replicas and each (pp, tp) coordinate carries its own: the holder at the coordinate of a covered rank (in
+    the same DP group) carries that rank's shard of the coordinate's slice of the model."""
     layout, replicator, zero = comm.joined, sharded.replicator, sharded.zero
     covered = sorted(r for extra in layout.extra for r in extra)
     if covered and replicator is None:
         raise RunFailedError(f"NDB covers logical rank(s) {covered}, but nothing replicates their ZeRO-1 optimizer "
                              "shards (add deadpool to ft)")
-    carriers = {}
     for lrank in covered:
-        holder = replicator.holder(lrank)
-        if holder not in layout.logical:
+        if (holder := replicator.holder(lrank)) not in layout.logical:
             raise RunFailedError(f"logical rank {lrank}'s ZeRO-1 optimizer shard was lost with its replica on logical "
                                  f"rank {holder}: no member of generation {comm.gen} can carry it")
-        carriers[comm.coords_of(lrank)[0]] = comm.coords_of(holder)[0]
+    here = comm.coords_of(comm.logical_rank)[1:]
+    covered = [r for r in covered if comm.coords_of(r)[1:] == here]  # the covered ranks of this rank's DP group
+    carriers = {comm.coords_of(lrank)[0]: comm.coords_of(replicator.holder(lrank))[0] for lrank in covered}
     zero.set_carriers(carriers)
     for lrank in covered:
         shard = comm.coords_of(lrank)[0]
