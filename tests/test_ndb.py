@@ -87,9 +87,21 @@ def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(
     # replica of its shard (Adam moments, fp32 masters with master weights), updates that shard every step and sends
     # it in the all-gather: the run ends with the fault-free run's parameters bit for bit. Repaired, rank 1 rejoins
     # with the carried shard as it is then, and the run is still the fault-free one.
-    fault_free = run_cli(*ZERO_NDB, *precision, run_dir=tmp_path_factory.mktemp("ff") / "run")
+    run = _exact_zero1_takeover([*ZERO_NDB, *precision], repair, 1, tmp_path_factory)
+    assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, 8)]
+    assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
+    if repair:
+        assert [e["logical"] for e in run.events("rejoined")] == [1]
+        assert [(e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(0, 0)]
+
+
+def _exact_zero1_takeover(layout: list[str], extra: list[str], killed: int, tmp_path_factory):
+    """``layout`` run fault-free and with rank ``killed`` killed at step 8 (plus ``extra``): the killed run, checked
+    to be the fault-free one bit for bit (parameters, and the last checkpoint's optimizer state, written while a
+    holder carried the shard), with exact sample accounting and one takeover."""
+    fault_free = run_cli(*layout, run_dir=tmp_path_factory.mktemp("ff") / "run")
     assert fault_free.summary["status"] == "completed", fault_free.output[-4000:]
-    run = run_cli(*ZERO_NDB, *precision, *repair, "fault=kill_rank", "fault.rank=1", "fault.step=8",
+    run = run_cli(*layout, *extra, "fault=kill_rank", f"fault.rank={killed}", "fault.step=8",
                   run_dir=tmp_path_factory.mktemp("fault") / "run")
     s, ref = run.summary, fault_free.summary
     assert s["status"] == "completed", run.output[-4000:]
@@ -98,14 +110,9 @@ def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(
     assert (s["global_step"], s["samples_committed"]) == (ref["global_step"], ref["samples_committed"])
     assert all(m["counts"] == [1, 1] for m in run.metrics())
     (rec,) = s["recoveries"]
-    assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("takeover", [1], 0)
-    assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, 8)]
-    assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
-    # the checkpoint written while rank 0 carries rank 1's shard holds that shard's optimizer state too
+    assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("takeover", [killed], 0)
     assert _optimizer_state(run) == _optimizer_state(fault_free)
-    if repair:
-        assert [e["logical"] for e in run.events("rejoined")] == [1]
-        assert [(e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(0, 0)]
+    return run
 
 
 def _optimizer_state(run) -> dict:
@@ -127,21 +134,8 @@ def test_zero1_takeover_of_a_split_replica_carries_each_coordinates_shard_exactl
     # stop, and replica 0 computes replica 1 besides its own; at each (pp, tp) coordinate the holder of the failed
     # replica's rank there (replica 0's rank at that coordinate) carries that rank's shard of its part of the model:
     # the run ends with the fault-free run's parameters bit for bit
-    layout = [*ZERO_NDB, "parallel.nodes=2", *split]
-    fault_free = run_cli(*layout, run_dir=tmp_path_factory.mktemp("ff") / "run")
-    assert fault_free.summary["status"] == "completed", fault_free.output[-4000:]
-    run = run_cli(*layout, "fault=kill_rank", f"fault.rank={killed}", "fault.step=8",
-                  run_dir=tmp_path_factory.mktemp("fault") / "run")
-    s, ref = run.summary, fault_free.summary
-    assert s["status"] == "completed", run.output[-4000:]
-    assert s["param_checksum"] == ref["param_checksum"]
-    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
-    assert (s["global_step"], s["samples_committed"]) == (ref["global_step"], ref["samples_committed"])
-    assert all(m["counts"] == [1, 1] for m in run.metrics())
+    run = _exact_zero1_takeover([*ZERO_NDB, "parallel.nodes=2", *split], [], killed, tmp_path_factory)
     stopped = sorted((e["wid"], e["failed"]) for e in run.events("replica_stopped"))
     assert stopped == [(r, killed) for r in replica if r != killed]
-    (rec,) = s["recoveries"]
-    assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("takeover", [killed], 0)
     assert sorted((e["logical"], e["step"]) for e in run.events("shard_carried")) == [(r, 8) for r in replica]
     assert [e["covered"] for e in run.events("replication_suspended")] == [replica]
-    assert _optimizer_state(run) == _optimizer_state(fault_free)
