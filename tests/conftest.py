@@ -83,6 +83,26 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
+ONE_BY_TWO = ["+recipe=gpt_tiny", "trainer.max_steps=30"]  # the default layout: one node of 2 ranks
+TWO_BY_TWO = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "trainer.max_steps=30"]
+
+
+@pytest.fixture(scope="session")
+def one_by_two(tmp_path_factory) -> Run:
+    """The fault-free run of gpt_tiny on one node of 2 ranks, 30 steps, without fault tolerance: the reference of
+    flash_ckpt's recoveries and of the torchrun and SLURM launchers at 2 ranks, run once per session."""
+    return run_cli(*ONE_BY_TWO, run_dir=tmp_path_factory.mktemp("one_by_two") / "run")
+
+
+@pytest.fixture(scope="session")
+def two_by_two(tmp_path_factory) -> Run:
+    """The fault-free run of gpt_tiny on 2 nodes x 2 ranks, 30 steps, without fault tolerance: the output contract
+    (test_train.py) and the reference of the recoveries of 4 data-parallel ranks (FlashRecovery, flash_ckpt,
+    DeadPool, NDB and per_host runs in several test modules; neither the techniques in ``ft``, nor spares, nor how
+    the same ranks are spread over nodes change a fault-free run's training), run once per session."""
+    return run_cli(*TWO_BY_TWO, run_dir=tmp_path_factory.mktemp("two_by_two") / "run")
+
+
 # gpt_tiny with a constant LR after warm-up and a clip far below the gradient norm (every step is clipped, by the full
 # model's norm, the same at every layout), on 2 nodes: the runs that compare parallel layouts and their recoveries
 CLIPPED_TINY = ["+recipe=gpt_tiny", "trainer.min_lr=3e-3", "trainer.grad_clip=0.05", "parallel.nodes=2"]

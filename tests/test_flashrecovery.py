@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import TWO_BY_TWO, run_cli
 
-FOUR = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "trainer.max_steps=30"]
+FOUR = TWO_BY_TWO  # 2 nodes x 2 ranks, 30 steps: the layout of the shared fault-free run
 FR = ["ft=[flashrecovery]"]
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory):
-    run = run_cli(*FOUR, *FR, run_dir=tmp_path_factory.mktemp("ff") / "run")
-    assert run.summary["status"] == "completed"
-    return run.summary
+def fault_free(two_by_two):
+    """The fault-free run of the same layout (tests/conftest.py)."""
+    assert two_by_two.summary["status"] == "completed", two_by_two.output[-3000:]
+    return two_by_two.summary
 
 
 def assert_exact(run, fault_free, recoveries: int):

@@ -30,7 +30,6 @@ from runner.local_hosts import (
 )
 from runner.recovery.flash_names import flash_job_id
 from runner.summary import recovery_entry
-from tests.conftest import run_cli
 
 LAYOUT = ["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[flashrecovery,deadpool]",
           "trainer.max_steps=30"]
@@ -40,12 +39,12 @@ SECRET = {"RESILIENT_RUNNER_SECRET": "per-host-test-secret"}  # every host holds
 
 
 @pytest.fixture(scope="module")
-def local_fault_free(tmp_path_factory) -> dict:
-    """The fault-free summary of the same layout (2 training hosts of 2 ranks, 30 steps) under launcher=local;
-    the techniques in ``ft`` do not change a fault-free run's training."""
-    run = run_cli(*BASE, *LAYOUT, run_dir=tmp_path_factory.mktemp("local") / "run")
-    assert run.summary["status"] == "completed", run.output[-3000:]
-    return run.summary
+def local_fault_free(two_by_two) -> dict:
+    """The fault-free summary of the same layout (2 training hosts of 2 ranks, 30 steps) under launcher=local (the
+    shared run of tests/conftest.py); neither the techniques in ``ft`` nor spare hosts change a fault-free run's
+    training."""
+    assert two_by_two.summary["status"] == "completed", two_by_two.output[-3000:]
+    return two_by_two.summary
 
 
 @pytest.fixture(scope="module")
