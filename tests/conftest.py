@@ -103,6 +103,20 @@ def two_by_two(tmp_path_factory) -> Run:
     return run_cli(*TWO_BY_TWO, run_dir=tmp_path_factory.mktemp("two_by_two") / "run")
 
 
+# FlashRecovery on 2 nodes x 2 ranks, 30 steps, a rank SIGKILLed at step 12 (fault.rank to add), the default
+# experiment logger (W&B, offline) every 5 steps
+KILL_RANK = [*TWO_BY_TWO, "trainer.log_every_n_steps=5", "ft=[flashrecovery]", "fault=kill_rank", "fault.step=12",
+             "trainer.progress_bar=false"]
+
+
+@pytest.fixture(scope="session")
+def rank0_killed(tmp_path_factory) -> Run:
+    """The KILL_RANK run of logical rank 0 (the rank that writes the metrics), logged as a user runs it: what
+    FlashRecovery does (test_flashrecovery.py) and what the job's W&B run holds (test_wandb_run.py), run once per
+    session."""
+    return run_cli(*KILL_RANK, "fault.rank=0", run_dir=tmp_path_factory.mktemp("rank0_killed") / "run", quiet=False)
+
+
 # gpt_tiny with a constant LR after warm-up and a clip far below the gradient norm (every step is clipped, by the full
 # model's norm, the same at every layout), on 2 nodes: the runs that compare parallel layouts and their recoveries
 CLIPPED_TINY = ["+recipe=gpt_tiny", "trainer.min_lr=3e-3", "trainer.grad_clip=0.05", "parallel.nodes=2"]
