@@ -100,7 +100,7 @@ def test_zero1_resume_gathers_and_reshards_the_optimizer_state(tmp_path):
     assert resumed.summary["param_checksum"] == straight.summary["param_checksum"]
 
 
-def test_sigterm_checkpoints_at_the_next_step_and_the_run_resumes_from_there(straight60, tmp_path):
+def test_sigterm_checkpoints_at_the_next_step_and_the_run_resumes_from_there(first30, tmp_path):
     stopped = _run_until(tmp_path / "stopped", step=10, sig=signal.SIGTERM, overrides=[*TINY, "trainer.max_steps=5000"])
     assert stopped.returncode == 75, stopped.output[-3000:]
     assert "Traceback" not in stopped.output
@@ -108,11 +108,11 @@ def test_sigterm_checkpoints_at_the_next_step_and_the_run_resumes_from_there(str
     assert lines == [f"checkpoint saved: {stopped.dir / 'checkpoints' / 'last.ckpt'} "
                      f"(step {stopped.summary['global_step']}); resume with runner.resume={stopped.dir}"]
     s = stopped.summary
-    assert s["status"] == "stopped" and 10 <= s["global_step"] < 60 and s["samples_lost"] == 0
+    assert s["status"] == "stopped" and 10 <= s["global_step"] < 30 and s["samples_lost"] == 0
     assert [e["at_step"] for e in stopped.events("checkpoint_saved")] == [s["global_step"]]
-    resumed = run_cli(*TINY, "trainer.max_steps=60", f"runner.resume={stopped.dir}", run_dir=tmp_path / "resumed")
+    resumed = run_cli(*TINY, "trainer.max_steps=30", f"runner.resume={stopped.dir}", run_dir=tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.output[-3000:]
-    assert resumed.summary["param_checksum"] == straight60.summary["param_checksum"]
+    assert resumed.summary["param_checksum"] == first30.summary["param_checksum"]  # its checkpoints change nothing
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing", "finished"])
