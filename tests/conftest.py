@@ -117,6 +117,22 @@ def rank0_killed(tmp_path_factory) -> Run:
     return run_cli(*KILL_RANK, "fault.rank=0", run_dir=tmp_path_factory.mktemp("rank0_killed") / "run", quiet=False)
 
 
+# tensor parallelism: a TP pair on each of 2 nodes, dp=2 across them
+TP2_DP2 = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "parallel.tp=2"]
+TP2_DP2_STEPS = 20
+
+
+@pytest.fixture(scope="session")
+def tp2_dp2(tmp_path_factory) -> Run:
+    """The fault-free FlashRecovery run at TP2_DP2 with a checkpoint every 5 steps: the reference of the recoveries
+    at that layout (test_tp_training.py) and the checkpoint file a TP run writes (test_tp_checkpoint.py), run once
+    per session."""
+    run = run_cli(*TP2_DP2, f"trainer.max_steps={TP2_DP2_STEPS}", "ft=[flashrecovery]", "checkpoint.every_n_steps=5",
+                  run_dir=tmp_path_factory.mktemp("tp2_dp2") / "run")
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    return run
+
+
 # gpt_tiny with a constant LR after warm-up and a clip far below the gradient norm (every step is clipped, by the full
 # model's norm, the same at every layout), on 2 nodes: the runs that compare parallel layouts and their recoveries
 CLIPPED_TINY = ["+recipe=gpt_tiny", "trainer.min_lr=3e-3", "trainer.grad_clip=0.05", "parallel.nodes=2"]

@@ -101,6 +101,7 @@ def test_every_recipe_runs_two_steps_in_smoke_mode(recipe, run_dir):
     assert run.summary["global_step"] == 2
 
 
+@pytest.mark.slow  # CI time: test_plan.py's gpt13b run with ft=deadpool checks the same exit 3, plan and advice
 def test_big_recipe_on_a_host_without_gpus_prints_the_plan_and_exits(run_dir):
     run = run_cli("+recipe=gpt13b", run_dir=run_dir, timeout=60)
     assert run.returncode == 3
