@@ -83,15 +83,19 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
-ONE_BY_TWO = ["+recipe=gpt_tiny", "trainer.max_steps=30"]  # the default layout: one node of 2 ranks
+# the default layout (one node of 2 ranks), the LR constant after warm-up (so that a shorter run is the start of a
+# longer one, tests/test_checkpoint.py)
+TINY = ("+recipe=gpt_tiny", "trainer.min_lr=3e-3")
+ONE_BY_TWO = [*TINY, "trainer.max_steps=30"]
 TWO_BY_TWO = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "trainer.max_steps=30"]
 
 
 @pytest.fixture(scope="session")
 def one_by_two(tmp_path_factory) -> Run:
-    """The fault-free run of gpt_tiny on one node of 2 ranks, 30 steps, without fault tolerance: the reference of
-    flash_ckpt's recoveries and of the torchrun and SLURM launchers at 2 ranks, run once per session."""
-    return run_cli(*ONE_BY_TWO, run_dir=tmp_path_factory.mktemp("one_by_two") / "run")
+    """The fault-free run of gpt_tiny on one node of 2 ranks, 30 steps, without fault tolerance, a Lightning
+    checkpoint every 10 steps: the checkpoint tests' first 30 steps and the reference of flash_ckpt's recoveries and
+    of the torchrun and SLURM launchers at 2 ranks, run once per session."""
+    return run_cli(*ONE_BY_TWO, "checkpoint.every_n_steps=10", run_dir=tmp_path_factory.mktemp("one_by_two") / "run")
 
 
 @pytest.fixture(scope="session")

@@ -21,15 +21,14 @@ import torch
 
 from runner.checksum import param_checksum
 from runner.lightning_module import GPTModule
-from tests.conftest import QUIET, ROOT, Run, assert_nothing_left, run_cli
-
-TINY = ("+recipe=gpt_tiny", "trainer.min_lr=3e-3")  # 2 ranks, logger=none (QUIET); LR constant after warm-up
+from tests.conftest import QUIET, ROOT, TINY, Run, assert_nothing_left, run_cli
 
 
 @pytest.fixture(scope="module")
-def first30(tmp_path_factory) -> Run:
-    return run_cli(*TINY, "trainer.max_steps=30", "checkpoint.every_n_steps=10",
-                   run_dir=tmp_path_factory.mktemp("first30") / "run")
+def first30(one_by_two) -> Run:
+    """TINY (2 ranks, logger=none, the LR constant after warm-up) for 30 steps with a checkpoint every 10: the shared
+    run of tests/conftest.py."""
+    return one_by_two
 
 
 @pytest.fixture(scope="module")
