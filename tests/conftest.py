@@ -83,6 +83,60 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
+# the default layout (one node of 2 ranks), the LR constant after warm-up (so that a shorter run is the start of a
+# longer one, tests/test_checkpoint.py)
+TINY = ("+recipe=gpt_tiny", "trainer.min_lr=3e-3")
+ONE_BY_TWO = [*TINY, "trainer.max_steps=30"]
+TWO_BY_TWO = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "trainer.max_steps=30"]
+
+
+@pytest.fixture(scope="session")
+def one_by_two(tmp_path_factory) -> Run:
+    """The fault-free run of gpt_tiny on one node of 2 ranks, 30 steps, without fault tolerance, a Lightning
+    checkpoint every 10 steps: the checkpoint tests' first 30 steps and the reference of flash_ckpt's recoveries and
+    of the torchrun and SLURM launchers at 2 ranks, run once per session."""
+    return run_cli(*ONE_BY_TWO, "checkpoint.every_n_steps=10", run_dir=tmp_path_factory.mktemp("one_by_two") / "run")
+
+
+@pytest.fixture(scope="session")
+def two_by_two(tmp_path_factory) -> Run:
+    """The fault-free run of gpt_tiny on 2 nodes x 2 ranks, 30 steps, without fault tolerance: the output contract
+    (test_train.py) and the reference of the recoveries of 4 data-parallel ranks (FlashRecovery, flash_ckpt,
+    DeadPool, NDB and per_host runs in several test modules; neither the techniques in ``ft``, nor spares, nor how
+    the same ranks are spread over nodes change a fault-free run's training), run once per session."""
+    return run_cli(*TWO_BY_TWO, run_dir=tmp_path_factory.mktemp("two_by_two") / "run")
+
+
+# FlashRecovery on 2 nodes x 2 ranks, 30 steps, a rank SIGKILLed at step 12 (fault.rank to add), the default
+# experiment logger (W&B, offline) every 5 steps
+KILL_RANK = [*TWO_BY_TWO, "trainer.log_every_n_steps=5", "ft=[flashrecovery]", "fault=kill_rank", "fault.step=12",
+             "trainer.progress_bar=false"]
+
+
+@pytest.fixture(scope="session")
+def rank0_killed(tmp_path_factory) -> Run:
+    """The KILL_RANK run of logical rank 0 (the rank that writes the metrics), logged as a user runs it: what
+    FlashRecovery does (test_flashrecovery.py) and what the job's W&B run holds (test_wandb_run.py), run once per
+    session."""
+    return run_cli(*KILL_RANK, "fault.rank=0", run_dir=tmp_path_factory.mktemp("rank0_killed") / "run", quiet=False)
+
+
+# tensor parallelism: a TP pair on each of 2 nodes, dp=2 across them
+TP2_DP2 = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "parallel.tp=2"]
+TP2_DP2_STEPS = 20
+
+
+@pytest.fixture(scope="session")
+def tp2_dp2(tmp_path_factory) -> Run:
+    """The fault-free FlashRecovery run at TP2_DP2 with a checkpoint every 5 steps: the reference of the recoveries
+    at that layout (test_tp_training.py) and the checkpoint file a TP run writes (test_tp_checkpoint.py), run once
+    per session."""
+    run = run_cli(*TP2_DP2, f"trainer.max_steps={TP2_DP2_STEPS}", "ft=[flashrecovery]", "checkpoint.every_n_steps=5",
+                  run_dir=tmp_path_factory.mktemp("tp2_dp2") / "run")
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    return run
+
+
 # gpt_tiny with a constant LR after warm-up and a clip far below the gradient norm (every step is clipped, by the full
 # model's norm, the same at every layout), on 2 nodes: the runs that compare parallel layouts and their recoveries
 CLIPPED_TINY = ["+recipe=gpt_tiny", "trainer.min_lr=3e-3", "trainer.grad_clip=0.05", "parallel.nodes=2"]

@@ -21,15 +21,14 @@ import torch
 
 from runner.checksum import param_checksum
 from runner.lightning_module import GPTModule
-from tests.conftest import QUIET, ROOT, Run, assert_nothing_left, run_cli
-
-TINY = ("+recipe=gpt_tiny", "trainer.min_lr=3e-3")  # 2 ranks, logger=none (QUIET); LR constant after warm-up
+from tests.conftest import QUIET, ROOT, TINY, Run, assert_nothing_left, run_cli
 
 
 @pytest.fixture(scope="module")
-def first30(tmp_path_factory) -> Run:
-    return run_cli(*TINY, "trainer.max_steps=30", "checkpoint.every_n_steps=10",
-                   run_dir=tmp_path_factory.mktemp("first30") / "run")
+def first30(one_by_two) -> Run:
+    """TINY (2 ranks, logger=none, the LR constant after warm-up) for 30 steps with a checkpoint every 10: the shared
+    run of tests/conftest.py."""
+    return one_by_two
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +99,7 @@ def test_zero1_resume_gathers_and_reshards_the_optimizer_state(tmp_path):
     assert resumed.summary["param_checksum"] == straight.summary["param_checksum"]
 
 
-def test_sigterm_checkpoints_at_the_next_step_and_the_run_resumes_from_there(straight60, tmp_path):
+def test_sigterm_checkpoints_at_the_next_step_and_the_run_resumes_from_there(first30, tmp_path):
     stopped = _run_until(tmp_path / "stopped", step=10, sig=signal.SIGTERM, overrides=[*TINY, "trainer.max_steps=5000"])
     assert stopped.returncode == 75, stopped.output[-3000:]
     assert "Traceback" not in stopped.output
@@ -108,11 +107,11 @@ def test_sigterm_checkpoints_at_the_next_step_and_the_run_resumes_from_there(str
     assert lines == [f"checkpoint saved: {stopped.dir / 'checkpoints' / 'last.ckpt'} "
                      f"(step {stopped.summary['global_step']}); resume with runner.resume={stopped.dir}"]
     s = stopped.summary
-    assert s["status"] == "stopped" and 10 <= s["global_step"] < 60 and s["samples_lost"] == 0
+    assert s["status"] == "stopped" and 10 <= s["global_step"] < 30 and s["samples_lost"] == 0
     assert [e["at_step"] for e in stopped.events("checkpoint_saved")] == [s["global_step"]]
-    resumed = run_cli(*TINY, "trainer.max_steps=60", f"runner.resume={stopped.dir}", run_dir=tmp_path / "resumed")
+    resumed = run_cli(*TINY, "trainer.max_steps=30", f"runner.resume={stopped.dir}", run_dir=tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.output[-3000:]
-    assert resumed.summary["param_checksum"] == straight60.summary["param_checksum"]
+    assert resumed.summary["param_checksum"] == first30.summary["param_checksum"]  # its checkpoints change nothing
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing", "finished"])

@@ -11,21 +11,19 @@ import pytest
 from runner.recovery.flash_ckpt.disk import read_verified
 from runner.recovery.flash_ckpt.shm import FREE_BYTES_ENV, job_files
 from runner.recovery.flash_names import flash_job_id
-from tests.conftest import run_cli
+from tests.conftest import ONE_BY_TWO, TWO_BY_TWO, run_cli
 
-TWO = ["+recipe=gpt_tiny", "trainer.max_steps=30", "ft=[flash_ckpt]", "ft.flash_ckpt.every_n_steps=5"]
-FOUR = [*TWO, "parallel.nodes=2", "parallel.procs_per_node=2"]
+FLASH = ["ft=[flash_ckpt]", "ft.flash_ckpt.every_n_steps=5"]
+TWO, FOUR = [*ONE_BY_TWO, *FLASH], [*TWO_BY_TWO, *FLASH]  # the layouts and length of the shared fault-free runs
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory):
-    """Fault-free references of the same length: 2 ranks on one node, 4 ranks on two nodes."""
-    two = run_cli(*TWO, run_dir=tmp_path_factory.mktemp("ff2") / "run")
-    four = run_cli(*FOUR, run_dir=tmp_path_factory.mktemp("ff4") / "run")
-    for run in (two, four):
+def fault_free(one_by_two, two_by_two):
+    """Fault-free references of the same length, the shared runs of tests/conftest.py (snapshots do not change the
+    training): 2 ranks on one node, 4 ranks on two nodes."""
+    for run in (one_by_two, two_by_two):
         assert run.summary["status"] == "completed", run.output[-3000:]
-        assert not job_files(flash_job_id(run.dir))
-    return {2: two.summary, 4: four.summary}
+    return {2: one_by_two.summary, 4: two_by_two.summary}
 
 
 def assert_restarted(run, reference, resumed_at: int, fault_step: int = 23) -> dict:

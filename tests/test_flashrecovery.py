@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import TWO_BY_TWO, run_cli
 
-FOUR = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "trainer.max_steps=30"]
+FOUR = TWO_BY_TWO  # 2 nodes x 2 ranks, 30 steps: the layout of the shared fault-free run
 FR = ["ft=[flashrecovery]"]
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory):
-    run = run_cli(*FOUR, *FR, run_dir=tmp_path_factory.mktemp("ff") / "run")
-    assert run.summary["status"] == "completed"
-    return run.summary
+def fault_free(two_by_two):
+    """The fault-free run of the same layout (tests/conftest.py)."""
+    assert two_by_two.summary["status"] == "completed", two_by_two.output[-3000:]
+    return two_by_two.summary
 
 
 def assert_exact(run, fault_free, recoveries: int):
@@ -51,17 +51,17 @@ def test_kill_rank_with_zero1_takes_the_shard_from_the_other_replica_group(fault
     assert [(e["rank"], e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(2, 0, 0)]
 
 
-def test_kill_rank_restarts_only_that_rank_and_loses_nothing(fault_free, run_dir):
-    run = run_cli(*FOUR, *FR, "fault=kill_rank", "fault.rank=2", "fault.step=12", run_dir=run_dir)
+def test_kill_rank_restarts_only_that_rank_and_loses_nothing(fault_free, rank0_killed):
+    run = rank0_killed  # the shared run (tests/conftest.py): FOUR, FR, rank 0 killed at step 12, logged to W&B
     s = assert_exact(run, fault_free, recoveries=1)
     rec = s["recoveries"][0]
-    assert (rec["fault"], rec["victims"], rec["step"], rec["action"]) == ("process_crash", [2], 12, "restart_rank")
+    assert (rec["fault"], rec["victims"], rec["step"], rec["action"]) == ("process_crash", [0], 12, "restart_rank")
     started = run.events("worker_started")
     assert len(started) == 5 and [e["role"] for e in started].count("joiner") == 1  # survivors never restarted
     restored = run.events("state_restored")
     assert len(restored) == 1 and restored[0]["role"] == "joiner"
     # shown live on the console, one line
-    assert "[runner] step 12: rank 2 killed (SIGKILL) -> restarted in place; full world back in " in run.output
+    assert "[runner] step 12: rank 0 killed (SIGKILL) -> restarted in place; full world back in " in run.output
 
 
 @pytest.mark.slow

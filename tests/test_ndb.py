@@ -7,15 +7,16 @@ import torch
 
 from tests.conftest import run_cli
 
-FOUR = ["+recipe=gpt_tiny", "trainer.max_steps=40"]
+STEPS = 30
+FOUR = ["+recipe=gpt_tiny", f"trainer.max_steps={STEPS}"]  # on 4 ranks, as long as the shared fault-free run
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory):
-    run = run_cli(*FOUR, "parallel.nodes=4", "parallel.procs_per_node=1", "ft=[ndb]",
-                  run_dir=tmp_path_factory.mktemp("ff") / "run")
-    assert run.summary["status"] == "completed"
-    return run.summary
+def fault_free(two_by_two):
+    """The fault-free run of 4 data-parallel ranks (on 2 nodes x 2 ranks, shared: tests/conftest.py; neither the
+    layout of the same ranks nor NDB changes a fault-free run's training)."""
+    assert two_by_two.summary["status"] == "completed", two_by_two.output[-3000:]
+    return two_by_two.summary
 
 
 def assert_takeover_run(run, fault_free, victims):
@@ -39,7 +40,7 @@ def test_kill_rank_neighbour_does_both(fault_free, run_dir):
                   "fault.rank=2", "fault.step=15", run_dir=run_dir)
     s = assert_takeover_run(run, fault_free, victims=[2])
     (takeover,) = s["takeovers"]
-    assert takeover["extra_ranks"] == [2] and takeover["steps_taken_over"] == 40 - 15
+    assert takeover["extra_ranks"] == [2] and takeover["steps_taken_over"] == STEPS - 15
     assert takeover["step_time_after_s"] > 0 and takeover["peak_rss_after_kib"] >= takeover["peak_rss_before_kib"]
 
 
@@ -70,7 +71,7 @@ def test_a_repaired_rank_rejoins_from_a_peer_and_the_takeover_ends(fault_free, r
     assert accounting == (0, 0, fault_free["samples_committed"])
     assert s["param_checksum"]  # every replica, the rejoined one included, ends bit-identical
     (takeover,) = s["takeovers"]
-    assert takeover["extra_ranks"] == [1] and 0 < takeover["steps_taken_over"] < 40 - 8
+    assert takeover["extra_ranks"] == [1] and 0 < takeover["steps_taken_over"] < STEPS - 8
 
 
 # -- ZeRO-1 with DeadPool: the holder of the failed rank's shard replica carries the shard -------------------------

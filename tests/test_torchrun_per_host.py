@@ -31,7 +31,7 @@ from runner.local_hosts import (
 )
 from runner.recovery.flash_names import flash_job_id
 from runner.summary import recovery_entry
-from tests.conftest import TP2PP2, TP2PP2_STEPS, Run, run_cli  # and the fixture tp2pp2, tp2pp2's fault-free run
+from tests.conftest import TP2PP2, TP2PP2_STEPS, Run  # and the fixture tp2pp2, tp2pp2's fault-free run
 from tests.test_pp_training import PP2, pp2  # noqa: F401  (pp2: the fixture, pp=2 dp=2's fault-free run)
 from tests.test_tp_training import TP2, assert_replica_taken_over, tp2  # noqa: F401  (tp2: the fixture)
 
@@ -43,17 +43,12 @@ SECRET = {"RESILIENT_RUNNER_SECRET": "per-host-test-secret"}  # every host holds
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory) -> Run:
-    """The fault-free run of the same layout (2 training hosts of 2 ranks, 30 steps) under launcher=local; the
-    techniques in ``ft`` do not change a fault-free run's training."""
-    run = run_cli(*BASE, *LAYOUT, run_dir=tmp_path_factory.mktemp("local") / "run")
-    assert run.summary["status"] == "completed", run.output[-3000:]
-    return run
-
-
-@pytest.fixture(scope="module")
-def local_fault_free(local_run) -> dict:
-    return local_run.summary
+def local_fault_free(two_by_two) -> dict:
+    """The fault-free summary of the same layout (2 training hosts of 2 ranks, 30 steps) under launcher=local (the
+    shared run of tests/conftest.py); neither the techniques in ``ft`` nor spare hosts change a fault-free run's
+    training."""
+    assert two_by_two.summary["status"] == "completed", two_by_two.output[-3000:]
+    return two_by_two.summary
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +175,7 @@ def test_under_slurm_three_hosts_complete_with_the_local_launchers_checksum(make
 # a worker of node 1 killed: (hosts, layout, its fault-free run, the killed rank, the rank that serves its state, the
 # workers started in all); at pp=2 rank 3 is the last stage of replica 1, served by the replica at its coordinate
 KILLED_WORKER = {
-    "dp4": (3, LAYOUT, "local_run", 3, 0, 4 + 2 + 1),  # the spare host's two warm workers among them
+    "dp4": (3, LAYOUT, "two_by_two", 3, 0, 4 + 2 + 1),  # the spare host's two warm workers among them
     "pp2": (2, [*on_hosts(PP2), f"trainer.max_steps={TP2PP2_STEPS}", "ft=[flashrecovery]"], "pp2", 3, 1, 4 + 1),
 }
 
@@ -282,7 +277,7 @@ def _complete_after_losing_host_1(job: Job, hosts: int, *overrides: str) -> tupl
 # state); at tp=2 host 1 holds replica 1, at tp=2 pp=2 replica 1's two stages, and the spare host takes every
 # coordinate, each served by replica 0's rank at it (at tp = pp = 1 one coordinate, served by rank 0)
 SPARE_HOST = {
-    "dp4": (LAYOUT, "local_run", [2, 3], [0]),
+    "dp4": (LAYOUT, "two_by_two", [2, 3], [0]),
     "tp2": ([*on_hosts(TP2), "parallel.spares=2", "ft=[deadpool]"], "tp2", [2, 3], [0, 1]),
     "tp2pp2": ([*on_hosts(TP2PP2), f"trainer.max_steps={TP2PP2_STEPS}", "parallel.spares=4", "ft=[deadpool]"],
                "tp2pp2", [4, 5, 6, 7], [0, 1, 2, 3]),
@@ -359,7 +354,7 @@ def test_flash_ckpt_restores_every_worker_killed_on_every_host_from_memory(make_
 # two hosts, host 1 lost with its memory: (layout, its fault-free run); at tp=2 host 1 holds replica 1's two TP
 # slices, whose partner copies host 0 holds
 PARTNER_HOST = {
-    "dp4": (FLASH, "local_run"),
+    "dp4": (FLASH, "two_by_two"),
     "tp2": ([*on_hosts(TP2), "ft=[flash_ckpt]", "ft.flash_ckpt.every_n_steps=5"], "tp2"),
 }
 

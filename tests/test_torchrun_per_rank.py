@@ -19,15 +19,17 @@ from torch.distributed import PrefixStore, TCPStore
 
 from runner.config import ConfigError
 from runner.local_hosts import BASE, Job, c10d_rendezvous, events, free_port, max_step, wait_for
-from tests.conftest import Run, assert_nothing_left, run_cli
+from tests.conftest import ONE_BY_TWO, Run, assert_nothing_left
+
+REFERENCE = ONE_BY_TWO[1:]  # the shared fault-free run's LR and length (its recipe is BASE's)
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory) -> str:
-    """The checksum of a fault-free 16-step run with two data-parallel ranks (the local launcher's)."""
-    run = run_cli(*BASE, "trainer.max_steps=16", run_dir=tmp_path_factory.mktemp("ff") / "run")
-    assert run.summary["status"] == "completed", run.output[-3000:]
-    return run.summary["param_checksum"]
+def fault_free(one_by_two) -> str:
+    """The checksum of a fault-free 30-step run with two data-parallel ranks (the local launcher's, shared:
+    tests/conftest.py; its checkpoints do not change its training)."""
+    assert one_by_two.summary["status"] == "completed", one_by_two.output[-3000:]
+    return one_by_two.summary["param_checksum"]
 
 
 # -- configuration ------------------------------------------------------------------------------------
@@ -183,7 +185,7 @@ def test_the_summary_accounts_for_the_failed_attempt(two_host_restart):
 @pytest.mark.slow
 def test_kill_rank_kills_a_rank_of_rank_0s_host_and_the_restart_completes(make_job, fault_free):
     job = make_job()
-    job.torchrun(1, 2, ["--standalone"], 1, "trainer.max_steps=16", "fault=kill_rank", "fault.rank=1",
+    job.torchrun(1, 2, ["--standalone"], 1, *REFERENCE, "fault=kill_rank", "fault.rank=1",
                  "fault.step=5")
     assert job.wait() == [0], job.output()
     s = json.loads((job.run_dir / "summary.json").read_text())
@@ -245,7 +247,7 @@ def test_under_slurm_two_hosts_complete_with_the_fault_free_checksum(make_job, f
     job = make_job()
     port = free_port()
     for rank in range(2):
-        job.start([sys.executable, "-m", "runner", *BASE, "trainer.max_steps=16", "parallel.nodes=2",
+        job.start([sys.executable, "-m", "runner", *BASE, *REFERENCE, "parallel.nodes=2",
                    "parallel.procs_per_node=1", f"hydra.run.dir={job.run_dir}"],
                   {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": str(rank),
                    "SLURM_JOB_ID": "4242", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})

@@ -2,7 +2,7 @@
 model and the full optimizer state, as at tp = 1, which an unsharded GPT loads and from which a tp=2 run
 resumes bit-identically.
 
-The runs keep the learning rate constant after warm-up (``trainer.min_lr`` = ``trainer.lr``), so a 10-step
+The resume test's runs keep the learning rate constant after warm-up (``trainer.min_lr`` = ``trainer.lr``), so a 10-step
 run is the first half of a 20-step one (tests/test_checkpoint.py).
 """
 
@@ -13,7 +13,7 @@ import torch
 
 from runner.checksum import param_checksum
 from runner.lightning_module import GPTModule
-from tests.conftest import Run, run_cli
+from tests.conftest import TP2_DP2_STEPS, Run, run_cli
 
 TP2 = ("+recipe=gpt_tiny", "trainer.min_lr=3e-3", "parallel.nodes=2", "parallel.procs_per_node=2", "parallel.tp=2")
 
@@ -24,15 +24,16 @@ def first10(tmp_path_factory) -> Run:
                    run_dir=tmp_path_factory.mktemp("first10") / "run")
 
 
-def test_a_tp_run_writes_the_full_model_and_optimizer_state_into_one_file(first10):
-    assert first10.returncode == 0, first10.output[-3000:]
-    assert [e["at_step"] for e in first10.events("checkpoint_saved")] == [5, 10]
-    assert not first10.events("checkpoint_skipped")
-    path = first10.dir / "checkpoints" / "last.ckpt"
+def test_a_tp_run_writes_the_full_model_and_optimizer_state_into_one_file(tp2_dp2):
+    run = tp2_dp2  # the shared run at tp=2, dp=2 (tests/conftest.py): 20 steps, a checkpoint every 5
+    assert run.returncode == 0, run.output[-3000:]
+    assert [e["at_step"] for e in run.events("checkpoint_saved")] == [5, 10, 15, TP2_DP2_STEPS]
+    assert not run.events("checkpoint_skipped")
+    path = run.dir / "checkpoints" / "last.ckpt"
     module = GPTModule.load_from_checkpoint(path, map_location="cpu")  # the unsharded GPT: every shape full
-    assert param_checksum(module) == first10.summary["param_checksum"]  # the gathered slices of the run's model
+    assert param_checksum(module) == run.summary["param_checksum"]  # the gathered slices of the run's model
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    assert ckpt["global_step"] == 10
+    assert ckpt["global_step"] == TP2_DP2_STEPS
     names = [n for n, p in module.model.named_parameters() if p.dim() >= 2] + \
             [n for n, p in module.model.named_parameters() if p.dim() < 2]  # the optimizer's order (its two groups)
     params = dict(module.model.named_parameters())
@@ -40,7 +41,7 @@ def test_a_tp_run_writes_the_full_model_and_optimizer_state_into_one_file(first1
     assert sorted(state) == list(range(len(names)))
     for k, name in enumerate(names):
         assert state[k]["exp_avg"].shape == state[k]["exp_avg_sq"].shape == params[name].shape, name
-        assert int(state[k]["step"]) == 10
+        assert int(state[k]["step"]) == TP2_DP2_STEPS
     # a tp=1 optimizer loads it as it is
     module.configure_optimizers()["optimizer"].load_state_dict(ckpt["optimizer_states"][0])
 

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import TP2_DP2, TP2_DP2_STEPS, run_cli
 
-MAX_STEPS = 20
-TP2 = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "parallel.tp=2",
-       f"trainer.max_steps={MAX_STEPS}"]
+MAX_STEPS = TP2_DP2_STEPS
+TP2 = [*TP2_DP2, f"trainer.max_steps={MAX_STEPS}"]
 FR = ["ft=[flashrecovery]"]
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
-    run = run_cli(*TP2, *FR, run_dir=tmp_path_factory.mktemp("tp2") / "run")
-    assert run.summary["status"] == "completed", run.output[-4000:]
-    return run
+def tp2(tp2_dp2):
+    """The fault-free run of TP2 with FR (shared, tests/conftest.py; its checkpoints do not change its training)."""
+    return tp2_dp2
 
 
 def test_tp2_dp2_trains_and_matches_pure_data_parallel(tp2, run_dir):

@@ -7,18 +7,17 @@ from pathlib import Path
 import pytest
 
 from runner.config.registry import recipe_names
-from tests.conftest import run_cli
+from tests.conftest import TWO_BY_TWO, run_cli
 
-TWO_BY_TWO = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "trainer.max_steps=30"]
 SUMMARY_KEYS = {"status", "recipe", "ft", "world_size", "global_step", "initial_loss", "final_loss", "tokens_per_s",
                 "steps_per_s", "mfu", "wall_s", "param_checksum", "recoveries", "samples_committed", "samples_lost",
                 "samples_duplicated"}
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """The fault-free 2 nodes x 2 ranks run that several tests compare against."""
-    return run_cli(*TWO_BY_TWO, run_dir=tmp_path_factory.mktemp("base") / "run")
+def baseline(two_by_two):
+    """The fault-free 2 nodes x 2 ranks run that several tests compare against (shared, tests/conftest.py)."""
+    return two_by_two
 
 
 def test_two_nodes_two_ranks_trains_and_follows_the_contract(baseline):
@@ -102,6 +101,7 @@ def test_every_recipe_runs_two_steps_in_smoke_mode(recipe, run_dir):
     assert run.summary["global_step"] == 2
 
 
+@pytest.mark.slow  # CI time: test_plan.py's gpt13b run with ft=deadpool checks the same exit 3, plan and advice
 def test_big_recipe_on_a_host_without_gpus_prints_the_plan_and_exits(run_dir):
     run = run_cli("+recipe=gpt13b", run_dir=run_dir, timeout=60)
     assert run.returncode == 3

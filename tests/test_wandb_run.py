@@ -23,12 +23,9 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from runner.loggers import flatten
-from tests.conftest import ROOT, Run, assert_nothing_left, run_cli
+from tests.conftest import KILL_RANK, ROOT, Run, assert_nothing_left, run_cli
 
-MAX_STEPS, LOG_EVERY = 30, 5
-KILL_RANK = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", f"trainer.max_steps={MAX_STEPS}",
-             f"trainer.log_every_n_steps={LOG_EVERY}", "ft=[flashrecovery]", "fault=kill_rank", "fault.step=12",
-             "trainer.progress_bar=false"]
+MAX_STEPS, LOG_EVERY = 30, 5  # KILL_RANK's (tests/conftest.py)
 
 
 @dataclass
@@ -140,8 +137,9 @@ def assert_complete(logged: LoggedRun, run: Run, victim: int) -> None:
 
 
 @pytest.mark.parametrize("victim", [pytest.param(2, marks=pytest.mark.slow), 0])  # CI time: victim 2 in the slow tier
-def test_one_complete_wandb_run_per_job_whichever_rank_dies(tmp_path, victim):
-    run = run_cli(*KILL_RANK, f"fault.rank={victim}", run_dir=tmp_path / "run", quiet=False)  # the default logger
+def test_one_complete_wandb_run_per_job_whichever_rank_dies(tmp_path, victim, request):
+    run = request.getfixturevalue("rank0_killed") if victim == 0 else run_cli(  # the default logger
+        *KILL_RANK, f"fault.rank={victim}", run_dir=tmp_path / "run", quiet=False)
     logged = read_wandb_run(run.dir)
     assert_complete(logged, run, victim)
     assert logged.exit_code == 0
