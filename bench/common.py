@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,7 +31,9 @@ def run_cli(*overrides: str, timeout: float = 900, logger: str = "none") -> tupl
     def read(name: str) -> list[dict]:
         return [json.loads(x) for x in (run_dir / name).read_text().splitlines() if x.strip()]
 
-    return json.loads(summary_path.read_text()), read("metrics.jsonl"), read("events.jsonl")
+    outputs = json.loads(summary_path.read_text()), read("metrics.jsonl"), read("events.jsonl")
+    shutil.rmtree(run_dir.parent)  # read; a run that failed before its summary keeps its dir for a look
+    return outputs
 
 
 def steady_steps_per_s(metrics: list[dict], skip: int) -> float:
