@@ -14,6 +14,7 @@ runner's pure DP; there is no target for them on CPU.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,11 +25,12 @@ from common import ROOT, median_spread, run_cli, steady_steps_per_s, throughput_
 
 
 def ddp_steps_per_s(ranks: int, steps: int, skip: int) -> float:
-    out = Path(tempfile.mkdtemp()) / "ddp.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                    str(ROOT / "bench" / "ddp_reference.py"), "--steps", str(steps), "--out", str(out)],
-                   cwd=ROOT, check=True, capture_output=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    t = json.loads(out.read_text())["t_commit"][skip:]
+    with tempfile.TemporaryDirectory(prefix="rr-bench-ddp-") as tmp:
+        out = Path(tmp) / "ddp.json"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                        str(ROOT / "bench" / "ddp_reference.py"), "--steps", str(steps), "--out", str(out)],
+                       cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        t = json.loads(out.read_text())["t_commit"][skip:]
     return (len(t) - 1) / (t[-1] - t[0])
 
 
