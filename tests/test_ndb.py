@@ -96,14 +96,15 @@ def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(
         assert [(e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(0, 0)]
 
 
-def _exact_zero1_takeover(layout: list[str], extra: list[str], killed: int, tmp_path_factory):
-    """``layout`` run fault-free and with rank ``killed`` killed at step 8 (plus ``extra``): the killed run, checked
-    to be the fault-free one bit for bit (parameters, and the last checkpoint's optimizer state, written while a
-    holder carried the shard), with exact sample accounting and one takeover."""
-    fault_free = run_cli(*layout, run_dir=tmp_path_factory.mktemp("ff") / "run")
+def _exact_zero1_takeover(layout: list[str], extra: list[str], killed: int, tmp_path_factory, launch=run_cli):
+    """``layout`` run fault-free and with rank ``killed`` killed at step 8 (plus ``extra``), both by ``launch``
+    (``run_cli``'s signature: the local launcher, or torchrun trees as hosts): the killed run, checked to be the
+    fault-free one bit for bit (parameters, and the last checkpoint's optimizer state, written while a holder carried
+    the shard), with exact sample accounting and one takeover."""
+    fault_free = launch(*layout, run_dir=tmp_path_factory.mktemp("ff") / "run")
     assert fault_free.summary["status"] == "completed", fault_free.output[-4000:]
-    run = run_cli(*layout, *extra, "fault=kill_rank", f"fault.rank={killed}", "fault.step=8",
-                  run_dir=tmp_path_factory.mktemp("fault") / "run")
+    run = launch(*layout, *extra, "fault=kill_rank", f"fault.rank={killed}", "fault.step=8",
+                 run_dir=tmp_path_factory.mktemp("fault") / "run")
     s, ref = run.summary, fault_free.summary
     assert s["status"] == "completed", run.output[-4000:]
     assert s["param_checksum"] == ref["param_checksum"]
