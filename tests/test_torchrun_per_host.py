@@ -33,7 +33,7 @@ from runner.recovery.flash_names import flash_job_id
 from runner.summary import recovery_entry
 from tests.conftest import TP2_DP2, TP2PP2, TP2PP2_STEPS, Run  # and the fixture tp2pp2, tp2pp2's fault-free run
 from tests.test_flashrecovery import HSDP
-from tests.test_ndb import ZERO_NDB, _exact_zero1_takeover
+from tests.test_ndb import ZERO_NDB, exact_zero1_takeover
 from tests.test_pp_training import PP2, pp2  # noqa: F401  (pp2: the fixture, pp=2 dp=2's fault-free run)
 from tests.test_tp_training import TP2, assert_replica_taken_over, tp2  # noqa: F401  (tp2: the fixture)
 from tests.test_zero_tp import CONSTANT_LR, MASTER, STEPS, tp2_master  # noqa: F401  (tp2_master: the fixture)
@@ -361,9 +361,10 @@ def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_across_h
     """Two hosts of one rank, ZeRO-1, ``ft=[ndb,deadpool]`` without a spare host: rank 1 (host 1) killed at step 8,
     rank 0 on host 0 computes its micro-batch and carries its optimizer shard from DeadPool's replica; the run is the
     fault-free run of the same layout under per_host bit for bit, optimizer state included."""
-    run = _exact_zero1_takeover([*ZERO_NDB, "parallel.spares=0"], [], 1, tmp_path_factory,
+    run = exact_zero1_takeover([*ZERO_NDB, "parallel.spares=0"], [], 1, tmp_path_factory,
                                 launch=launched_as_hosts(make_job, 2))
     assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, 8)]
+    assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
     assert len(run.events("worker_started")) == 2  # nobody restarted
 
 
