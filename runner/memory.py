@@ -24,7 +24,10 @@ parallel without sequence parallelism: ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes
 at 32); with full recomputation a block keeps only its input (``2*s*b*h``) and one block's activations
 exist at a time. The last stage adds the fp32 logits of the loss, ``4*s*b*V``. DeadPool with ZeRO-1
 (``runner.recovery.deadpool.replicator``) keeps a packed copy of the rank's own shard (weights and
-moments), two replica slots of its partner's shard, and the partner's last gradients for a replay.
+moments), two replica slots of its partner's shard, and the partner's last gradients for a replay. With NDB
+in the mix too (``ZeroOne.carry``), the holder of a covered rank's replica carries that rank's shard for as long
+as a neighbour covers it: a second set of moments (and fp32 masters) of its own, cloned from the replica, which
+it keeps. The plan counts the worst case, one carried shard on every rank that holds a replica.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class Layout:
     micro_batches: int  # forwards per step and rank
     deadpool: bool  # ft has deadpool (with zero=1 it replicates every shard)
     dp_group_size: int = 0  # ZeRO-1 shards within DP replica groups of this many ranks; 0 = one group of dp
+    ndb: bool = False  # ft has ndb (with deadpool and zero=1 a replica's holder carries a covered rank's shard)
 
     @property
     def shards(self) -> int:
@@ -110,11 +114,12 @@ class RankMemory:
     recomputed: float
     pipeline: float
     replicas: float
+    carried: float = 0.0  # an NDB takeover's carried shard (moments and masters), worst case one per rank
 
     @property
     def total(self) -> float:
         return (self.params + self.grads + self.master + self.moments + self.activations + self.pipeline
-                + self.replicas)
+                + self.replicas + self.carried)
 
     def items(self) -> list[str]:
         """Two lines: the training state, then what the forward and backward hold (in GiB, or MiB when small)."""
@@ -124,7 +129,7 @@ class RankMemory:
                 f"Adam moments {g['moments']:.1f} {unit}",
                 f"+ activations {g['activations']:.1f} ({g['recomputed']:.1f} with full recomputation, which training "
                 f"does not do) + pipeline buffers {g['pipeline']:.1f} + DeadPool shard replicas {g['replicas']:.1f} "
-                f"{unit}"]
+                f"+ a shard carried for NDB {g['carried']:.1f} {unit}"]
 
 
 def stage_params(gpt: GPTConfig, tp: int, pp: int, stage: int) -> float:
@@ -160,14 +165,16 @@ def stage_memory(gpt: GPTConfig, precision: Precision, layout: Layout, stage: in
     pipeline = (in_flight - 1) * blocks * one_block + sends * lay.micro_batches * boundary if lay.pp > 1 else 0
     sharded = lay.shards if lay.zero else 1  # ZeRO-1 keeps the moments and masters of the rank's own shard only
     moments = n * precision.moments / sharded
-    replicas = 0.0
+    replicas = carried = 0.0
     if lay.deadpool and lay.zero:
         shard = n / lay.shards  # the optimizer's own weights are the masters where there are any
         replicas = 3 * shard * ((precision.master or precision.weights) + precision.moments) + shard * precision.grads
+        if lay.ndb:  # the carried shard's own moments and masters; without masters it steps the module's weights
+            carried = shard * (precision.master + precision.moments)
     return RankMemory(
         stage=stage, params=n * precision.weights, grads=n * precision.grads, master=n * precision.master / sharded,
         moments=moments, activations=blocks * one_block + logits, recomputed=blocks * boundary + one_block + logits,
-        pipeline=pipeline, replicas=replicas,
+        pipeline=pipeline, replicas=replicas, carried=carried,
     )
 
 

@@ -100,8 +100,9 @@ def make_plan(cfg: DictConfig) -> Plan:
         micro_batches = (cfg.trainer.micro_batches or int(p.pp)) if p.pp > 1 else 1
         micro_batch = max(1, per_rank // micro_batches)
     groups = int(p.dp_group_size) if p.dp_group_size > 0 and dp % p.dp_group_size == 0 else 0
-    layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches, "deadpool" in ft_names(cfg),
-                    groups)
+    ft = ft_names(cfg)
+    layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches, "deadpool" in ft, groups,
+                    "ndb" in ft)
     name, precision = precision_of(cfg.trainer.precision, bool(cfg.trainer.master_weights))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return Plan(n, world_size(cfg), layout, precision.describe(name), rank_memory(gpt, precision, layout),

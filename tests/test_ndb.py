@@ -88,7 +88,7 @@ def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(
     # replica of its shard (Adam moments, fp32 masters with master weights), updates that shard every step and sends
     # it in the all-gather: the run ends with the fault-free run's parameters bit for bit. Repaired, rank 1 rejoins
     # with the carried shard as it is then, and the run is still the fault-free one.
-    run = _exact_zero1_takeover([*ZERO_NDB, *precision], repair, 1, tmp_path_factory)
+    run = exact_zero1_takeover([*ZERO_NDB, *precision], repair, 1, tmp_path_factory)
     assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, 8)]
     assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
     if repair:
@@ -96,14 +96,15 @@ def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(
         assert [(e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(0, 0)]
 
 
-def _exact_zero1_takeover(layout: list[str], extra: list[str], killed: int, tmp_path_factory):
-    """``layout`` run fault-free and with rank ``killed`` killed at step 8 (plus ``extra``): the killed run, checked
-    to be the fault-free one bit for bit (parameters, and the last checkpoint's optimizer state, written while a
-    holder carried the shard), with exact sample accounting and one takeover."""
-    fault_free = run_cli(*layout, run_dir=tmp_path_factory.mktemp("ff") / "run")
+def exact_zero1_takeover(layout: list[str], extra: list[str], killed: int, tmp_path_factory, launch=run_cli):
+    """``layout`` run fault-free and with rank ``killed`` killed at step 8 (plus ``extra``), both by ``launch``
+    (``run_cli``'s signature: the local launcher, or torchrun trees as hosts): the killed run, checked to be the
+    fault-free one bit for bit (parameters, and the last checkpoint's optimizer state, written while a holder carried
+    the shard), with exact sample accounting and one takeover."""
+    fault_free = launch(*layout, run_dir=tmp_path_factory.mktemp("ff") / "run")
     assert fault_free.summary["status"] == "completed", fault_free.output[-4000:]
-    run = run_cli(*layout, *extra, "fault=kill_rank", f"fault.rank={killed}", "fault.step=8",
-                  run_dir=tmp_path_factory.mktemp("fault") / "run")
+    run = launch(*layout, *extra, "fault=kill_rank", f"fault.rank={killed}", "fault.step=8",
+                 run_dir=tmp_path_factory.mktemp("fault") / "run")
     s, ref = run.summary, fault_free.summary
     assert s["status"] == "completed", run.output[-4000:]
     assert s["param_checksum"] == ref["param_checksum"]
@@ -135,7 +136,7 @@ def test_zero1_takeover_of_a_split_replica_carries_each_coordinates_shard_exactl
     # stop, and replica 0 computes replica 1 besides its own; at each (pp, tp) coordinate the holder of the failed
     # replica's rank there (replica 0's rank at that coordinate) carries that rank's shard of its part of the model:
     # the run ends with the fault-free run's parameters bit for bit
-    run = _exact_zero1_takeover([*ZERO_NDB, "parallel.nodes=2", *split], [], killed, tmp_path_factory)
+    run = exact_zero1_takeover([*ZERO_NDB, "parallel.nodes=2", *split], [], killed, tmp_path_factory)
     stopped = sorted((e["wid"], e["failed"]) for e in run.events("replica_stopped"))
     assert stopped == [(r, killed) for r in replica if r != killed]
     assert sorted((e["logical"], e["step"]) for e in run.events("shard_carried")) == [(r, 8) for r in replica]

@@ -20,7 +20,7 @@ GPT13B = GPTConfig(vocab_size=50304, seq_len=2048, n_layer=40, n_head=40, d_mode
 
 
 @pytest.mark.parametrize("recipe", ["gpt13b", "gpt1_2b"])
-@pytest.mark.parametrize("ft", ["ft=[]", "ft=deadpool", "ft=[flashrecovery,deadpool]"])
+@pytest.mark.parametrize("ft", ["ft=[]", "ft=deadpool", "ft=[flashrecovery,deadpool]", "ft=[ndb,deadpool]"])
 def test_the_big_recipes_fit_an_80_gib_gpu(recipe, ft):
     cfg = _compose(f"+recipe={recipe}", ft)
     validate(cfg, for_training=False)
@@ -93,6 +93,25 @@ def test_memory_items_follow_the_precision_zero_and_pipeline():
     first, last = (stage_memory(GPT13B, PRECISIONS["bf16-mixed"], Layout(8, 4, 2, 1, 1, 16, False), s) for s in (0, 3))
     assert first.pipeline >= 3 * first.activations
     assert last.pipeline < first.activations
+
+
+@pytest.mark.parametrize("precision", [[], ["trainer.precision=bf16-true", "trainer.master_weights=true"]],
+                         ids=["fp32", "master_weights"])
+def test_with_ndb_deadpool_and_zero1_the_plan_counts_a_carried_shard_per_rank(precision):
+    """An NDB takeover's carrier steps a covered rank's shard with moments (and fp32 masters) of its own, cloned
+    from DeadPool's replica (``ZeroOne.carry``): the worst case, one such shard on every rank, is in the plan."""
+    def plan(*overrides):
+        return make_plan(_compose("+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", *precision,
+                                  *overrides))
+
+    alone, carrying = plan("parallel.zero=1", "ft=[deadpool]"), plan("parallel.zero=1", "ft=[ndb,deadpool]")
+    mem = carrying.memory
+    assert alone.memory.carried == 0 and mem.carried == pytest.approx(mem.moments + mem.master)  # its own shard's size
+    assert mem.master == (0 if not precision else pytest.approx(mem.moments / 2))
+    assert carrying.bytes_per_rank == pytest.approx(alone.bytes_per_rank + mem.carried)
+    assert plan("ft=[ndb,deadpool]").memory.carried == 0  # no ZeRO-1: a takeover carries nothing
+    cfg = _compose("+recipe=gpt_tiny", "parallel.zero=1", "ft=[ndb,deadpool]")
+    assert "a shard carried for NDB" in make_plan(cfg).render(cfg)
 
 
 def test_deadpool_without_spares_gets_one_spare_node_and_explicit_zero_is_still_refused():

@@ -31,9 +31,12 @@ from runner.local_hosts import (
 )
 from runner.recovery.flash_names import flash_job_id
 from runner.summary import recovery_entry
-from tests.conftest import TP2PP2, TP2PP2_STEPS, Run  # and the fixture tp2pp2, tp2pp2's fault-free run
+from tests.conftest import TP2_DP2, TP2PP2, TP2PP2_STEPS, Run  # and the fixture tp2pp2, tp2pp2's fault-free run
+from tests.test_flashrecovery import HSDP
+from tests.test_ndb import ZERO_NDB, exact_zero1_takeover
 from tests.test_pp_training import PP2, pp2  # noqa: F401  (pp2: the fixture, pp=2 dp=2's fault-free run)
 from tests.test_tp_training import TP2, assert_replica_taken_over, tp2  # noqa: F401  (tp2: the fixture)
+from tests.test_zero_tp import CONSTANT_LR, MASTER, STEPS, tp2_master  # noqa: F401  (tp2_master: the fixture)
 
 LAYOUT = ["parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[flashrecovery,deadpool]",
           "trainer.max_steps=30"]
@@ -76,6 +79,18 @@ def as_run(job: Job) -> Run:
     """A finished job read as the local tests read a run (summary, events, metrics), so their checks apply."""
     codes = job.wait()
     return Run(subprocess.CompletedProcess([], max(codes, key=abs), job.output(), ""), job.run_dir)
+
+
+def launched_as_hosts(make_job, trees: int):
+    """``run_cli``'s counterpart for helpers that launch their own runs: the overrides (a local test's layout) run as
+    ``trees`` per_host torchrun trees, every process gone at the end, read as a local run."""
+    def launch(*overrides: str, run_dir) -> Run:
+        job = make_job(run_dir.parent.name)  # a directory of the test's own, one per run
+        hosts(job, trees, *on_hosts(list(overrides)))
+        run = as_run(job)
+        assert_trees_end(job)
+        return run
+    return launch
 
 
 def hosts_behind_the_rendezvous_store(job: Job, hosts: int, *overrides: str) -> list:
@@ -172,18 +187,25 @@ def test_under_slurm_three_hosts_complete_with_the_local_launchers_checksum(make
     assert_trees_end(job)
 
 
-# a worker of node 1 killed: (hosts, layout, its fault-free run, the killed rank, the rank that serves its state, the
-# workers started in all); at pp=2 rank 3 is the last stage of replica 1, served by the replica at its coordinate
+# a worker of node 1 killed: (hosts, layout, its fault-free run, the killed rank, the ranks that log sending it their
+# state, the workers started in all, the ZeRO-1 shard it gets back as (rank, holder, replayed updates)); at pp=2 rank
+# 3 is the last stage of replica 1, served by the replica at its coordinate. With ZeRO-1 the restarted rank's shard
+# comes from its holder (``shard_restored``) and the rest of its state with it, no ``state_sent``: in DP replica
+# groups of two (dp=4) rank 2's shard from rank 0, the same shard in the other group; at tp=2 with fp32 master
+# weights rank 3's (the masters and their moments) from DeadPool's replica on rank 1, replica 0 at its TP coordinate
 KILLED_WORKER = {
-    "dp4": (3, LAYOUT, "two_by_two", 3, 0, 4 + 2 + 1),  # the spare host's two warm workers among them
-    "pp2": (2, [*on_hosts(PP2), f"trainer.max_steps={TP2PP2_STEPS}", "ft=[flashrecovery]"], "pp2", 3, 1, 4 + 1),
+    "dp4": (3, LAYOUT, "two_by_two", 3, [0], 4 + 2 + 1, []),  # the spare host's two warm workers among them
+    "pp2": (2, [*on_hosts(PP2), f"trainer.max_steps={TP2PP2_STEPS}", "ft=[flashrecovery]"], "pp2", 3, [1], 4 + 1, []),
+    "hsdp": (2, [*TWO_HOSTS, *HSDP, "ft=[flashrecovery]"], "two_by_two", 2, [], 4 + 1, [(2, 0, 0)]),
+    "tp2_master": (3, [*on_hosts(TP2_DP2), *MASTER, CONSTANT_LR, f"trainer.max_steps={STEPS}", "parallel.spares=2",
+                       "ft=[flashrecovery,deadpool]"], "tp2_master", 3, [], 4 + 2 + 1, [(3, 1, 0)]),
 }
 
 
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=[pytest.mark.slow] if k != "dp4" else [])
                                     for k in sorted(KILLED_WORKER)])
 def test_a_killed_worker_restarts_on_its_own_host_and_loses_nothing(layout, make_job, request):
-    n, overrides, fault_free, killed, source, started_in_all = KILLED_WORKER[layout]
+    n, overrides, fault_free, killed, senders, started_in_all, shards = KILLED_WORKER[layout]
     ref = request.getfixturevalue(fault_free).summary
     job = make_job()
     hosts(job, n, *overrides, "fault=kill_rank", f"fault.rank={killed}", "fault.step=5")
@@ -202,7 +224,8 @@ def test_a_killed_worker_restarts_on_its_own_host_and_loses_nothing(layout, make
     killed_node = next(e["node"] for e in started if e["role"] == "initial" and e["wid"] == killed)
     assert joiner["node"] == killed_node == 1  # restarted by host 1's agent; nobody else restarted
     assert len(started) == started_in_all
-    assert [e["rank"] for e in run.events("state_sent")] == [source]
+    assert [e["rank"] for e in run.events("state_sent")] == senders
+    assert [(e["rank"], e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == shards
     assert_trees_end(job)
 
 
@@ -334,6 +357,18 @@ def test_ndb_at_tp2_without_approximations_takes_a_killed_workers_replica_over_e
 
 
 @pytest.mark.slow
+def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_across_hosts(make_job, tmp_path_factory):
+    """Two hosts of one rank, ZeRO-1, ``ft=[ndb,deadpool]`` without a spare host: rank 1 (host 1) killed at step 8,
+    rank 0 on host 0 computes its micro-batch and carries its optimizer shard from DeadPool's replica; the run is the
+    fault-free run of the same layout under per_host bit for bit, optimizer state included."""
+    run = exact_zero1_takeover([*ZERO_NDB, "parallel.spares=0"], [], 1, tmp_path_factory,
+                                launch=launched_as_hosts(make_job, 2))
+    assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, 8)]
+    assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
+    assert len(run.events("worker_started")) == 2  # nobody restarted
+
+
+@pytest.mark.slow
 def test_flash_ckpt_restores_every_worker_killed_on_every_host_from_memory(make_job, local_checksum):
     job = make_job()
     rdzv = c10d_rendezvous()
@@ -352,9 +387,11 @@ def test_flash_ckpt_restores_every_worker_killed_on_every_host_from_memory(make_
 
 
 # two hosts, host 1 lost with its memory: (layout, its fault-free run); at tp=2 host 1 holds replica 1's two TP
-# slices, whose partner copies host 0 holds
+# slices, whose partner copies host 0 holds; in DP replica groups of two (ZeRO-1, dp=4) host 1 holds replica group 1,
+# each rank's snapshot with its optimizer shard
 PARTNER_HOST = {
     "dp4": (FLASH, "two_by_two"),
+    "hsdp": ([*FLASH, *HSDP], "two_by_two"),
     "tp2": ([*on_hosts(TP2), "ft=[flash_ckpt]", "ft.flash_ckpt.every_n_steps=5"], "tp2"),
 }
 
