@@ -23,8 +23,9 @@ workload compares the ZeRO-1 layouts only (steps: --realistic-steps).
 
 Beside steps/s each run reports the CPU seconds per step of all its processes (controller, fork servers, node
 agents, ranks, the spare and its agent; bench/tree_cpu.py) over the same steps, and each comparison its ratio
-base / candidate per pair of rounds. Other load on the host moves it far less than steps/s; with more ranks
-than cores, as here, the cores never idle and it is the steps/s ratio a quiet host would give.
+base / candidate per pair of rounds. It leaves out the time other jobs take from the run, not the caches and
+preemption they bring; with more ranks than cores, as here, the cores never idle and it is about the steps/s
+ratio a quiet host would give (docs/recovery.md breaks DeadPool's down by process and thread).
 
 Rounds come in pairs: the runs of a round go in the listed order, those of the next round in the
 reverse order, so a drift of the host's speed within a round (which a fixed order turns into a

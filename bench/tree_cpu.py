@@ -1,10 +1,10 @@
 """CPU time of every process of a run (controller, fork servers, node agents, ranks, spares, persisters), sampled
 while it runs.
 
-Steps/s on a shared host moves with whatever else runs there; the CPU a run's processes spend per step barely
-does. Where the ranks outnumber the cores (the bench hosts), the cores are always busy and steps/s is about the
-number of cores over the CPU seconds per step, so a ratio of CPU per step tells what a ratio of steps/s would on a
-quiet host, and where any extra CPU goes (tree_cpu.py's breakdown by process is what docs/recovery.md cites).
+Where the ranks outnumber the cores (the bench hosts), the cores are always busy and steps/s is about the number
+of cores over the CPU seconds all the run's processes spend per step: a ratio of CPU per step says what a ratio of
+steps/s would on a quiet host, with the time other jobs take from the run left out (the caches and preemption
+they bring still cost the run CPU, so under heavy load the same work still reads a few % apart).
 """
 
 from __future__ import annotations
