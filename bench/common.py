@@ -11,22 +11,36 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
+
+from tree_cpu import TreeCPU
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["trainer.progress_bar=false", "runner.console_events=false"]
 
 
-def run_cli(*overrides: str, timeout: float = 900, logger: str = "none") -> tuple[dict, list[dict], list[dict]]:
+def run_cli(*overrides: str, timeout: float = 900, logger: str = "none",
+            cpu: Optional[TreeCPU] = None) -> tuple[dict, list[dict], list[dict]]:
     """One ``python -m runner`` job with experiment logger ``logger`` (none unless a bench measures one);
-    returns (summary, metrics, events)."""
+    returns (summary, metrics, events). ``cpu`` follows the CPU time of the job's processes."""
     run_dir = Path(tempfile.mkdtemp(prefix="rr-bench-")) / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "runner", *overrides, f"logger={logger}", *QUIET,
+    with subprocess.Popen([sys.executable, "-m", "runner", *overrides, f"logger={logger}", *QUIET,
                            f"hydra.run.dir={run_dir}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        if cpu is not None:
+            cpu.follow(proc.pid)
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # as subprocess.run does
+            raise
+        finally:
+            if cpu is not None:
+                cpu.stop()
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
-        raise RuntimeError(f"run failed before writing a summary:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"run failed before writing a summary:\n{stderr[-3000:]}")
 
     def read(name: str) -> list[dict]:
         return [json.loads(x) for x in (run_dir / name).read_text().splitlines() if x.strip()]

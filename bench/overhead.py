@@ -21,6 +21,12 @@ relative to the step as on a GPU cluster: there, gpt13b's plan (tp=8, dp=8, ZeRO
 (a few ms) against a step of ~26 GFLOP per rank (about a second on a shared core). The realistic
 workload compares the ZeRO-1 layouts only (steps: --realistic-steps).
 
+Beside steps/s each run reports the CPU seconds per step of all its processes (controller, fork servers, node
+agents, ranks, the spare and its agent; bench/tree_cpu.py) over the same steps, and each comparison its ratio
+base / candidate per pair of rounds. It leaves out the time other jobs take from the run, not the caches and
+preemption they bring; with more ranks than cores, as here, the cores never idle and it is about the steps/s
+ratio a quiet host would give (docs/recovery.md breaks DeadPool's down by process and thread).
+
 Rounds come in pairs: the runs of a round go in the listed order, those of the next round in the
 reverse order, so a drift of the host's speed within a round (which a fixed order turns into a
 bias: the same work ran 3% slower third than first in one run) favours a run in one round of the
@@ -39,6 +45,7 @@ import math
 import statistics
 
 from common import median_spread, run_cli, steady_steps_per_s, throughput_args
+from tree_cpu import TreeCPU
 
 SKIP = 10  # start-up and warm-up steps left out
 REALISTIC = ["model.d_model=256", "model.n_head=4", "model.n_layer=2", "model.seq_len=512"]
@@ -70,11 +77,14 @@ COMPARISONS = (
 )
 
 
-def measure(steps: int, overrides: list[str]) -> tuple[float, dict]:
-    """Steady steps/s of one run, and its summary."""
-    summary, metrics, _ = run_cli("+recipe=gpt_tiny", f"trainer.max_steps={steps}", *overrides)
+def measure(steps: int, overrides: list[str]) -> tuple[float, float, dict]:
+    """Steady steps/s of one run, the CPU seconds per step of all its processes over the same steps, its summary."""
+    cpu = TreeCPU()
+    summary, metrics, _ = run_cli("+recipe=gpt_tiny", f"trainer.max_steps={steps}", *overrides, cpu=cpu)
     assert summary["status"] == "completed", summary.get("error")
-    return steady_steps_per_s(metrics, SKIP), summary
+    steady = [m for m in metrics if m["step"] >= SKIP]
+    cpu_per_step = cpu.seconds_between(steady[0]["t"], steady[-1]["t"]) / (len(steady) - 1)
+    return steady_steps_per_s(metrics, SKIP), cpu_per_step, summary
 
 
 def pair_ratios(candidate: list[float], base: list[float]) -> list[float]:
@@ -91,13 +101,15 @@ def main() -> None:
             if name.startswith("realistic") or not args.realistic_only}
     comparisons = [c for c in COMPARISONS if c[0] in runs]
     results: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
     shard_mb: dict[str, float] = {}
     for round_index in range(args.rounds):
         ordered = list(runs.items())
         for name, overrides in ordered if round_index % 2 == 0 else reversed(ordered):
             steps = args.realistic_steps if name.startswith("realistic") else args.steps
-            rate, summary = measure(steps, overrides)
+            rate, cpu_per_step, summary = measure(steps, overrides)
             results[name].append(rate)
+            cpu[name].append(cpu_per_step)
             if "deadpool" in name:
                 shard_mb[name] = summary.get("replication_bytes_per_step", 0) / summary["world_size"] / 2**20
     tiny = "" if args.realistic_only else f"steps {SKIP}..{args.steps} (gpt_tiny, ~128 tokens per rank and step) and "
@@ -107,10 +119,14 @@ def main() -> None:
     for name, values in results.items():
         shard = f"   shard replicated {shard_mb[name]:.2f} MiB per rank and step" if name in shard_mb else ""
         print(f"  {name:32s} steps/s {median_spread(values)}{shard}")
+        print(f"  {'':32s} CPU s per step, all processes of the run, {median_spread(cpu[name])}")
     for candidate, base, target in comparisons:
         ratios = pair_ratios(results[candidate], results[base])
         print(f"  ratio {candidate} / {base}: {statistics.median(ratios):.3f} "
               f"(per pair of rounds {', '.join(f'{r:.3f}' for r in ratios)})   {target}")
+        cpu_ratios = pair_ratios(cpu[base], cpu[candidate])
+        print(f"    CPU per step {base} / {candidate}: {statistics.median(cpu_ratios):.3f} "
+              f"(per pair of rounds {', '.join(f'{r:.3f}' for r in cpu_ratios)})")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from runner.agents.node_agent import WorkerWatch
 @pytest.fixture
 def watch():
     exits: Queue = Queue()
-    watch = WorkerWatch(lambda wid, code: exits.put(("exit", wid, code, time.time())), interval_s=0.05)
+    watch = WorkerWatch(lambda wid, code: exits.put(("exit", wid, code, time.time())))
     yield watch, exits
     watch.stop()
 

@@ -51,10 +51,12 @@ WAIT_SLICE = timedelta(hours=1)  # a blocking wait for the next command or exit,
 
 
 class WorkerWatch:
-    """The host's worker processes, and a thread that reports each one's exit the moment it happens."""
+    """The host's worker processes, and a thread that reports each one's exit the moment it happens. The thread
+    sleeps until an exit, a new worker or ``stop`` wakes it (no periodic wake-up: an idle host's agent, a spare
+    host's, spends no CPU between its beats)."""
 
-    def __init__(self, report: Callable[[int, Optional[int]], None], interval_s: float) -> None:
-        self.report, self.interval_s = report, interval_s
+    def __init__(self, report: Callable[[int, Optional[int]], None]) -> None:
+        self.report = report
         self.procs: dict[int, BaseProcess | ForkedProcess] = {}  # wid -> its started worker process
         self.reported: set[int] = set()
         self._lock = threading.Lock()
@@ -96,7 +98,7 @@ class WorkerWatch:
             with self._lock:
                 live = {p.sentinel: wid for wid, p in self.procs.items() if wid not in self.reported}
             stopping = self._stop
-            ready = wait(list(live) + [self._wake_r], timeout=0 if stopping else self.interval_s)
+            ready = wait(list(live) + [self._wake_r], timeout=0 if stopping else None)
             for r in ready:
                 if r == self._wake_r:
                     os.read(self._wake_r, 64)
@@ -158,7 +160,7 @@ class NodeAgent:
         beat = threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True)
         beat.start()
         self.reports = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
-        self.watch = WorkerWatch(self._report_exit, self.interval_s)
+        self.watch = WorkerWatch(self._report_exit)
         try:
             return self._serve()
         except DistError as e:  # the controller's store is gone: nobody is left to tell what to do
