@@ -98,7 +98,7 @@ class WorkerWatch:
             with self._lock:
                 live = {p.sentinel: wid for wid, p in self.procs.items() if wid not in self.reported}
             stopping = self._stop
-            ready = wait(list(live) + [self._wake_r], timeout=0 if stopping else None)
+            ready = wait(list(live) + [self._wake_r], timeout=0 if stopping else WAIT_SLICE.total_seconds())
             for r in ready:
                 if r == self._wake_r:
                     os.read(self._wake_r, 64)
