@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import run_cli
+from tests.conftest import Run, run_cli
 
 STEPS = 30
 FOUR = ["+recipe=gpt_tiny", f"trainer.max_steps={STEPS}"]  # on 4 ranks, as long as the shared fault-free run
@@ -96,15 +96,23 @@ def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(
         assert [(e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(0, 0)]
 
 
-def exact_zero1_takeover(layout: list[str], extra: list[str], killed: int, tmp_path_factory, launch=run_cli):
-    """``layout`` run fault-free and with rank ``killed`` killed at step 8 (plus ``extra``), both by ``launch``
-    (``run_cli``'s signature: the local launcher, or torchrun trees as hosts): the killed run, checked to be the
-    fault-free one bit for bit (parameters, and the last checkpoint's optimizer state, written while a holder carried
-    the shard), with exact sample accounting and one takeover."""
-    fault_free = launch(*layout, run_dir=tmp_path_factory.mktemp("ff") / "run")
-    assert fault_free.summary["status"] == "completed", fault_free.output[-4000:]
+def exact_zero1_takeover(layout: list[str], extra: list[str], killed: int, tmp_path_factory, launch=run_cli,
+                         fault_free: Run | None = None) -> Run:
+    """``layout`` run fault-free (unless ``fault_free`` is its run already) and with rank ``killed`` killed at step 8
+    (plus ``extra``), both by ``launch`` (``run_cli``'s signature: the local launcher, or torchrun trees as hosts): the
+    killed run, checked by ``assert_exact_zero1_takeover``."""
+    if fault_free is None:
+        fault_free = launch(*layout, run_dir=tmp_path_factory.mktemp("ff") / "run")
     run = launch(*layout, *extra, "fault=kill_rank", f"fault.rank={killed}", "fault.step=8",
                  run_dir=tmp_path_factory.mktemp("fault") / "run")
+    assert_exact_zero1_takeover(run, fault_free, [killed])
+    return run
+
+
+def assert_exact_zero1_takeover(run: Run, fault_free: Run, victims: list[int]) -> None:
+    """The run is the fault-free run bit for bit (parameters, and the last checkpoint's optimizer state, written while
+    a holder carried the shard), with exact sample accounting and one takeover of ``victims``."""
+    assert fault_free.summary["status"] == "completed", fault_free.output[-4000:]
     s, ref = run.summary, fault_free.summary
     assert s["status"] == "completed", run.output[-4000:]
     assert s["param_checksum"] == ref["param_checksum"]
@@ -112,9 +120,8 @@ def exact_zero1_takeover(layout: list[str], extra: list[str], killed: int, tmp_p
     assert (s["global_step"], s["samples_committed"]) == (ref["global_step"], ref["samples_committed"])
     assert all(m["counts"] == [1, 1] for m in run.metrics())
     (rec,) = s["recoveries"]
-    assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("takeover", [killed], 0)
+    assert (rec["action"], rec["victims"], rec["rpo_steps"]) == ("takeover", victims, 0)
     assert _optimizer_state(run) == _optimizer_state(fault_free)
-    return run
 
 
 def _optimizer_state(run) -> dict:

@@ -33,7 +33,7 @@ from runner.recovery.flash_names import flash_job_id
 from runner.summary import recovery_entry
 from tests.conftest import TP2_DP2, TP2PP2, TP2PP2_STEPS, Run  # and the fixture tp2pp2, tp2pp2's fault-free run
 from tests.test_flashrecovery import HSDP
-from tests.test_ndb import ZERO_NDB, exact_zero1_takeover
+from tests.test_ndb import ZERO_NDB, assert_exact_zero1_takeover, exact_zero1_takeover
 from tests.test_pp_training import PP2, pp2  # noqa: F401  (pp2: the fixture, pp=2 dp=2's fault-free run)
 from tests.test_tp_training import TP2, assert_replica_taken_over, tp2  # noqa: F401  (tp2: the fixture)
 from tests.test_zero_tp import CONSTANT_LR, MASTER, STEPS, tp2_master  # noqa: F401  (tp2_master: the fixture)
@@ -60,6 +60,23 @@ def local_checksum(local_fault_free) -> str:
     return local_fault_free["param_checksum"]
 
 
+# ZeRO-1 on two hosts of one rank, NDB with DeadPool's shard replicas and no spare host
+ZERO1_NDB = [*ZERO_NDB, "parallel.spares=0"]
+
+
+@pytest.fixture(scope="module")
+def zero1_ndb(tmp_path_factory) -> Run:
+    """The fault-free run of ZERO1_NDB as two per_host trees: the reference of its takeovers (a worker killed, a
+    host lost), bit for bit, optimizer state included."""
+    job = Job(tmp_path_factory.mktemp("zero1_ndb") / "run")
+    try:
+        run = run_on_hosts(job, 2, *ZERO1_NDB)
+    finally:
+        job.close()
+    assert run.summary["status"] == "completed", run.output[-4000:]
+    return run
+
+
 def on_hosts(layout: list[str]) -> list[str]:
     """A layout of the local tests as the overrides of a torchrun tree, which names the recipe itself (BASE)."""
     return [o for o in layout if o not in BASE]
@@ -78,18 +95,27 @@ def three_hosts(job: Job, *overrides: str, layout: list[str] = LAYOUT) -> list:
 def as_run(job: Job) -> Run:
     """A finished job read as the local tests read a run (summary, events, metrics), so their checks apply."""
     codes = job.wait()
-    return Run(subprocess.CompletedProcess([], max(codes, key=abs), job.output(), ""), job.run_dir)
+    return read_run(job, max(codes, key=abs))
+
+
+def read_run(job: Job, returncode: int) -> Run:
+    return Run(subprocess.CompletedProcess([], returncode, job.output(), ""), job.run_dir)
+
+
+def run_on_hosts(job: Job, trees: int, *overrides: str) -> Run:
+    """The overrides (a local test's layout) run as ``trees`` per_host torchrun trees, every process gone at the end,
+    read as a local run."""
+    hosts(job, trees, *on_hosts(list(overrides)))
+    run = as_run(job)
+    assert_trees_end(job)
+    return run
 
 
 def launched_as_hosts(make_job, trees: int):
-    """``run_cli``'s counterpart for helpers that launch their own runs: the overrides (a local test's layout) run as
-    ``trees`` per_host torchrun trees, every process gone at the end, read as a local run."""
+    """``run_cli``'s counterpart for helpers that launch their own runs: ``run_on_hosts`` in a directory of the
+    test's own, one per run."""
     def launch(*overrides: str, run_dir) -> Run:
-        job = make_job(run_dir.parent.name)  # a directory of the test's own, one per run
-        hosts(job, trees, *on_hosts(list(overrides)))
-        run = as_run(job)
-        assert_trees_end(job)
-        return run
+        return run_on_hosts(make_job(run_dir.parent.name), trees, *overrides)
     return launch
 
 
@@ -297,20 +323,25 @@ def _complete_after_losing_host_1(job: Job, hosts: int, *overrides: str) -> tupl
 
 
 # host 1 lost, a spare host of as many ranks: (layout, its fault-free run, host 1's ranks, the ranks that serve their
-# state); at tp=2 host 1 holds replica 1, at tp=2 pp=2 replica 1's two stages, and the spare host takes every
-# coordinate, each served by replica 0's rank at it (at tp = pp = 1 one coordinate, served by rank 0)
+# state, the ZeRO-1 shards the spares get back as {rank: holder}); at tp=2 host 1 holds replica 1, at tp=2 pp=2
+# replica 1's two stages, and the spare host takes every coordinate, each served by replica 0's rank at it (at
+# tp = pp = 1 one coordinate, served by rank 0). With ZeRO-1 (tp=2, fp32 master weights) each spare's shard (its fp32
+# masters and their moments) comes from DeadPool's replica on replica 0's rank at its TP coordinate
+# (``shard_restored``) and the rest of its state with it, no ``state_sent``
 SPARE_HOST = {
-    "dp4": (LAYOUT, "two_by_two", [2, 3], [0]),
-    "tp2": ([*on_hosts(TP2), "parallel.spares=2", "ft=[deadpool]"], "tp2", [2, 3], [0, 1]),
+    "dp4": (LAYOUT, "two_by_two", [2, 3], [0], {}),
+    "tp2": ([*on_hosts(TP2), "parallel.spares=2", "ft=[deadpool]"], "tp2", [2, 3], [0, 1], {}),
     "tp2pp2": ([*on_hosts(TP2PP2), f"trainer.max_steps={TP2PP2_STEPS}", "parallel.spares=4", "ft=[deadpool]"],
-               "tp2pp2", [4, 5, 6, 7], [0, 1, 2, 3]),
+               "tp2pp2", [4, 5, 6, 7], [0, 1, 2, 3], {}),
+    "tp2_master": ([*on_hosts(TP2_DP2), *MASTER, CONSTANT_LR, f"trainer.max_steps={STEPS}", "parallel.spares=2",
+                    "ft=[deadpool]"], "tp2_master", [2, 3], [], {2: 0, 3: 1}),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(SPARE_HOST))
 def test_a_lost_training_host_is_replaced_by_the_spare_host(layout, make_job, request):
-    overrides, fault_free, lost, sources = SPARE_HOST[layout]
+    overrides, fault_free, lost, sources, shards = SPARE_HOST[layout]
     ref = request.getfixturevalue(fault_free).summary
     job = make_job()
     s, rest = _complete_after_losing_host_1(job, 3, *overrides)
@@ -321,8 +352,9 @@ def test_a_lost_training_host_is_replaced_by_the_spare_host(layout, make_job, re
     assert s["samples_committed"] == ref["samples_committed"] and s["param_checksum"] == ref["param_checksum"]
     assigned = events(job.run_dir, "spare_assigned")
     assert sorted(e["logical"] for e in assigned) == lost and {e["node"] for e in assigned} == {2}
-    assert sorted(e["rank"] for e in events(job.run_dir, "state_restored")) == lost
+    assert sorted(e["rank"] for e in events(job.run_dir, "state_restored")) == ([] if shards else lost)
     assert sorted(e["rank"] for e in events(job.run_dir, "state_sent")) == sources
+    assert {e["rank"]: e["holder"] for e in events(job.run_dir, "shard_restored")} == shards
     assert_agents_and_workers_end(job, rest)
 
 
@@ -357,15 +389,33 @@ def test_ndb_at_tp2_without_approximations_takes_a_killed_workers_replica_over_e
 
 
 @pytest.mark.slow
-def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_across_hosts(make_job, tmp_path_factory):
+def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_across_hosts(make_job, tmp_path_factory,
+                                                                                    zero1_ndb):
     """Two hosts of one rank, ZeRO-1, ``ft=[ndb,deadpool]`` without a spare host: rank 1 (host 1) killed at step 8,
     rank 0 on host 0 computes its micro-batch and carries its optimizer shard from DeadPool's replica; the run is the
     fault-free run of the same layout under per_host bit for bit, optimizer state included."""
-    run = exact_zero1_takeover([*ZERO_NDB, "parallel.spares=0"], [], 1, tmp_path_factory,
-                                launch=launched_as_hosts(make_job, 2))
+    run = exact_zero1_takeover(ZERO1_NDB, [], 1, tmp_path_factory, launch=launched_as_hosts(make_job, 2),
+                                fault_free=zero1_ndb)
     assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, 8)]
     assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
     assert len(run.events("worker_started")) == 2  # nobody restarted
+
+
+@pytest.mark.slow
+def test_zero1_takeover_of_a_lost_host_carries_its_shard_from_deadpools_replica(make_job, zero1_ndb):
+    """The same layout, host 1 lost (its tree killed; a node loss once its heartbeat stops): rank 0 takes rank 1's
+    micro-batch over and carries its shard from the replica it holds, from the step the loss interrupted; the
+    fault-free run bit for bit, optimizer state included."""
+    job = make_job()
+    s, rest = _complete_after_losing_host_1(job, 2, *on_hosts(ZERO1_NDB))
+    run = read_run(job, 0)  # completed; the survivor's torchrun waits in its exit barrier for the lost host's
+    assert_exact_zero1_takeover(run, zero1_ndb, [1])
+    (rec,) = s["recoveries"]
+    assert rec["fault"] == "node_loss" and rec["step"] > 3
+    assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, rec["step"])]
+    assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
+    assert len(run.events("worker_started")) == 2  # nobody restarted
+    assert_agents_and_workers_end(job, rest)
 
 
 @pytest.mark.slow
