@@ -99,6 +99,7 @@ def test_zero1_resume_gathers_and_reshards_the_optimizer_state(tmp_path):
     assert resumed.summary["param_checksum"] == straight.summary["param_checksum"]
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_the_next_step_and_the_run_resumes_from_there(first30, tmp_path):
     stopped = _run_until(tmp_path / "stopped", step=10, sig=signal.SIGTERM, overrides=[*TINY, "trainer.max_steps=5000"])
     assert stopped.returncode == 75, stopped.output[-3000:]

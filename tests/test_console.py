@@ -21,6 +21,7 @@ def test_counts_are_printed_with_a_unit_that_fits(value, text):
     assert scaled(value) == text
 
 
+@pytest.mark.slow
 def test_a_smoke_run_with_a_killed_rank_reads_as_plan_bar_one_recovery_line_and_summary(run_dir):
     run = run_cli("+recipe=gpt_tiny", "runner.smoke=true", "logger=none", "parallel.nodes=2",
                   "parallel.procs_per_node=2", "ft=[flashrecovery]", "fault=kill_rank", "fault.rank=2",

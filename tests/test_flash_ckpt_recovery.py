@@ -69,6 +69,7 @@ def test_kill_all_resumes_from_memory_exactly(fault_free, run_dir):
     assert "restart_all" in run.output  # the decision is shown live
 
 
+@pytest.mark.slow
 def test_node_loss_restores_the_lost_ranks_from_the_partner_nodes_memory(fault_free, run_dir):
     run = run_cli(*FOUR, "fault=kill_node", "fault.node=1", "fault.step=23", run_dir=run_dir)
     restored = assert_restarted(run, fault_free[4], resumed_at=20)

@@ -36,6 +36,7 @@ def assert_exact(run, fault_free, recoveries: int):
 HSDP = ["parallel.zero=1", "parallel.dp_group_size=2"]  # two replica groups of two, each holding every shard
 
 
+@pytest.mark.slow
 def test_zero1_in_replica_groups_is_bit_identical_to_replicated_optimizer_state(fault_free, run_dir):
     """ZeRO-1 within DP replica groups (the shards all-gathered over each group's shard group) makes the very
     updates the replicated optimizer does."""

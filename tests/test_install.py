@@ -69,6 +69,7 @@ def test_the_wheel_holds_every_module_config_and_recipe(wheel):
     assert not expected - names
 
 
+@pytest.mark.slow
 def test_the_wheel_trains_gpt_tiny_from_another_directory(site, tmp_path):
     which = from_wheel(site, tmp_path, "-c", "import runner, callbacks; print(runner.__file__, callbacks.__file__)")
     assert all(Path(f).is_relative_to(site) for f in which.stdout.split()), which.stdout + which.stderr

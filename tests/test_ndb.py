@@ -53,6 +53,7 @@ def test_node_loss_is_spread_over_distinct_neighbours(fault_free, run_dir):
     assert sorted(t["extra_ranks"] for t in s["takeovers"]) == [[2], [3]]
 
 
+@pytest.mark.slow
 def test_ndb_refuses_a_module_it_cannot_approximate(run_dir):
     run = run_cli("+recipe=gpt_tiny", "ft=[ndb]", "model._target_=lightning.pytorch.demos.boring_classes.BoringModel",
                   run_dir=run_dir, timeout=60)

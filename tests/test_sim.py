@@ -114,6 +114,7 @@ def test_every_second_is_accounted_for():
     assert any(r.degraded_s > 0 for r in point.runs)  # NDB ran at reduced speed
 
 
+@pytest.mark.slow
 def test_same_seed_same_output_other_seed_differs():
     a = report.summarize(simulate(small("seed=7"), {}), small("seed=7"))
     b = report.summarize(simulate(small("seed=7"), {}), small("seed=7"))
@@ -217,6 +218,7 @@ def test_cli_unknown_strategy_fails_with_clear_message(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_costs_set_on_the_command_line_are_labelled_guesses(tmp_path):
     proc = run_cli("ft=[]", "cluster.gpus=1024", "runs=1", "job.days=5", "costs.storage_gbps=500", "plots=false",
                    f"hydra.run.dir={tmp_path}")

@@ -150,6 +150,7 @@ def test_the_ranks_of_each_attempt_agree_on_its_namespace(two_host_restart):
     assert all(e["launcher_restarted"] for e in joined if e["attempt"] > 1 and e["node"] == 1)
 
 
+@pytest.mark.slow
 def test_a_torchrun_restart_resumes_from_the_snapshots_and_keeps_the_disk_checkpoints(two_host_restart):
     run_dir, disk_before, t_kill = two_host_restart
     restored = [e for e in events(run_dir, "snapshot_restored") if e["t"] > t_kill]
@@ -166,6 +167,7 @@ def test_a_torchrun_restart_resumes_from_the_snapshots_and_keeps_the_disk_checkp
         assert path.exists() and path.stat().st_mtime_ns == mtime, name
 
 
+@pytest.mark.slow
 def test_the_summary_accounts_for_the_failed_attempt(two_host_restart):
     run_dir, _, t_kill = two_host_restart
     s = json.loads((run_dir / "summary.json").read_text())

@@ -55,6 +55,7 @@ def test_a_run_never_writes_into_another_runs_directory(baseline):
     assert ((baseline.dir / "summary.json").read_bytes(), (baseline.dir / "events.jsonl").read_bytes()) == before
 
 
+@pytest.mark.slow
 def test_a_lightning_module_we_did_not_write_trains_through_our_strategy(run_dir):
     run = run_cli("+recipe=gpt_tiny", "model._target_=lightning.pytorch.demos.boring_classes.BoringModel",
                   "trainer.max_steps=12", run_dir=run_dir)

@@ -45,6 +45,7 @@ def test_validation_does_not_change_training(fault_free, run_dir):
     assert not val_losses(plain)
 
 
+@pytest.mark.slow
 def test_a_replacement_validates_its_share_and_val_loss_stays_exact(fault_free, run_dir):
     # the kill is at a validation step: the survivors' shares ride in the retried reduction, the joiner computes
     # the killed rank's share from the same committed weights

@@ -205,6 +205,7 @@ def tp2_zero(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_zero1_with_master_weights_at_tp2_trains_and_its_checkpoint_holds_fp32_masters(tp2_master):
     s = tp2_master.summary
     assert s["global_step"] == STEPS and s["final_loss"] < s["initial_loss"] - 0.2
