@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import Run, run_cli
+from tests.conftest import TP2_DP2, TP2_DP2_STEPS, Run, run_cli
 
 STEPS = 30
 FOUR = ["+recipe=gpt_tiny", f"trainer.max_steps={STEPS}"]  # on 4 ranks, as long as the shared fault-free run
@@ -75,6 +75,47 @@ def test_a_repaired_rank_rejoins_from_a_peer_and_the_takeover_ends(fault_free, r
     assert takeover["extra_ranks"] == [1] and 0 < takeover["steps_taken_over"] < STEPS - 8
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("split, killed, replica", [
+    (["parallel.procs_per_node=2", "parallel.tp=2"], 2, [2, 3]),
+    (["parallel.procs_per_node=2", "parallel.pp=2"], 2, [2, 3]),
+    (["parallel.procs_per_node=4", "parallel.tp=2", "parallel.pp=2"], 6, [4, 5, 6, 7]),
+], ids=["tp2", "pp2", "tp2_pp2"])
+def test_a_repaired_split_replica_rejoins_whole_from_its_coordinates_peers(split, killed, replica, fault_free,
+                                                                            run_dir):
+    # dp=2 replicas of TP slices and/or pipeline stages on 2 nodes: a rank of replica 1 dies at step 8, its partners
+    # stop and replica 0 takes the whole replica over; repaired, every rank of replica 1 restarts, takes the state of
+    # replica 0's rank at its own (pp, tp) coordinate, and the takeover ends
+    run = run_cli(*FOUR, "parallel.nodes=2", *split, "ft=[ndb]", "ft.ndb.repair_after_s=0", "fault=kill_rank",
+                  f"fault.rank={killed}", "fault.step=8", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert sorted((e["wid"], e["failed"]) for e in run.events("replica_stopped")) == [
+        (r, killed) for r in replica if r != killed]
+    assert [e["logical"] for e in run.events("repair_started")] == replica
+    assert [e["logical"] for e in run.events("rejoined")] == replica
+    assert [e["role"] for e in run.events("state_restored")] == ["joiner"] * len(replica)
+    accounting = (s["samples_lost"], s["samples_duplicated"], s["samples_committed"])
+    assert accounting == (0, 0, fault_free["samples_committed"])
+    assert s["param_checksum"]  # every replica, the rejoined one included, ends bit-identical
+    assert sorted(t["extra_ranks"] for t in s["takeovers"]) == [[r] for r in replica]
+    assert all(0 < t["steps_taken_over"] < STEPS - 8 for t in s["takeovers"])
+
+
+
+@pytest.mark.slow
+def test_a_repaired_tp2_replica_without_approximations_ends_as_the_fault_free_run(tp2_dp2, run_dir):
+    # computed exactly while replica 0 covers replica 1, and exactly again once replica 1 is back: the run is the
+    # fault-free one bit for bit
+    run = run_cli(*TP2_DP2, f"trainer.max_steps={TP2_DP2_STEPS}", "ft=[ndb]", "ft.ndb.exact_reference=true",
+                  "ft.ndb.repair_after_s=0", "fault=kill_rank", "fault.rank=2", "fault.step=8", run_dir=run_dir)
+    s, ref = run.summary, tp2_dp2.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert [e["logical"] for e in run.events("rejoined")] == [2, 3]
+    assert s["param_checksum"] == ref["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert (s["global_step"], s["samples_committed"]) == (ref["global_step"], ref["samples_committed"])
+
 # -- ZeRO-1 with DeadPool: the holder of the failed rank's shard replica carries the shard -------------------------
 ZERO_NDB = ["+recipe=gpt_tiny", "trainer.max_steps=20", "parallel.nodes=2", "parallel.procs_per_node=1",
             "parallel.zero=1", "ft=[ndb,deadpool]", "policy.process_crash=[takeover]", "ft.ndb.exact_reference=true"]
@@ -132,20 +173,32 @@ def _optimizer_state(run) -> dict:
             for pos, state in ckpt["optimizer_states"][0]["state"].items()}
 
 
+TP2_SPLIT = ["parallel.procs_per_node=2", "parallel.tp=2"]
+PP2_SPLIT = ["parallel.procs_per_node=2", "parallel.pp=2"]
+REPAIRED = ["ft.ndb.repair_after_s=0"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("split, killed, replica", [
-    (["parallel.procs_per_node=2", "parallel.tp=2"], 2, [2, 3]),
-    (["parallel.procs_per_node=2", "parallel.pp=2"], 2, [2, 3]),
-    (["parallel.procs_per_node=4", "parallel.tp=2", "parallel.pp=2"], 6, [4, 5, 6, 7]),
-], ids=["tp2", "pp2", "tp2_pp2"])
-def test_zero1_takeover_of_a_split_replica_carries_each_coordinates_shard_exactly(split, killed, replica,
+@pytest.mark.parametrize("split, killed, replica, repair", [
+    (TP2_SPLIT, 2, [2, 3], []),
+    (PP2_SPLIT, 2, [2, 3], []),
+    (["parallel.procs_per_node=4", "parallel.tp=2", "parallel.pp=2"], 6, [4, 5, 6, 7], []),
+    (TP2_SPLIT, 2, [2, 3], REPAIRED),
+    (PP2_SPLIT, 2, [2, 3], REPAIRED),
+], ids=["tp2", "pp2", "tp2_pp2", "tp2_repaired", "pp2_repaired"])
+def test_zero1_takeover_of_a_split_replica_carries_each_coordinates_shard_exactly(split, killed, replica, repair,
                                                                                  tmp_path_factory):
     # dp=2 replicas of TP slices and/or pipeline stages on 2 nodes: a rank of replica 1 dies at step 8, its partners
     # stop, and replica 0 computes replica 1 besides its own; at each (pp, tp) coordinate the holder of the failed
     # replica's rank there (replica 0's rank at that coordinate) carries that rank's shard of its part of the model:
-    # the run ends with the fault-free run's parameters bit for bit
-    run = exact_zero1_takeover([*ZERO_NDB, "parallel.nodes=2", *split], [], killed, tmp_path_factory)
+    # the run ends with the fault-free run's parameters bit for bit. Repaired, every rank of replica 1 rejoins with
+    # the shard its coordinate's holder carried, and the run is still the fault-free one.
+    run = exact_zero1_takeover([*ZERO_NDB, "parallel.nodes=2", *split], repair, killed, tmp_path_factory)
     stopped = sorted((e["wid"], e["failed"]) for e in run.events("replica_stopped"))
     assert stopped == [(r, killed) for r in replica if r != killed]
     assert sorted((e["logical"], e["step"]) for e in run.events("shard_carried")) == [(r, 8) for r in replica]
     assert [e["covered"] for e in run.events("replication_suspended")] == [replica]
+    if repair:
+        assert [e["logical"] for e in run.events("rejoined")] == replica
+        holders = sorted((e["holder"], e["replayed_updates"]) for e in run.events("shard_restored"))
+        assert holders == [(r - len(replica), 0) for r in replica]  # replica 0's rank at the same coordinate

@@ -80,7 +80,6 @@ def test_a_pp_run_writes_the_full_model_and_optimizer_state_into_one_file(pp2):
 
 
 @pytest.mark.parametrize("override, says", [
-    ("ft=[ndb] ft.ndb.repair_after_s=0", "set ft.ndb.repair_after_s=-1 or parallel.pp=1"),
     ("model.dropout=0.1", "set model.dropout=0 or parallel.pp=1"),
     ("trainer.accumulate_grad_batches=2", "set trainer.accumulate_grad_batches=1 and trainer.micro_batches"),
     ("trainer.micro_batches=3", "must split into that many equal micro-batches"),
@@ -93,11 +92,12 @@ def test_a_mix_pipeline_parallelism_does_not_train_is_refused(override, says):
 
 
 def test_the_mixes_pipeline_parallelism_trains_with_keep_their_pp_in_smoke_mode():
-    for ft in ("ft=[]", "ft=[flashrecovery]", "ft=[flash_ckpt]", "ft=[deadpool]", "ft=[ndb]"):
-        cfg = _compose(*PP2, ft)
+    for ft in ("ft=[]", "ft=[flashrecovery]", "ft=[flash_ckpt]", "ft=[deadpool]", "ft=[ndb]",
+               "ft=[ndb] ft.ndb.repair_after_s=0"):
+        cfg = _compose(*PP2, *ft.split())
         validate(cfg)
         assert trained_pp(cfg) == 2
-    cfg = _compose(*PP2, "ft=[ndb]", "ft.ndb.repair_after_s=0", "runner.smoke=true")
+    cfg = _compose(*PP2, "model.dropout=0.1", "runner.smoke=true")
     assert trained_pp(cfg) == 1
     changes = apply_smoke(cfg)
     assert cfg.parallel.pp == 1 and any("parallel.pp 2 -> 1 (training runs pp <= 1" in c for c in changes)

@@ -61,7 +61,6 @@ def test_flashrecovery_kill_rank_at_tp2_restores_the_tp_slice_exactly(tp2, run_d
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["ft=[ndb]", "ft.ndb.repair_after_s=0"], "set ft.ndb.repair_after_s=-1 or parallel.tp=1"),
     (["model.dropout=0.1"], "set model.dropout=0 or parallel.tp=1"),
 ])
 def test_a_mix_tensor_parallelism_does_not_train_is_refused(overrides, says, run_dir):

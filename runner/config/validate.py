@@ -170,7 +170,6 @@ def pp_problems(cfg: DictConfig) -> list[str]:
     out = _split_model_problems(
         cfg, "pp", split="cuts the runner's own GPT into stages", lacks="pipeline stages",
         dropout="the stages draw no dropout stream per micro-batch yet")
-    out += ndb_repair_problems(cfg, "pp")
     if t.accumulate_grad_batches > 1:
         out.append(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} with parallel.pp={p.pp}: the pipeline "
                    "splits each step's batch into trainer.micro_batches itself; set trainer.accumulate_grad_batches=1 "
@@ -197,7 +196,7 @@ def tp_problems(cfg: DictConfig) -> list[str]:
     """What training with parallel.tp > 1 does not do yet, each with the change that makes the run train."""
     if cfg.parallel.tp <= 1:
         return []
-    return ndb_repair_problems(cfg, "tp") + _split_model_problems(
+    return _split_model_problems(
         cfg, "tp", split="slices the runner's own GPT", lacks="tensor-parallel layers",
         dropout="the tensor-parallel layers keep no dropout stream per TP rank yet")
 
@@ -254,17 +253,6 @@ def _topology(cfg: DictConfig) -> Optional[Topology]:
         return Topology.from_cfg(cfg)
     except ValueError:
         return None
-
-
-def ndb_repair_problems(cfg: DictConfig, dim: str) -> list[str]:
-    """With parallel.``dim`` > 1 a model replica is several ranks, and NDB takes over a failed rank's whole replica
-    (``Topology.ndb_assignment``): a repair, which restarts the failed rank alone, does not fit that yet."""
-    if "ndb" not in ft_names(cfg) or cfg.ft.ndb.repair_after_s < 0:
-        return []
-    return [f"ft.ndb.repair_after_s={cfg.ft.ndb.repair_after_s} with parallel.{dim}={cfg.parallel[dim]}: NDB takes "
-            "over a failed rank's whole model replica and stops its other ranks, but a repair restarts the failed "
-            "rank alone, which could not rejoin a replica whose other ranks are gone; set ft.ndb.repair_after_s=-1 "
-            f"or parallel.{dim}=1."]
 
 
 def trained_tp(cfg: DictConfig) -> int:

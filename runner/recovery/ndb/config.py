@@ -38,8 +38,8 @@ class NDBConfig:
     exact_reference: bool = False
     """Naive baseline: the extra micro-batch computed exactly (overrides the three switches)."""
     repair_after_s: float = -1.0
-    """-1 = the failed rank stays out; >= 0 = restart it after this many seconds, sync it from a DP peer and end
-    the takeover."""
+    """-1 = the failed rank stays out; >= 0 = restart it (at tp*pp > 1 its whole replica) after this many seconds,
+    sync it from a DP peer and end the takeover."""
 
     def __post_init__(self) -> None:
         if self.neighbour not in NEIGHBOUR_POLICIES:
