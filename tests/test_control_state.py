@@ -191,6 +191,19 @@ def test_a_neighbour_takes_over_and_the_repaired_rank_rejoins(tmp_path):
     assert [(e["logical"], e["wid"]) for e in _events(tmp_path, "rejoined")] == [(3, 4)]
 
 
+def test_a_repaired_rank_ready_before_its_takeover_ends_is_left_out_of_another_incidents_generation(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=ndb", "ft.ndb.repair_after_s=0")
+    ctl.queue.put(("exit", 3, -9, time.time()))
+    _round(ctl)
+    _round(ctl)  # the repair restarts rank 3 as wid 4
+    ctl.store.set("ready/4", "1")
+    ctl.queue.put(("exit", 1, -9, time.time()))  # a second failure before rank 3's takeover committed a step
+    _round(ctl)
+    second = _layout(ctl, 2)
+    assert 4 not in second.members and 3 not in second.logical  # wid 0 still computes rank 3, alone
+    assert [3] in second.extra and sorted(second.logical + sum(second.extra, [])) == [0, 1, 2, 3]
+
+
 def test_a_configured_kill_is_carried_out_by_the_controller_and_released(tmp_path):
     ctl, fleet = _start(tmp_path, "ft=flashrecovery", "fault.kind=kill_rank", "fault.rank=1", "fault.step=3")
     protocol.set_json(ctl.store, "fault/hit/0", {"wid": 1, "step": 3})

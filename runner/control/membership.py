@@ -106,9 +106,11 @@ class Membership:
 
     # -- generations ----------------------------------------------------------------------------
     def publish(self, recovery: Optional[int] = None) -> Layout:
-        """Publish the next generation: every ready assigned worker; the rest of the logical ranks pending."""
+        """Publish the next generation: every ready assigned worker whose rank no neighbour covers (a repaired
+        rank's process joins only when its takeover ends); the rest of the logical ranks pending."""
         self.gen += 1
-        members = sorted((w for w in self.live() if w.ready), key=lambda w: w.logical)
+        members = sorted((w for w in self.live() if w.ready and w.logical not in self.covered_by),
+                         key=lambda w: w.logical)
         extra = [sorted(rank for rank, wid in self.covered_by.items() if wid == w.wid) for w in members]
         covered = {w.logical for w in members} | set(self.covered_by)
         layout = Layout(
