@@ -26,8 +26,9 @@ printing every RTO phase.
 --launcher local,per_host (instead of the above): the same faults under ``launcher=local`` and under three torchrun
 trees on this machine as three hosts (``launcher.mode=per_host``; 2 training hosts of 2 ranks, 1 spare host, ft
 flashrecovery and deadpool): a worker killed (restarted in place) and host 1 lost (every process of its tree
-SIGKILLed; the spare host takes over; under launcher=local ``fault=kill_node``), ``--runs`` jobs each, printing
-kill -> loss decided and kill -> full world commits per launcher and the ratio per_host / local.
+SIGKILLed; the spare host takes over; under launcher=local ``fault=kill_node``), ``--runs`` jobs each (the
+launchers alternately), printing kill -> loss decided and kill -> full world commits per launcher and the ratio
+per_host / local.
 
     python bench/recovery.py [--kills 5] [--emit-calibration FILE] [--loggers-only] [--decide-only]
                              [--standby-only]
@@ -277,11 +278,13 @@ def print_launchers(launchers: list[str], runs: int) -> None:
     """RTO phases of the same faults under each launcher, and the ratios against the first one."""
     faults = {"crash": "worker killed (restarted in place)", "host": "host 1 lost (spare host takes over)"}
     measured: dict[str, dict[str, dict[str, list[float]]]] = {}
+    start = {"local": launch_local, "per_host": launch_per_host}
     for fault in faults:
-        for launcher in launchers:
-            start = {"local": launch_local, "per_host": launch_per_host}[launcher]
-            got = [start(fault) for _ in range(runs)]
-            measured.setdefault(fault, {})[launcher] = {k: [g[k] for g in got] for k in got[0]}
+        got: dict[str, list[dict]] = {launcher: [] for launcher in launchers}
+        for _ in range(runs):  # the launchers alternately: a shared host's load then weighs on each alike
+            for launcher in launchers:
+                got[launcher].append(start[launcher](fault))
+        measured[fault] = {launcher: {k: [g[k] for g in jobs] for k in jobs[0]} for launcher, jobs in got.items()}
     print("launchers: 2 training hosts of 2 ranks + 1 spare host, gpt_tiny, ft=[flashrecovery,deadpool], "
           f"default heartbeat (100 ms x 10), {runs} job(s) per fault and launcher")
     key, first = "full world commits", launchers[0]

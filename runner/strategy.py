@@ -86,6 +86,7 @@ class ResilientStrategy(ParallelStrategy):
         restore_snapshot: RestoreSnapshot | None = None,
         on_commit: OnCommit | None = None,
         joining: bool = False,
+        join_after_setup: bool = False,
         takeover: MicroBatchTakeover | None = None,
         guard: GradientGuard | None = None,
         first_gen: int = 0,
@@ -112,6 +113,9 @@ class ResilientStrategy(ParallelStrategy):
         self._recover = recover
         self._restore_snapshot = restore_snapshot
         self.joining = joining  # a replacement: Lightning's setup collectives stay local until it is in sync
+        # a replacement that builds its optimizer and Lightning's set-up before it joins a generation (and a spare,
+        # before it is given a rank): it waits for its generation where it restores (``load_checkpoint``)
+        self.join_after_setup = join_after_setup
         self.first_gen = first_gen  # the first generation this worker may belong to
         self.start_timeout_s = start_timeout_s
         self.zero_stage = zero_stage
@@ -177,6 +181,12 @@ class ResilientStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.status.phase = "rendezvous"
+        if not self.join_after_setup:
+            self._join_first_generation()
+
+    def _join_first_generation(self) -> None:
+        """Join the first generation this worker belongs to; a replacement says it is ready first, and a spare
+        waits here until a generation gives it a logical rank."""
         if self.joining:
             self.comm.store.set(f"ready/{self.comm.wid}", str(time.time()))
         newer_than = self.first_gen - 1
@@ -213,8 +223,9 @@ class ResilientStrategy(ParallelStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        """ZeRO-1: a replacement restores after setup(), so its optimizer is already sharded when its shard comes."""
-        return self.zero_stage > 0
+        """ZeRO-1: a replacement restores after setup(), so its optimizer is already sharded when its shard comes;
+        a replacement that joins after its set-up restores where it joins."""
+        return self.zero_stage > 0 or self.join_after_setup
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
@@ -401,6 +412,8 @@ class ResilientStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if checkpoint_path == PEER_CKPT:
             assert self._recover is not None
+            if self.join_after_setup:
+                self._join_first_generation()
             ckpt = self._recover(self.state, "join")
             self.state.adopt_guard_history(ckpt)
             return ckpt  # type: ignore[return-value]

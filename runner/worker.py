@@ -155,6 +155,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     strategy = ResilientStrategy(
         comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
         recover=recovery, restore_snapshot=hooks.restore_snapshot, on_commit=metrics.on_commit, joining=joining,
+        join_after_setup=spec.role in ("joiner", "spare") and set_up_before_rank(cfg, topology),
         takeover=hooks.takeover, first_gen=spec.first_gen,
         guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
         start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
@@ -220,6 +221,16 @@ class SparePlacement(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.place()
+
+
+def set_up_before_rank(cfg: DictConfig, topology: Topology) -> bool:
+    """Whether a replacement can build its optimizer and Lightning's set-up before it knows its logical rank, and so
+    join (a spare: wait for a rank) after them: only where nothing built at set-up depends on the rank. Not with
+    tp*pp > 1 (the rank's part of the model is cut before the optimizer is built over it), ZeRO-1 (its optimizer is
+    sharded for the rank), flash checkpoints (their snapshots are named by the rank at set-up), nor with a user's
+    LightningModule or DataModule (their ``setup`` hooks may read the rank)."""
+    return (topology.tp * topology.pp == 1 and not cfg.parallel.zero and "flash_ckpt" not in cfg.ft
+            and not cfg.model._target_ and not cfg.data._target_)
 
 
 def warm_up(module: Any, micro_batch: int) -> None:
