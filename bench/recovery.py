@@ -45,6 +45,7 @@ import datetime
 import json
 import os
 import secrets
+import shutil
 import socket
 import statistics
 import subprocess
@@ -120,6 +121,7 @@ def world_scaling(n: int) -> tuple[dict, dict[str, dict[str, int]], dict[str, fl
     assert summary["status"] == "completed", summary.get("error")
     (rec,) = summary["recoveries"]
     records = store_counts.load(counts_dir)
+    shutil.rmtree(counts_dir)
     commits = {m["step"]: m["t"] for m in metrics if m["gen"] == 0}
     first, last = 2, 4  # steady steps before the kill: commit of step 2 -> commit of step 4
     steady = store_counts.tally(records, commits[first], commits[last])
@@ -155,16 +157,17 @@ def restart_all(kills: int, ranks: int) -> list[float]:
     """Kill -> first step of a fresh DDP job resumed from a checkpoint, ``kills`` times."""
     out = []
     for _ in range(kills):
-        work = Path(tempfile.mkdtemp(prefix="rr-restart-"))
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                str(ROOT / "bench" / "ddp_reference.py")]
-        subprocess.run(base + ["--steps", "10", "--ckpt-every", "10", "--ckpt-dir", str(work), "--out",
-                               str(work / "a.json")], cwd=ROOT, env=env, check=True, capture_output=True)
-        t_kill = time.time()  # the crash: every rank restarts from here
-        subprocess.run(base + ["--steps", "11", "--resume", str(work / "last.ckpt"), "--out", str(work / "b.json")],
-                       cwd=ROOT, env=env, check=True, capture_output=True)
-        first_commit = json.loads((work / "b.json").read_text())["t_commit"][0]
+        with tempfile.TemporaryDirectory(prefix="rr-restart-") as tmp:
+            work = Path(tmp)
+            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                    str(ROOT / "bench" / "ddp_reference.py")]
+            subprocess.run(base + ["--steps", "10", "--ckpt-every", "10", "--ckpt-dir", str(work), "--out",
+                                   str(work / "a.json")], cwd=ROOT, env=env, check=True, capture_output=True)
+            t_kill = time.time()  # the crash: every rank restarts from here
+            subprocess.run(base + ["--steps", "11", "--resume", str(work / "last.ckpt"), "--out", str(work / "b.json")],
+                           cwd=ROOT, env=env, check=True, capture_output=True)
+            first_commit = json.loads((work / "b.json").read_text())["t_commit"][0]
         out.append(first_commit - t_kill)
     return out
 
@@ -244,7 +247,8 @@ def launch_local(fault: str) -> dict:
 def launch_per_host(fault: str) -> dict:
     """One job of three torchrun trees (hosts) with the fault: a worker killed by the controller, or host 1's tree
     powered off from here; the times from the kill."""
-    job = local_hosts.Job(Path(tempfile.mkdtemp(prefix="rr-bench-")) / "run")
+    job_dir = Path(tempfile.mkdtemp(prefix="rr-bench-"))
+    job = local_hosts.Job(job_dir / "run")
     env = {"RESILIENT_RUNNER_SECRET": secrets.token_hex(16)}
     try:
         if fault == "crash":
@@ -269,6 +273,7 @@ def launch_per_host(fault: str) -> dict:
     finally:
         job.close()
     assert summary["status"] == "completed", summary.get("error")
+    shutil.rmtree(job_dir)  # read; a job that failed keeps its dir for a look
     (rec,) = summary["recoveries"]
     t0 = rec["t_fault"] if t_kill is None else t_kill
     return {"decided": rec["t_decide"] - t0, "full world commits": rec["t_first_commit"] - t0}
