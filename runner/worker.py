@@ -33,7 +33,7 @@ from callbacks.progress import StepProgressBar
 from runner import protocol
 from runner.checksum import param_checksum
 from runner.comm import Comm, RunAborted, RunFailedError
-from runner.config.validate import all_faults, dp_size, world_size
+from runner.config.validate import all_faults, dp_size, ft_names, world_size
 from runner.data import BatchSource, HeldOutSplit, MemmapTokens, SyntheticTokens
 from runner.events import EventLog, JsonLines
 from runner.faults.comm_faults import FaultInjectingComm
@@ -229,7 +229,7 @@ def set_up_before_rank(cfg: DictConfig, topology: Topology) -> bool:
     tp*pp > 1 (the rank's part of the model is cut before the optimizer is built over it), ZeRO-1 (its optimizer is
     sharded for the rank), flash checkpoints (their snapshots are named by the rank at set-up), nor with a user's
     LightningModule or DataModule (their ``setup`` hooks may read the rank)."""
-    return (topology.tp * topology.pp == 1 and not cfg.parallel.zero and "flash_ckpt" not in cfg.ft
+    return (topology.tp * topology.pp == 1 and not cfg.parallel.zero and "flash_ckpt" not in ft_names(cfg)
             and not cfg.model._target_ and not cfg.data._target_)
 
 
