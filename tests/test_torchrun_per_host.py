@@ -389,6 +389,27 @@ def test_ndb_at_tp2_without_approximations_takes_a_killed_workers_replica_over_e
 
 
 @pytest.mark.slow
+def test_ndb_repair_at_tp2_restarts_the_taken_over_replica_on_its_host_exactly(make_job, tp2):  # noqa: F811
+    """The same kill with ``ft.ndb.repair_after_s=0``: once host 0 computed replica 1 for a step, both ranks of
+    replica 1 restart on host 1 as joiners, each from its TP coordinate's peer on host 0, and the takeover ends;
+    computed exactly throughout, the fault-free run bit for bit."""
+    job = make_job()
+    hosts(job, 2, *on_hosts(TP2), "ft=[ndb]", "ft.ndb.exact_reference=true", "ft.ndb.repair_after_s=0",
+          "fault=kill_rank", "fault.rank=2", "fault.step=8")
+    run = as_run(job)
+    s, ref = run.summary, tp2.summary
+    assert s["status"] == "completed", run.output[-4000:]
+    assert [e["logical"] for e in run.events("repair_started")] == [2, 3]
+    assert [e["logical"] for e in run.events("rejoined")] == [2, 3]
+    restarted = [e for e in run.events("worker_started") if e["wid"] >= 4]
+    assert sorted(e["node"] for e in restarted) == [1, 1]  # on their own host
+    assert s["param_checksum"] == ref["param_checksum"]
+    assert (s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]) == (0, 0, 0)
+    assert (s["global_step"], s["samples_committed"]) == (ref["global_step"], ref["samples_committed"])
+    assert_trees_end(job)
+
+
+@pytest.mark.slow
 def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_across_hosts(make_job, tmp_path_factory,
                                                                                     zero1_ndb):
     """Two hosts of one rank, ZeRO-1, ``ft=[ndb,deadpool]`` without a spare host: rank 1 (host 1) killed at step 8,
