@@ -29,7 +29,6 @@ from runner.config.validate import (
     world_size,
     zero_problems,
 )
-from runner.host_gpus import gpu_count
 from runner.memory import GiB, Layout, RankMemory, precision_of, rank_memory
 from runner.model_cost import count_params, flops_per_token
 from runner.topology import spare_count
@@ -106,7 +105,18 @@ def make_plan(cfg: DictConfig) -> Plan:
                     "ndb" in ft)
     name, precision = precision_of(cfg.trainer.precision, bool(cfg.trainer.master_weights))
     return Plan(n, world_size(cfg), layout, precision.describe(name), rank_memory(gpt, precision, layout),
-                flops_per_token(gpt), gpu_count(), spare_count(cfg), p.spares is None and spare_count(cfg) > 0)
+                flops_per_token(gpt), host_gpus(cfg.runner.device), spare_count(cfg),
+                p.spares is None and spare_count(cfg) > 0)
+
+
+def host_gpus(device: str) -> int:
+    """The GPUs torch sees on this host (none asked for with ``runner.device=cpu``). torch is imported here, not at
+    the top: a config refused before its plan is made never pays for importing it."""
+    if device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def memory_problem(cfg: DictConfig, plan: Plan) -> Optional[str]:

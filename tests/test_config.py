@@ -131,9 +131,8 @@ def test_unknown_key_fails_before_any_worker(run_dir):
 
 @pytest.mark.parametrize("overrides, code", [
     (("+recipe=gpt_tiny", "+foo=1"), 2),  # a wrong key: compose and validate
-    (("+recipe=gpt13b", "parallel.tp=1"), 2),  # a layout over runner.gpu_memory_gib: the plan and its fitting change
-    (("+recipe=gpt13b", "ft=deadpool"), 3),  # the plan printed, and this host has not the GPUs it needs
-], ids=["bad_key", "over_full_layout", "needs_gpus"])
+    (("+recipe=gpt_tiny", "parallel.tp=3"), 2),  # an impossible layout
+], ids=["bad_key", "impossible_layout"])
 def test_refused_config_never_imports_torch(overrides, code, run_dir):
     """Everything before the runner decides to train stays free of torch, Lightning and wandb (importing them
     took more than half of a refusal's time); ``-X importtime`` names every module the process imported."""
