@@ -134,8 +134,8 @@ def test_unknown_key_fails_before_any_worker(run_dir):
     (("+recipe=gpt_tiny", "parallel.tp=3"), 2),  # an impossible layout
 ], ids=["bad_key", "impossible_layout"])
 def test_refused_config_never_imports_torch(overrides, code, run_dir):
-    """Everything before the runner decides to train stays free of torch, Lightning and wandb (importing them
-    took more than half of a refusal's time); ``-X importtime`` names every module the process imported."""
+    """Composing and validating a config stay free of torch, Lightning and wandb (importing them took more than
+    half of a refusal's time); ``-X importtime`` names every module the process imported."""
     args = [sys.executable, "-X", "importtime", "-m", "runner", *overrides, f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
