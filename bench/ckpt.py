@@ -67,18 +67,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runner.model import GPT, GPTConfig  # noqa: E402
-from runner.recovery.flash_ckpt import (  # noqa: E402
-    Prefetch,
-    Snapshotter,
-    backup_to_partner,
-    cleanup,
-    exchange_with_partners,
-    load_newest,
-)
 from runner.recovery.flash_ckpt.checksum import digest  # noqa: E402
 from runner.recovery.flash_ckpt.chunks import Plan  # noqa: E402
 from runner.recovery.flash_ckpt.codec import flatten  # noqa: E402
+from runner.recovery.flash_ckpt.hygiene import cleanup  # noqa: E402
+from runner.recovery.flash_ckpt.prefetch import Prefetch  # noqa: E402
+from runner.recovery.flash_ckpt.replica import backup_to_partner, exchange_with_partners  # noqa: E402
+from runner.recovery.flash_ckpt.restore import load_newest  # noqa: E402
 from runner.recovery.flash_ckpt.shm import SHM_DIR  # noqa: E402
+from runner.recovery.flash_ckpt.snapshotter import Snapshotter  # noqa: E402
 
 SIZES = {
     "200MB": GPTConfig(vocab_size=8192, seq_len=64, n_layer=4, n_head=8, d_model=512),

@@ -47,7 +47,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runner.model import GPT, GPTConfig  # noqa: E402
-from runner.recovery.ndb import NDBConfig, SVDCache, TakeoverForward, lowrank_rank  # noqa: E402
+from runner.recovery.ndb.config import NDBConfig  # noqa: E402
+from runner.recovery.ndb.lowrank import SVDCache, lowrank_rank  # noqa: E402
+from runner.recovery.ndb.takeover import TakeoverForward  # noqa: E402
 
 MODEL = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=8, d_model=384, dropout=0.0)
 BATCH = 8

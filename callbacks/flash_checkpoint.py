@@ -25,18 +25,11 @@ from lightning.pytorch.callbacks import Callback
 
 from runner.comm import Comm
 from runner.protocol import Layout
-from runner.recovery.flash_ckpt import (
-    Event,
-    PersistClient,
-    Snapshotter,
-    backup_to_partner,
-    cleanup_stale,
-    connect_persister,
-    exchange_with_partners,
-    spawn_persister,
-)
-from runner.recovery.flash_ckpt.events import emit
-from runner.recovery.flash_ckpt.replica import Abandonment
+from runner.recovery.flash_ckpt.events import Event, emit
+from runner.recovery.flash_ckpt.hygiene import cleanup_stale
+from runner.recovery.flash_ckpt.persister import PersistClient, connect_persister, spawn_persister
+from runner.recovery.flash_ckpt.replica import Abandonment, backup_to_partner, exchange_with_partners
+from runner.recovery.flash_ckpt.snapshotter import Snapshotter
 
 log = logging.getLogger(__name__)
 

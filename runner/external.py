@@ -198,7 +198,7 @@ def resume_role(cfg: DictConfig, store, env: RankEnv, run_dir: Path) -> str:
     """A restarted attempt with flash checkpoints: ``restore`` when some step's snapshot is held by every
     rank (in its host's memory, a partner's copy or on disk), else ``initial`` (from step 0). Every rank
     publishes the steps it holds and reads everyone's, so all of them choose alike."""
-    from runner.recovery.flash_ckpt import list_snapshots, newest_common_step
+    from runner.recovery.flash_ckpt.restore import list_snapshots, newest_common_step
     from runner.recovery.flash_names import flash_job_id
 
     held = sorted({c.step for c in list_snapshots(flash_job_id(run_dir), env.rank, run_dir / "checkpoints")})

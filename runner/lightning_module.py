@@ -10,7 +10,8 @@ import lightning.pytorch as pl
 import torch
 
 from runner.data import BatchSource, HeldOutSplit, StepLoader
-from runner.model import GPT, GPTConfig, flops_per_token
+from runner.model import GPT, GPTConfig
+from runner.model_cost import flops_per_token
 from runner.strategy import ResilientStrategy
 
 

@@ -1,4 +1,5 @@
-"""A GPT in one module: pre-LN blocks, parameter count, FLOPs and MFU (its shape, ``GPTConfig``, is the schema's).
+"""A GPT in one module: pre-LN blocks (its shape, ``GPTConfig``, is the schema's; its parameter count, FLOPs and MFU
+from the shape alone are ``runner.model_cost``).
 
 Attention and FFN are separate sub-modules (``Block.attn`` and ``Block.ffn``) because the
 recovery techniques treat them differently (NDB skips the attention backward and recomputes the
@@ -104,27 +105,3 @@ class GPT(nn.Module):
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The mean cross entropy of a batch's next-token logits (a pipeline's last stage computes it as ``GPT.loss``)."""
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def count_params(cfg: GPTConfig) -> int:
-    """Parameter count computed from the shape alone (no allocation), embeddings tied."""
-    d, h, L = cfg.d_model, cfg.ffn_mult * cfg.d_model, cfg.n_layer
-    b = 1 if cfg.bias else 0
-    ln = 2 * d if cfg.bias else d
-    attn = d * 3 * d + 3 * d * b + d * d + d * b
-    ffn = d * h + h * b + h * d + d * b
-    per_block = attn + ffn + 2 * ln
-    return cfg.vocab_size * d + cfg.seq_len * d + L * per_block + ln
-
-
-def flops_per_token(cfg: GPTConfig) -> float:
-    """Training FLOPs per token: 6N for the matmuls plus 12*L*d*T for attention (PaLM appendix B)."""
-    n = count_params(cfg) - cfg.seq_len * cfg.d_model
-    return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
-
-
-def mfu(cfg: GPTConfig, tokens_per_s: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved training FLOP/s over the hardware peak (all ranks)."""
-    if peak_flops <= 0:
-        return 0.0
-    return flops_per_token(cfg) * tokens_per_s / peak_flops

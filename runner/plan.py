@@ -14,9 +14,9 @@ import copy
 from dataclasses import dataclass, fields
 from typing import Optional
 
-import torch
 from omegaconf import DictConfig, open_dict
 
+from runner.config.schema import GPTConfig
 from runner.config.validate import (
     dp_size,
     ft_names,
@@ -30,7 +30,7 @@ from runner.config.validate import (
     zero_problems,
 )
 from runner.memory import GiB, Layout, RankMemory, precision_of, rank_memory
-from runner.model import GPTConfig, count_params, flops_per_token
+from runner.model_cost import count_params, flops_per_token
 from runner.topology import spare_count
 
 
@@ -104,9 +104,19 @@ def make_plan(cfg: DictConfig) -> Plan:
     layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches, "deadpool" in ft, groups,
                     "ndb" in ft)
     name, precision = precision_of(cfg.trainer.precision, bool(cfg.trainer.master_weights))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return Plan(n, world_size(cfg), layout, precision.describe(name), rank_memory(gpt, precision, layout),
-                flops_per_token(gpt), gpus, spare_count(cfg), p.spares is None and spare_count(cfg) > 0)
+                flops_per_token(gpt), host_gpus(cfg.runner.device), spare_count(cfg),
+                p.spares is None and spare_count(cfg) > 0)
+
+
+def host_gpus(device: str) -> int:
+    """The GPUs torch sees on this host (none asked for with ``runner.device=cpu``). torch is imported here, not at
+    the top: a config refused before its plan is made never pays for importing it."""
+    if device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def memory_problem(cfg: DictConfig, plan: Plan) -> Optional[str]:

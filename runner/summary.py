@@ -15,7 +15,7 @@ from pathlib import Path
 from runner.control.records import Attempt, Recovery, RunRecord
 from runner.events import read_jsonl
 from runner.loggers import run_name
-from runner.model import mfu
+from runner.model_cost import mfu
 from runner.plan import gpt_config
 
 

@@ -157,7 +157,7 @@ def tp2pp2(tmp_path_factory) -> Run:
 def job():
     """A fresh flash-checkpoint job id; fails the test if its segments are left in /dev/shm."""
     # imported here: the flash_ckpt package compiles its kernels, which the fast tests need not pay for
-    from runner.recovery.flash_ckpt import cleanup
+    from runner.recovery.flash_ckpt.hygiene import cleanup
     from runner.recovery.flash_ckpt.shm import job_files
 
     job_id = f"t{uuid.uuid4().hex[:10]}"

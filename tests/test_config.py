@@ -5,6 +5,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
+import subprocess
+import sys
 import textwrap
 import typing
 from pathlib import Path
@@ -19,7 +22,7 @@ from runner.config.ft_schema import FT_SCHEMAS
 from runner.config.registry import CONF_DIR, FAULTS_DIR, RECIPES_DIR, fault_names, recipe_names
 from runner.config.schema import FaultConfig, RootConfig
 from runner.config.validate import validate
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 
 register_all()
 
@@ -124,6 +127,23 @@ def test_unknown_key_fails_before_any_worker(run_dir):
     assert run.returncode != 0
     assert "nodez" in run.output
     assert not (run_dir / "events.jsonl").exists()
+
+
+@pytest.mark.parametrize("overrides, code", [
+    (("+recipe=gpt_tiny", "+foo=1"), 2),  # a wrong key: compose and validate
+    (("+recipe=gpt_tiny", "parallel.tp=3"), 2),  # an impossible layout
+], ids=["bad_key", "impossible_layout"])
+def test_refused_config_never_imports_torch(overrides, code, run_dir):
+    """Composing and validating a config stay free of torch, Lightning and wandb (importing them took more than
+    half of a refusal's time); ``-X importtime`` names every module the process imported."""
+    args = [sys.executable, "-X", "importtime", "-m", "runner", *overrides, f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert len(imported) > 100  # the timing lines were read
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "lightning", "wandb"))
+    assert not heavy, heavy[:10]
 
 
 @pytest.mark.slow  # CI time: the message is checked in-process above, the CLI's exit 2 by the unimportable-target runs

@@ -18,31 +18,20 @@ import numpy as np
 import pytest
 import torch
 
-from runner.recovery.flash_ckpt import (
-    NoSnapshot,
-    PersistClient,
-    Persister,
-    PersistError,
-    Prefetch,
-    ShmSpaceError,
-    Snapshotter,
-    backup_to_partner,
-    cleanup,
-    cleanup_stale,
-    list_snapshots,
-    load_newest,
-    newest_common_step,
-    persist_latest,
-    segment,
-    segment_name,
-)
+from runner.recovery.flash_ckpt import segment
 from runner.recovery.flash_ckpt.checksum import digest
 from runner.recovery.flash_ckpt.chunks import Plan, address
 from runner.recovery.flash_ckpt.codec import flatten
 from runner.recovery.flash_ckpt.disk import checkpoint_path, list_checkpoints
+from runner.recovery.flash_ckpt.hygiene import cleanup, cleanup_stale
+from runner.recovery.flash_ckpt.persister import PersistClient, Persister, PersistError, persist_latest
+from runner.recovery.flash_ckpt.prefetch import Prefetch
+from runner.recovery.flash_ckpt.replica import backup_to_partner
+from runner.recovery.flash_ckpt.restore import NoSnapshot, list_snapshots, load_newest, newest_common_step
 from runner.recovery.flash_ckpt.segment import PAGE, read_header
-from runner.recovery.flash_ckpt.shm import job_files, slot_paths
+from runner.recovery.flash_ckpt.shm import ShmSpaceError, job_files, segment_name, slot_paths
 from runner.recovery.flash_ckpt.slots import SlotWriter
+from runner.recovery.flash_ckpt.snapshotter import Snapshotter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -404,7 +393,7 @@ _CRASHING_WORKER = """
 import os, signal, sys
 sys.path[:0] = [{tests!r}, {repo!r}]
 from test_flash_ckpt import make_state
-from runner.recovery.flash_ckpt import Snapshotter
+from runner.recovery.flash_ckpt.snapshotter import Snapshotter
 snap = Snapshotter({job!r}, 0)
 for step in (1, 2, 3):
     snap.save(make_state(step), step)

@@ -12,9 +12,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks.flash_checkpoint import FlashCheckpoint
-from runner.recovery.flash_ckpt import cleanup, list_snapshots, load_newest, persist_latest, segment_name
 from runner.recovery.flash_ckpt.disk import checkpoint_path, list_checkpoints
-from runner.recovery.flash_ckpt.shm import job_files
+from runner.recovery.flash_ckpt.hygiene import cleanup
+from runner.recovery.flash_ckpt.persister import persist_latest
+from runner.recovery.flash_ckpt.restore import list_snapshots, load_newest
+from runner.recovery.flash_ckpt.shm import job_files, segment_name
 
 
 class TinyRegressor(pl.LightningModule):

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.recovery.flash_ckpt import cleanup, load_newest, segment_name
+from runner.recovery.flash_ckpt.hygiene import cleanup
+from runner.recovery.flash_ckpt.restore import load_newest
 from runner.recovery.flash_ckpt.segment import Slot, read_header
-from runner.recovery.flash_ckpt.shm import slot_paths
+from runner.recovery.flash_ckpt.shm import segment_name, slot_paths
 from runner.recovery.flash_ckpt.slots import committed_steps
 from tests.conftest import run_cli
 from tests.test_flash_ckpt import assert_same, make_state
@@ -28,7 +29,8 @@ from datetime import timedelta
 sys.path[:0] = [{tests!r}, {repo!r}]
 import torch, torch.distributed as dist
 from test_flash_ckpt import make_state
-from runner.recovery.flash_ckpt import Snapshotter, exchange_with_partners
+from runner.recovery.flash_ckpt.replica import exchange_with_partners
+from runner.recovery.flash_ckpt.snapshotter import Snapshotter
 
 rank, other = {rank}, 1 - {rank}
 state = make_state(5)
@@ -84,7 +86,7 @@ from datetime import timedelta
 sys.path[:0] = [{tests!r}, {repo!r}]
 import torch.distributed as dist
 from test_flash_ckpt import make_state
-from runner.recovery.flash_ckpt import Snapshotter
+from runner.recovery.flash_ckpt.snapshotter import Snapshotter
 from runner.recovery.flash_ckpt.replica import Abandonment, exchange_with_partners
 
 rank, other = {rank}, 1 - {rank}

@@ -15,15 +15,10 @@ from hydra.core.global_hydra import GlobalHydra
 from runner.config import register_all
 from runner.config.registry import CONF_DIR
 from runner.model import GPT, GPTConfig
-from runner.recovery.ndb import (
-    NDBConfig,
-    SVDCache,
-    attention_param_names,
-    contributor_counts,
-    extra_microbatch_loss,
-    lowrank_linear,
-    lowrank_rank,
-)
+from runner.recovery.ndb.config import NDBConfig
+from runner.recovery.ndb.lowrank import SVDCache, lowrank_linear, lowrank_rank
+from runner.recovery.ndb.params import attention_param_names, contributor_counts
+from runner.recovery.ndb.takeover import extra_microbatch_loss
 
 ALL_OFF = NDBConfig(skip_attention=False, recompute_ffn=False, lowrank_ffn=False, warmup_steps=0)
 CONF = Path(__file__).resolve().parents[1] / "conf" / "ft" / "ndb.yaml"

@@ -106,7 +106,7 @@ def test_each_failed_attempt_is_a_launcher_restart_in_the_summary():
 def two_host_restart(tmp_path_factory):
     """Two torchrun invocations (2 hosts x 2 ranks, c10d rendezvous, --max-restarts=2), ft=[flash_ckpt];
     global rank 3 (host 1) is killed with SIGKILL once step 8 is on disk for every rank."""
-    from runner.recovery.flash_ckpt import cleanup
+    from runner.recovery.flash_ckpt.hygiene import cleanup
     from runner.recovery.flash_names import flash_job_id
 
     job = Job(tmp_path_factory.mktemp("two_hosts") / "run")

@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from runner.data import IndexedDatasetSource, MemmapTokens, SyntheticTokens
 from runner.decision import decide
-from runner.model import GPT, GPTConfig, count_params, flops_per_token, mfu
+from runner.model import GPT, GPTConfig
+from runner.model_cost import count_params, flops_per_token, mfu
 
 
 def test_param_count_matches_the_module():

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 
 from hydra.core.config_store import ConfigStore
 
+from runner.config.ft_schema import FT_SCHEMAS
+
 Backend = Annotated[str, Literal["auto", "gloo", "nccl"]]
 ZeroStage = Annotated[int, Literal[0, 1]]
 FaultKind = Annotated[str, Literal["none", "kill_rank", "kill_node", "hang_rank", "transient", "slow_rank", "bitflip",
@@ -369,8 +371,6 @@ class RootConfig:
 def register_schema() -> None:
     """Store the schema as ``base_config`` (``conf/config.yaml`` lists it first in its defaults), and each
     fault-tolerance schema as ``schema/ft/NAME`` (each ``conf/ft/NAME.yaml`` lists its own first)."""
-    from runner.config.ft_schema import FT_SCHEMAS  # imports runner.recovery.ndb, which imports runner.model
-
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RootConfig)
     for name, schema in FT_SCHEMAS.items():

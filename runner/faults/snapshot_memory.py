@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runner.recovery.flash_ckpt import cleanup
+from runner.recovery.flash_ckpt.hygiene import cleanup
 from runner.recovery.flash_ckpt.segment import read_header
 from runner.recovery.flash_ckpt.shm import PREFIX, SHM_DIR, check_job_id, segment_name, slot_paths
 from runner.recovery.flash_ckpt.slots import committed_steps

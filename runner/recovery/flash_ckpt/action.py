@@ -6,16 +6,19 @@ partner node (which holds their memory copies), or on the first node still up
 (``Topology.restart_place``). Each node agent runs a persister that writes snapshots to disk, and the
 fork server loads the copy kernels ahead. When every worker is gone the snapshots are removed (under
 torchrun/SLURM only once the run completed: the launcher's restart of a failed attempt resumes from them).
+The config check and the decision read only the class (``name``, ``obstacle``): the persister and the
+segment removal, which load torch, are imported in the hooks of the controller's run that use them.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from runner.recovery.actions import LAUNCHER_OWNS, RecoveryAction, Situation
-from runner.recovery.flash_ckpt.hygiene import cleanup
-from runner.recovery.flash_ckpt.persister import NodePersist
 from runner.recovery.flash_names import flash_job_id
+
+if TYPE_CHECKING:
+    from runner.recovery.flash_ckpt.persister import NodePersist
 
 
 class RestartAll(RecoveryAction):
@@ -53,6 +56,8 @@ class RestartAll(RecoveryAction):
         fc = self.cfg.ft.flash_ckpt
         if not fc.persist_every_n_steps:
             return None
+        from runner.recovery.flash_ckpt.persister import NodePersist
+
         return NodePersist(self.job, self.run_dir / "checkpoints", fc.keep, self.run_dir / "events.jsonl")
 
     def memory_job(self) -> Optional[str]:
@@ -78,4 +83,6 @@ class RestartAll(RecoveryAction):
     def on_end(self, ctx) -> None:
         # no restart can need them now, unless the launcher owns the processes and restarts a failed attempt
         if ctx.fleet.can_spawn or ctx.members.all_done():
+            from runner.recovery.flash_ckpt.hygiene import cleanup
+
             ctx.events.emit("snapshots_removed", segments=len(cleanup(self.job)))

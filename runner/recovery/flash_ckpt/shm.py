@@ -81,7 +81,7 @@ def space_error(nbytes: int, free: int, what: str) -> ShmSpaceError:
         f"there{capped}. The snapshot is kept in two shared-memory slots of the size of the whole "
         "checkpoint, per rank on this host. Give the container a larger shared-memory mount (docker run "
         "--shm-size=..., or a Kubernetes emptyDir volume with medium: Memory mounted at /dev/shm), remove "
-        "segments left by crashed runs (runner.recovery.flash_ckpt.cleanup_stale), snapshot fewer ranks "
+        "segments left by crashed runs (runner.recovery.flash_ckpt.hygiene.cleanup_stale), snapshot fewer ranks "
         "per host, or turn flash checkpointing off for this run."
     )
 

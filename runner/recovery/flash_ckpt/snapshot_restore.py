@@ -22,9 +22,9 @@ import torch
 
 from runner.comm import CollectiveFailure, Comm
 from runner.events import EventLog
-from runner.recovery.flash_ckpt import (
+from runner.recovery.flash_ckpt.prefetch import Prefetch
+from runner.recovery.flash_ckpt.restore import (
     NoSnapshot,
-    Prefetch,
     invalidate_newer,
     list_snapshots,
     load_newest,

@@ -12,8 +12,9 @@ from pathlib import Path
 from lightning.pytorch import LightningModule
 
 from callbacks.flash_checkpoint import FlashCheckpoint
-from runner.recovery.flash_ckpt import Event, Prefetch
+from runner.recovery.flash_ckpt.events import Event
 from runner.recovery.flash_ckpt.persister import persister_address
+from runner.recovery.flash_ckpt.prefetch import Prefetch
 from runner.recovery.flash_ckpt.snapshot_restore import SnapshotRestore
 from runner.recovery.flash_names import flash_job_id
 from runner.recovery.hooks import WorkerContext, WorkerHooks
