@@ -191,7 +191,8 @@ class Comm:
             if self.want_side_group:  # host-memory traffic beside the main group, never queued behind it
                 side = PrefixStore(f"pg/{layout.gen}/side/", self.store)
                 self._arrive(side, wait)
-                self.side_pg = _gloo_group(side, self.rank, self.size, wait, self.collective_timeout)
+                # eager: a lazy side group stalled the full mix's transient retry (docs/recovery.md, "Lazy gloo groups")
+                self.side_pg = _gloo_group(side, self.rank, self.size, wait, self.collective_timeout, lazy=False)
             if self.replica_size > 1 and layout.complete:  # a survivors-only generation trains nothing: no subgroups
                 self.tp_pg = self._subgroup("tp", wait) if self.tp > 1 else None
                 self.pp_pg = self._subgroup("pp", wait) if self.pp > 1 else None
@@ -278,7 +279,7 @@ class Comm:
                 if sub is not None:
                     sub.abort()
         self.tp_pg = self.pp_pg = self.dp_pg = self.shard_pg = None
-        self.side_pg = None  # an exchange still in flight holds it; it fails at once, its connections closed
+        self.side_pg = None  # an exchange still in flight holds it until its peers' groups close too
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
     # Collectives are launched, then waited for together. After an error every launched one is
@@ -491,19 +492,21 @@ def _opts(op) -> dist.AllreduceOptions:
 
 
 class GlooGroup(dist.ProcessGroupGloo):
-    """A gloo group whose pairs connect on first use: a ring collective connects each member to its two
-    neighbours, so a generation's groups open O(1) connections per member, O(N) in all, where a full mesh opens
-    N - 1 per member. It holds the store its rendezvous reads through (``BatchedAddressStore``): gloo reads a
-    peer's address from it when it first talks to that peer, long after the constructor returned.
+    """A gloo group whose pairs connect on first use (unless built with ``lazy`` False): a ring collective connects
+    each member to its two neighbours, so a generation's groups open O(1) connections per member, O(N) in all,
+    where a full mesh opens N - 1 per member. It holds the store its rendezvous reads through
+    (``BatchedAddressStore``): gloo reads a peer's address from it when it first talks to that peer, long after
+    the constructor returned.
 
     Drop it only after ``close_connections``: a lazily connected group's destructor stops its event loop before
     it closes its pairs, and a socket still holding bytes for a receive whose buffer is gone (a collective that
     failed while a peer still sent) keeps that loop busy forever (docs/recovery.md, "Lazy gloo groups")."""
 
-    def __init__(self, store: BatchedAddressStore, rank: int, size: int, opts) -> None:
+    def __init__(self, store: BatchedAddressStore, rank: int, size: int, opts, lazy: bool) -> None:
         super().__init__(store, rank, size, opts)
         self.address_store = store
         self.devices = len(opts._devices)
+        self.lazy = lazy  # False: every pair connected by the constructor, and closed first by the destructor
 
     def close_connections(self) -> None:
         """Close every connection of the group at once, so that its destructor finds no socket in its event loop
@@ -537,20 +540,22 @@ def _timed_out_receive(group: GlooGroup, src: int, tag: int) -> bool:
 
 
 def _close_connections(group) -> None:
-    """``GlooGroup.close_connections`` for a gloo group (or a stand-in that passes it on); nothing for NCCL's."""
-    if group is not None and hasattr(group, "close_connections"):
+    """``GlooGroup.close_connections`` for a lazily connected gloo group (or a stand-in that passes it on); nothing
+    for an eager one, whose destructor closes its pairs first, or NCCL's."""
+    if group is not None and getattr(group, "lazy", False):
         group.close_connections()
 
 
-def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta) -> GlooGroup:
-    """A lazily connected ``GlooGroup`` over loopback (or the interfaces ``GLOO_SOCKET_IFNAME`` names, as torch's
-    default); the rendezvous reads every member's address in one batch (``BatchedAddressStore``), waiting at most
-    ``rendezvous``, which also bounds each first-use connect."""
+def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta,
+                lazy: bool = True) -> GlooGroup:
+    """A ``GlooGroup`` over loopback (or the interfaces ``GLOO_SOCKET_IFNAME`` names, as torch's default), lazily
+    connected unless ``lazy`` is False; the rendezvous reads every member's address in one batch
+    (``BatchedAddressStore``), waiting at most ``rendezvous``, which also bounds each first-use connect."""
     interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stubs call it Options
-    opts._devices = ([dist.ProcessGroupGloo.create_device(interface=name, lazy_init=True) for name in interfaces]
-                     or [dist.ProcessGroupGloo.create_default_device(lazy_init=True)])
+    opts._devices = ([dist.ProcessGroupGloo.create_device(interface=name, lazy_init=lazy) for name in interfaces]
+                     or [dist.ProcessGroupGloo.create_default_device(lazy_init=lazy)])
     opts._threads, opts._timeout = 2 * len(opts._devices), rendezvous  # torch's defaults
-    pg = GlooGroup(BatchedAddressStore(store, size), rank, size, opts)
+    pg = GlooGroup(BatchedAddressStore(store, size), rank, size, opts, lazy)
     pg.set_timeout(timeout)
     return pg
