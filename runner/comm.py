@@ -67,6 +67,7 @@ class Comm:
         self._failure: str | None = None  # why a launch failed, raised by the next wait_all
         self._stuck: list = []  # gloo work given up on (a peer cut off): its group must outlive it
         self._retired: list[tuple] = []  # (groups, stuck work): dropped once the work ends by itself
+        self._sockets = store_counts.SocketsOpened()  # the generation's connections, when counting is on
         # NCCL's abort() ends in-flight work itself, and its waits are not sliced
         self._cut_off_check = None if backend == "nccl" else self._cut_off
 
@@ -184,21 +185,24 @@ class Comm:
         prefix = PrefixStore(f"pg/{layout.gen}/", self.store)
         wait = timedelta(seconds=timeout_s or self.rendezvous_timeout_s)
         self._arrive(prefix, wait)
-        opened = store_counts.SocketsOpened()  # the group's connections, when counting is on
+        self._sockets = store_counts.SocketsOpened()  # from here on: the generation's connections
         try:
             self.pg = self._backend_group(prefix, self.rank, self.size, wait)
             if self.want_side_group:  # host-memory traffic beside the main group, never queued behind it
                 side = PrefixStore(f"pg/{layout.gen}/side/", self.store)
                 self._arrive(side, wait)
-                self.side_pg = _gloo_group(side, self.rank, self.size, wait, self.collective_timeout)
+                # eager: a lazy side group stalled the full mix's transient retry (docs/recovery.md, "Lazy gloo groups")
+                self.side_pg = _gloo_group(side, self.rank, self.size, wait, self.collective_timeout, lazy=False)
             if self.replica_size > 1 and layout.complete:  # a survivors-only generation trains nothing: no subgroups
                 self.tp_pg = self._subgroup("tp", wait) if self.tp > 1 else None
                 self.pp_pg = self._subgroup("pp", wait) if self.pp > 1 else None
                 self.dp_pg = self._subgroup("dp", wait)
             if self.replica_groups > 1 and layout.complete:
                 self.shard_pg = self._subgroup("shard", wait)
-            opened.record()
+            self._sockets.record()
         except Exception as err:  # a member died during the rendezvous
+            for group in (self.pg, self.side_pg, self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg):
+                _close_connections(group)
             self.pg = self.side_pg = self.tp_pg = self.pp_pg = self.dp_pg = self.shard_pg = None
             raise CollectiveFailure(f"rendezvous of gen {layout.gen} failed: {err}") from err
 
@@ -249,15 +253,23 @@ class Comm:
                 raise CollectiveFailure(f"gen {gen}: not every member arrived within {wait.total_seconds():.0f}s")
 
     def abort(self) -> None:
-        """Drop this process's group: its sockets close, so peers' pending collectives fail immediately."""
+        """Drop this process's groups: their connections close first, so peers' pending collectives fail
+        immediately and no gloo destructor waits on a socket (``GlooGroup.close_connections``)."""
         if self.backend != "nccl":  # NCCL's abort() ends in-flight work itself
             self._drain()  # gloo: nothing may be in flight when the group goes (see the collectives below)
         self._in_flight, self._sends, self._failure = [], [], None
+        groups = (self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg, self.side_pg)
         if self._stuck:  # gloo's destructor would wait for the stuck work: keep its groups until it ends
-            groups = (self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg, self.side_pg)
             self._retired.append((*groups, self._stuck))
             self._stuck = []
-        self._retired = [r for r in self._retired if not all(w.is_completed() for w in r[-1])]
+        else:
+            for group in groups:
+                _close_connections(group)
+        ended = [r for r in self._retired if all(w.is_completed() for w in r[-1])]
+        self._retired = [r for r in self._retired if not any(r is e for e in ended)]
+        for retired in ended:
+            for group in retired[:-1]:
+                _close_connections(group)
         if self.pg is not None:
             if self.backend == "nccl":
                 self.pg.abort()  # NCCL: abort the communicator instead of waiting for its timeout
@@ -274,9 +286,9 @@ class Comm:
     # waited for (it completes, or fails once its peers drop their groups, or at the collective
     # timeout) before the group is dropped: gloo's destructor joins its worker threads while
     # holding the GIL, which with work still in flight would silence the heartbeat thread.
-    # No frame may keep a reference to the group or its work objects once a collective failed: the
-    # group's connections close only when the last reference goes, and closing them is what makes
-    # peers fail at once (gloo's abort()/shutdown() leave the sockets open).
+    # Dropping a group closes its connections first (``GlooGroup.close_connections``), which is what makes
+    # peers fail at once (gloo's abort()/shutdown() leave the sockets open); no frame may keep a reference
+    # to the group or its work objects once a collective failed, so that the group goes with the generation.
     def launch(self, op) -> None:
         """Start ``op(pg)`` without waiting for it. A failure to start (and every launch after it,
         which is skipped) is raised by the next ``wait_all``, never here: this runs inside backward."""
@@ -347,6 +359,7 @@ class Comm:
         if failure is not None:
             self.abort()
             raise CollectiveFailure(failure)
+        self._sockets.record()  # a lazily connected group connects a pair when a collective first uses it
 
     def _drain(self) -> str | None:
         """Wait for every launched collective, failed or not; the reason of the first failure."""
@@ -478,18 +491,71 @@ def _opts(op) -> dist.AllreduceOptions:
     return opts
 
 
-def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta) -> dist.ProcessGroupGloo:
-    """Gloo over loopback (or the interfaces ``GLOO_SOCKET_IFNAME`` names, as torch's default); the rendezvous
-    waits at most ``rendezvous`` and reads every member's address in one batch (``BatchedAddressStore``).
+class GlooGroup(dist.ProcessGroupGloo):
+    """A gloo group whose pairs connect on first use (unless built with ``lazy`` False): a ring collective connects
+    each member to its two neighbours, so a generation's groups open O(1) connections per member, O(N) in all,
+    where a full mesh opens N - 1 per member. It holds the store its rendezvous reads through
+    (``BatchedAddressStore``): gloo reads a peer's address from it when it first talks to that peer, long after
+    the constructor returned.
 
-    Pairs connect eagerly even when ``TORCH_GLOO_LAZY_INIT`` is set: dropping a lazily connected group after a
-    failed collective can block forever in gloo's teardown (docs/recovery.md, "Why lazy gloo groups stay
-    off")."""
+    Drop it only after ``close_connections``: a lazily connected group's destructor stops its event loop before
+    it closes its pairs, and a socket still holding bytes for a receive whose buffer is gone (a collective that
+    failed while a peer still sent) keeps that loop busy forever (docs/recovery.md, "Lazy gloo groups")."""
+
+    def __init__(self, store: BatchedAddressStore, rank: int, size: int, opts, lazy: bool) -> None:
+        super().__init__(store, rank, size, opts)
+        self.address_store = store
+        self.devices = len(opts._devices)
+        self.lazy = lazy  # False: every pair connected by the constructor, and closed first by the destructor
+
+    def close_connections(self) -> None:
+        """Close every connection of the group at once, so that its destructor finds no socket in its event loop
+        and every peer's pending collective fails. A receive whose wait times out makes gloo close every pair of
+        its context (``tcp::Context::signalException``): one is posted per device (a context each) on a ring
+        neighbour's pair, which any collective the group ran has connected, and waited for 1 ms. A neighbour's
+        pair that already failed refuses the receive; then the other neighbour's is tried."""
+        rank, size = self.rank(), self.size()
+        neighbours = dict.fromkeys(((rank + 1) % size, (rank - 1) % size))
+        for device in range(self.devices):
+            for src in neighbours:
+                if src != rank and _timed_out_receive(self, src, _CLOSING_TAG - device):
+                    break
+
+
+_CLOSING_TAG = 2**31 - 1  # no message is ever sent with it (or the tags just below it, one per device)
+
+
+def _timed_out_receive(group: GlooGroup, src: int, tag: int) -> bool:
+    """Post a receive from ``src`` that nothing will match and let its wait time out after 1 ms; False when the pair
+    refuses it (it failed before). A function of its own so that no frame holds on to the work once it returns."""
+    try:
+        work = group.recv([torch.zeros(1)], src, tag)  # type: ignore[attr-defined]  # the stubs declare no recv
+    except Exception:
+        return False
+    try:
+        work.wait(timedelta(milliseconds=1))
+    except Exception:
+        pass  # the expected timeout: every pair of the context is closed
+    return True
+
+
+def _close_connections(group) -> None:
+    """``GlooGroup.close_connections`` for a lazily connected gloo group (or a stand-in that passes it on); nothing
+    for an eager one, whose destructor closes its pairs first, or NCCL's."""
+    if group is not None and getattr(group, "lazy", False):
+        group.close_connections()
+
+
+def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta,
+                lazy: bool = True) -> GlooGroup:
+    """A ``GlooGroup`` over loopback (or the interfaces ``GLOO_SOCKET_IFNAME`` names, as torch's default), lazily
+    connected unless ``lazy`` is False; the rendezvous reads every member's address in one batch
+    (``BatchedAddressStore``), waiting at most ``rendezvous``, which also bounds each first-use connect."""
     interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stubs call it Options
-    opts._devices = ([dist.ProcessGroupGloo.create_device(interface=name, lazy_init=False) for name in interfaces]
-                     or [dist.ProcessGroupGloo.create_default_device(lazy_init=False)])
+    opts._devices = ([dist.ProcessGroupGloo.create_device(interface=name, lazy_init=lazy) for name in interfaces]
+                     or [dist.ProcessGroupGloo.create_default_device(lazy_init=lazy)])
     opts._threads, opts._timeout = 2 * len(opts._devices), rendezvous  # torch's defaults
-    pg = dist.ProcessGroupGloo(BatchedAddressStore(store, size), rank, size, opts)
+    pg = GlooGroup(BatchedAddressStore(store, size), rank, size, opts, lazy)
     pg.set_timeout(timeout)
     return pg

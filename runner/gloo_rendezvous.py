@@ -1,17 +1,18 @@
 """The store a gloo group's rendezvous reads through: every member's address in one batched read.
 
-Gloo's full-mesh rendezvous (``connectFullMesh``, torch 2.13.0+cpu, pairs connected eagerly) publishes this
-member's address under ``<device>/<rank>`` with one ``set``, then for each rank 0 .. N - 1 in turn, its own
-included, ``wait``s for that key (with the rendezvous timeout) and ``get``s it: 2N + 1 store operations per member,
-O(N²) per group. Gloo's own batched read (``GLOO_ENABLE_STORE_V2_API``) would ``multi_get`` the keys with no
-``wait``, bounded by the store client's timeout instead of the rendezvous's, and only when a process-wide
-environment variable says so.
+Gloo's rendezvous (torch 2.13.0+cpu) publishes this member's address under ``<device>/<rank>`` with one ``set``
+and reads a peer's with a ``wait`` for its key (with the rendezvous timeout) and a ``get``: for each rank 0 .. N - 1
+in turn, its own included, while the group is built when its pairs connect eagerly (``connectFullMesh``: 2N + 1
+store operations per member, O(N²) per group), or, connected lazily as the runner's groups are
+(``comm.GlooGroup``), when a collective first uses the pair to that peer. Gloo's own batched read
+(``GLOO_ENABLE_STORE_V2_API``) would ``multi_get`` the keys with no ``wait``, bounded by the store client's
+timeout instead of the rendezvous's, and only when a process-wide environment variable says so.
 
 ``BatchedAddressStore`` answers gloo's first ``wait`` for a device's address key with one ``wait`` for all N of
-them (gloo's own timeout: a member that dies before publishing fails the build as it did) and one ``multi_get``,
+them (gloo's own timeout: a member that dies before publishing fails the first use at it) and one ``multi_get``,
 and the remaining waits and gets from what that read: 3 store operations per member (set, wait, multi_get)
 whatever N, O(N) per group. Each member's address is written once under a group's prefix and never changed, so
-serving it from what was read is exact. Gloo makes no other store call while it builds a group
+serving it from what was read is exact. Gloo makes no other store call for a group
 (tests/test_gloo_rendezvous.py checks the sequence).
 """
 

@@ -7,11 +7,11 @@ sets it); then nothing else changes. When it is set, every store client ``runner
     <wall time> TAB <what> TAB <key class> TAB <keys> TAB <thread>
 
 ``what`` is a store operation (``set``, ``get``, ``add``, ``check``, ``wait``, ``multi_get``, ...), ``connect``
-(a new store client: one TCP connection), or ``sockets`` (the sockets a process-group build opened, from
-``/proc/self/fd``: gloo's connections to its peers). The key class is ``pg`` for a member's arrival at a
-generation's group rendezvous, ``gloo`` for gloo's own rendezvous keys under it (PrefixStore hands them down
-to this store), else the key's first path component (``hb``, ``gen``, ``agent``, ...); ``keys`` is how many
-keys the operation carried. Lines are written unbuffered at once,
+(a new store client: one TCP connection), or ``sockets`` (the sockets a generation's groups opened, from
+``/proc/self/fd``: gloo's connections to its peers, made when a collective first uses a pair). The key class
+is ``pg`` for a member's arrival at a generation's group rendezvous, ``gloo`` for gloo's own rendezvous keys
+under it (PrefixStore hands them down to this store), else the key's first path component (``hb``, ``gen``,
+``agent``, ...); ``keys`` is how many keys the operation carried. Lines are written unbuffered at once,
 so a SIGKILLed process leaves what it did; the reader sums them over any time window (a recovery's phases,
 fault-free steps).
 """
@@ -121,15 +121,19 @@ class CountingStore(dist.Store):
 
 
 class SocketsOpened:
-    """The sockets this process opens between construction and ``record()`` (a group build's connections to
-    its peers, counted from /proc/self/fd); does nothing when counting is off."""
+    """The sockets this process opened since construction or the last ``record()``, counted from /proc/self/fd:
+    a generation's connections to its peers, opened by its groups' builds and, gloo groups being lazily
+    connected, by the collectives that first use each pair. Does nothing when counting is off."""
 
     def __init__(self) -> None:
         self.before = socket_inodes() if enabled() else None
 
     def record(self) -> None:
         if self.before is not None:
-            record("sockets", "gloo", len(socket_inodes() - self.before))
+            now = socket_inodes()
+            if now - self.before:
+                record("sockets", "gloo", len(now - self.before))
+            self.before = now
 
 
 def socket_inodes() -> set[str]:
@@ -166,7 +170,7 @@ def tally(records: list[tuple[float, str, str, int]], t0: float, t1: float) -> d
     """What every process did in [t0, t1): store operations (``arrival_ops``: members arriving at a group's
     rendezvous; ``gloo_ops``: gloo's own rendezvous; ``group_ops``: both; ``other_ops``: everything else), the
     keys the group operations carried, and new connections (``store_clients`` opened, ``group_sockets``
-    opened by group builds)."""
+    opened by the groups: their builds and first uses)."""
     out = dict.fromkeys(("store_ops", "arrival_ops", "gloo_ops", "other_ops", "group_keys", "store_clients",
                          "group_sockets"), 0)
     for t, what, key_class, keys in records:

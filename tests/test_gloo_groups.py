@@ -1,19 +1,26 @@
-"""The runner's gloo groups connect eagerly, whatever ``TORCH_GLOO_LAZY_INIT`` says: a lazily connected group can
-block forever when it is dropped after a failed collective (docs/recovery.md, "Why lazy gloo groups stay off")."""
+"""The runner's gloo groups connect lazily (a pair when a collective first uses it), and a group dropped while a
+socket holds bytes for a receive whose buffer is gone (a collective that failed while its peer still sent) goes
+at once once its connections are closed (``GlooGroup.close_connections``); without that, gloo's destructor spins
+forever (docs/recovery.md, "Lazy gloo groups")."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
+import torch
 from torch.distributed import PrefixStore, TCPStore
 
 from runner.comm import _gloo_group
 from runner.store_counts import socket_inodes
 
+REPO = Path(__file__).resolve().parents[1]
 
-def test_a_group_is_connected_when_built_even_with_lazy_init_asked_for(monkeypatch):
-    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+
+def test_a_group_connects_a_pair_when_a_collective_first_uses_it():
     server = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     clients = [TCPStore("127.0.0.1", server.port, 1, False) for _ in range(2)]  # one each: a wait holds its client
     for client in clients:
@@ -23,6 +30,63 @@ def test_a_group_is_connected_when_built_even_with_lazy_init_asked_for(monkeypat
     with ThreadPoolExecutor(2) as pool:  # both members of a two-member group, in this process
         groups = list(pool.map(lambda rank: _gloo_group(PrefixStore("g/", clients[rank]), rank, 2, wait, wait),
                                (0, 1)))
-    opened = len(socket_inodes() - before)
-    assert opened >= 4, opened  # a listener per member and both ends of their connection; lazily: the listeners
+        assert len(socket_inodes() - before) == 2  # a listener per member, no connection yet
+        totals = [torch.tensor([float(rank)]) for rank in (0, 1)]
+        works = [group.allreduce([total]) for group, total in zip(groups, totals)]
+        for work in works:
+            work.wait()
+    assert [t.item() for t in totals] == [1.0, 1.0]
+    assert len(socket_inodes() - before) == 4  # and both ends of their connection
+    del works
+    for group in groups:
+        group.close_connections()
     del groups
+
+
+_STRANDED = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+sys.path.insert(0, {repo!r})
+import torch
+from torch.distributed import PrefixStore, TCPStore
+from runner.comm import _gloo_group
+
+server = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+clients = [TCPStore("127.0.0.1", server.port, 1, False) for _ in range(2)]
+wait = timedelta(seconds=10)
+with ThreadPoolExecutor(2) as pool:
+    groups = list(pool.map(lambda rank: _gloo_group(PrefixStore("g/", clients[rank]), rank, 2, wait, wait), (0, 1)))
+    works = [group.allreduce([torch.ones(4)]) for group in groups]  # connects the pair
+    for work in works:
+        work.wait()
+del works
+groups[0].recv([torch.zeros(1024)], 1, 7)  # posted, then its buffer goes with the discarded work
+groups[1].send([torch.ones(1024)], 0, 7).wait()  # the bytes sit in rank 0's socket, for no buffer
+if {close}:
+    for group in groups:
+        group.close_connections()
+del groups
+print("dropped", flush=True)
+"""
+
+
+def _drop_with_stranded_bytes(close: bool, timeout_s: float) -> subprocess.CompletedProcess | None:
+    """Run the script above; None when it did not end within ``timeout_s`` (it is killed)."""
+    try:
+        return subprocess.run([sys.executable, "-c", _STRANDED.format(repo=str(REPO), close=close)],
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def test_a_group_holding_bytes_no_receive_will_take_is_dropped_once_its_connections_are_closed():
+    done = _drop_with_stranded_bytes(close=True, timeout_s=60)
+    assert done is not None and done.returncode == 0, done and done.stderr[-2000:]
+    assert done.stdout.strip() == "dropped"
+
+
+def test_without_closing_its_connections_such_a_group_never_goes():
+    """What the test above guards against: gloo's destructor waits for its event loop, which the socket keeps
+    busy (the process is killed after 10 s)."""
+    assert _drop_with_stranded_bytes(close=False, timeout_s=10) is None

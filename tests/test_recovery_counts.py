@@ -1,10 +1,10 @@
 """The control plane's cost of a recovery, counted at its source (``runner.store_counts``), against world size.
 
-Two real jobs, of 2 and 4 ranks, each lose a rank to SIGKILL with ``RUNNER_STORE_COUNTS`` set: every process
+Two real jobs, of 4 and 8 ranks, each lose a rank to SIGKILL with ``RUNNER_STORE_COUNTS`` set: every process
 records its store operations and new connections, and the counts over the recovery and over fault-free steps
 are checked: recorded, nothing rebuilt or reconnected while healthy, and per member of the rebuilt groups the
-group rebuild's store operations constant in N (our arrivals, gloo's batched address read) and its connections no
-more than linear (gloo's full mesh).
+group rebuild's store operations and connections constant in N (our arrivals, gloo's batched address read, gloo's
+lazily connected pairs: a ring collective's two neighbours).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ def _counted_kill(tmp_path: Path, n: int, monkeypatch) -> tuple[dict, dict[str, 
 
 
 @pytest.mark.slow
-def test_recovery_counts_are_recorded_and_grow_at_most_linearly_per_member(tmp_path, monkeypatch):
-    small, small_steady, small_members = _counted_kill(tmp_path, 2, monkeypatch)
-    large, large_steady, large_members = _counted_kill(tmp_path, 4, monkeypatch)
+def test_recovery_counts_are_recorded_and_constant_per_member(tmp_path, monkeypatch):
+    small, small_steady, small_members = _counted_kill(tmp_path, 4, monkeypatch)  # 4: a ring's two neighbours
+    large, large_steady, large_members = _counted_kill(tmp_path, 8, monkeypatch)
     for whole, steady in ((small, small_steady), (large, large_steady)):
         assert whole["arrival_ops"] and whole["gloo_ops"] and whole["other_ops"] and whole["group_sockets"]
         assert whole["store_clients"] >= 1  # the replacement's own connections to the store
@@ -47,7 +47,5 @@ def test_recovery_counts_are_recorded_and_grow_at_most_linearly_per_member(tmp_p
     assert large["store_clients"] == small["store_clients"]  # one replacement, whatever N
     per_member = {key: (small[key] / small_members, large[key] / large_members)
                   for key in ("arrival_ops", "group_ops", "group_sockets")}
-    for key in ("arrival_ops", "group_ops"):  # O(1) per member
+    for key in ("arrival_ops", "group_ops", "group_sockets"):  # O(1) per member (a full mesh's sockets: 2.1x)
         assert per_member[key][1] <= 1.5 * per_member[key][0], per_member
-    # gloo's full mesh: O(N) per member, N/2 = 2 from 2 to 4 ranks
-    assert per_member["group_sockets"][1] <= 2 * 1.25 * per_member["group_sockets"][0], per_member
