@@ -1,7 +1,7 @@
 """The built-in GPT's size and compute from its shape alone: parameter count, training FLOPs per token, MFU.
 
-Arithmetic on ``GPTConfig`` only, apart from ``runner.model`` (which builds the modules with torch), so
-the plan counts a recipe before anything decides to train and a refused config never imports torch.
+Arithmetic on ``GPTConfig`` only, kept out of ``runner.model`` (which builds the modules with torch) so that
+the plan counts a recipe without importing torch.
 """
 
 from __future__ import annotations
