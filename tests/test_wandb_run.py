@@ -213,6 +213,26 @@ def _number(text: str):
     return int(value) if value.is_integer() and "." not in text and "e" not in text else value
 
 
+class Recorder:
+    """An experiment logger backend that keeps its rows and alerts."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.alerts: list[tuple[str, str, str]] = []
+
+    def log(self, row: dict) -> None:
+        self.rows.append(row)
+
+    def alert(self, title: str, text: str, level: str) -> None:
+        self.alerts.append((title, text, level))
+
+
+def commit(step: int, t: float, gen: int) -> dict:
+    """A line of metrics.jsonl: ``step`` committed at ``t`` by generation ``gen``."""
+    return {"step": step, "t": t, "loss": 1.0 / (step + 1), "step_time_s": 0.1, "tokens_per_s": 10.0,
+            "counts": [1, 1], "misplaced": 0, "gen": gen}
+
+
 def test_the_run_logger_follows_the_files_from_where_they_ended(tmp_path):
     """Lines written before the logger was built (an earlier torchrun attempt) are not logged again; a line
     still being written waits; a recovery's row comes with the first step its complete generation commits."""
@@ -221,21 +241,6 @@ def test_the_run_logger_follows_the_files_from_where_they_ended(tmp_path):
     from runner.control.records import Recovery, RunRecord
     from runner.control.run_logger import RunLogger
     from runner.events import JsonLines
-
-    class Recorder:
-        def __init__(self) -> None:
-            self.rows: list[dict] = []
-            self.alerts: list[tuple[str, str, str]] = []
-
-        def log(self, row: dict) -> None:
-            self.rows.append(row)
-
-        def alert(self, title: str, text: str, level: str) -> None:
-            self.alerts.append((title, text, level))
-
-    def commit(step: int, t: float, gen: int) -> dict:
-        return {"step": step, "t": t, "loss": 1.0 / (step + 1), "step_time_s": 0.1, "tokens_per_s": 10.0,
-                "counts": [1, 1], "misplaced": 0, "gen": gen}
 
     metrics, events = JsonLines(tmp_path / "metrics.jsonl"), JsonLines(tmp_path / "events.jsonl")
     metrics.write(commit(0, 99.0, 0))  # an earlier attempt's
@@ -264,3 +269,41 @@ def test_the_run_logger_follows_the_files_from_where_they_ended(tmp_path):
     assert backend.alerts[0][:1] == ("recovery 0: restart_rank",) and backend.alerts[0][2] == "WARN"
     logger.follow()
     assert len(backend.rows) == 5  # nothing twice
+
+
+def test_the_run_logger_keeps_a_bounded_history_over_many_recoveries(tmp_path):
+    """Each of 40 recoveries (a fault injected, detected twice, a survivors' and a complete group formed) gets its
+    own RTO and RPO, while what the logger keeps for recoveries still to come stays the same size."""
+    from omegaconf import OmegaConf
+
+    from runner.control.records import Recovery, RunRecord
+    from runner.control.run_logger import RunLogger
+    from runner.events import JsonLines
+
+    metrics, events = JsonLines(tmp_path / "metrics.jsonl"), JsonLines(tmp_path / "events.jsonl")
+    cfg = OmegaConf.create({"trainer": {"log_every_n_steps": 1000}, "logger": {"kind": "csv"}})
+    record = RunRecord(ft=["flashrecovery"], dp=2, t_start=0.0)
+    logger = RunLogger(cfg, tmp_path, record)
+    logger.backend = backend = Recorder()
+    kept = []
+    for i in range(40):
+        t, gen, step = 10.0 * i, 2 * i, 5 * i
+        for k in range(3):
+            metrics.write(commit(step + k, t + k, gen))
+        events.write({"t": t + 3.0, "step": -1, "kind": "fault_injected", "at_step": step + 3, "t_fault": t + 3.0})
+        for symptom in range(2):
+            events.write({"t": t + 3.1 + symptom / 100, "step": -1, "kind": "fault_detected", "recovery": i})
+        record.recoveries.append(Recovery(id=i, t_detect=t + 3.1, t_detect_mono=0.0, fault="process_crash",
+                                          victims=[1], action="restart_rank", t_decide=t + 3.2, t_ready=t + 3.3,
+                                          survivors_gen=gen + 1, full_gen=gen + 2))
+        for g in (gen + 1, gen + 2):
+            events.write({"t": t + 3.4, "step": step + 3, "kind": "group_formed", "gen": g, "members": 2})
+        metrics.write(commit(step + 2 + i % 2, t + 4.0, gen + 2))  # every other recovery redoes one step
+        logger.follow()
+        kept.append((len(logger._phase_events), len(logger._first_commit)))
+    recovered = [r for r in backend.rows if "recovery/id" in r]
+    assert [r["recovery/id"] for r in recovered] == list(range(40))
+    assert [r["recovery/rpo_steps"] for r in recovered] == [1, 0] * 20
+    assert [r["recovery/rto_s"] for r in recovered] == pytest.approx([1.0] * 40)
+    assert [r["recovery/rebuild_s"] for r in recovered] == pytest.approx([0.1] * 40)
+    assert len(set(kept[1:])) == 1, kept  # the same size after every recovery

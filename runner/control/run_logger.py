@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from runner.control.records import RunRecord
+from runner.control.records import Recovery, RunRecord
 from runner.loggers import STEP_AXIS, TIME_AXIS, ExperimentLogger, open_logger
 from runner.summary import recovery_entry
 
@@ -150,6 +150,24 @@ class RunLogger:
             entry = recovery_entry(rec, self._phase_events, [m for m in self._recent if m["t"] < first["t"]] + [first])
             self._log(first["step"], first["t"], recovery_row(entry))
             self._alert(f"recovery {entry['id']}: {entry['action']}", recovery_text(entry), "WARN")
+            self._forget_before(rec)
+
+    def _forget_before(self, logged: Recovery) -> None:
+        """Drop what no recovery still to be logged can need, now that ``logged`` is: a long run with many
+        recoveries keeps a bounded history. A later recovery reads the injected faults after the newest other
+        detection before its own (``recovery_entry``), the groups of its own generations, which are never older
+        than the complete generation of a recovery logged before it, and commits from its complete generation on."""
+        pending = [r for r in list(self.record.recoveries) if r.id not in self._recoveries_logged]
+        before = min((r.t_detect for r in pending), default=float("inf"))
+        claims = [e["t"] for e in self._phase_events
+                  if e["kind"] == "fault_detected" and e.get("recovery") in self._recoveries_logged and e["t"] < before]
+        claimed = max(claims, default=float("-inf"))
+        known = [g for r in pending for g in (r.survivors_gen, r.full_gen) if g is not None]
+        oldest_gen = min([logged.full_gen, *known])
+        self._phase_events = [e for e in self._phase_events
+                              if (e.get("gen", oldest_gen) >= oldest_gen if e["kind"] == "group_formed"
+                                  else e["t"] >= claimed)]
+        self._first_commit = {gen: m for gen, m in self._first_commit.items() if gen >= oldest_gen}
 
     def _log(self, step: int, t: float, row: dict[str, Any]) -> None:
         assert self.backend is not None
