@@ -1,12 +1,14 @@
 """The runner's gloo groups connect lazily (a pair when a collective first uses it), and a group dropped while a
 socket holds bytes for a receive whose buffer is gone (a collective that failed while its peer still sent) goes
 at once once its connections are closed (``GlooGroup.close_connections``); without that, gloo's destructor spins
-forever (docs/recovery.md, "Lazy gloo groups")."""
+forever (docs/recovery.md, "Lazy gloo groups"). Closing touches only pairs the group used: a group that talked point to
+point to a member two ranks on (DeadPool's and flash_ckpt's side group) closes at once too."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +43,31 @@ def test_a_group_connects_a_pair_when_a_collective_first_uses_it():
     del works
     for group in groups:
         group.close_connections()
+    del groups
+
+
+def test_a_group_used_point_to_point_closes_only_the_pairs_it_used():
+    """Each of 4 members sends to and receives from the member two ranks on, never a ring neighbour. Closing
+    posts its receive on that used pair and returns at once; a receive from a neighbour would start a connection
+    the neighbour never answers, for the rendezvous timeout (what stalled a lazily connected side group)."""
+    server = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    clients = [TCPStore("127.0.0.1", server.port, 1, False) for _ in range(4)]
+    wait = timedelta(seconds=20)
+
+    def exchange(group, rank: int) -> None:
+        works = [group.send([torch.ones(4)], (rank + 2) % 4, 0), group.recv([torch.zeros(4)], (rank + 2) % 4, 0)]
+        for work in works:
+            work.wait()
+
+    with ThreadPoolExecutor(4) as pool:  # every member in this process, each call on a thread of its own
+        groups = list(pool.map(lambda rank: _gloo_group(PrefixStore("p2p/", clients[rank]), rank, 4, wait, wait),
+                               range(4)))
+        list(pool.map(exchange, groups, range(4)))
+    assert [list(group.peers[0]) for group in groups] == [[2], [3], [0], [1]]
+    for rank in (1, 0, 3, 2):  # one after the other: no peer closes the same pair at the same time
+        start = time.monotonic()
+        groups[rank].close_connections()
+        assert time.monotonic() - start < 5, f"rank {rank} waited for a pair it never used"
     del groups
 
 
