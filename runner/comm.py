@@ -253,11 +253,13 @@ class Comm:
 
     def abort(self) -> None:
         """Drop this process's groups: their connections close first, so peers' pending collectives fail
-        immediately and no gloo destructor waits on a socket (``GlooGroup.close_connections``)."""
+        immediately and no gloo destructor waits on a socket (``GlooGroup.close_connections``). The side group
+        is only let go of: an exchange still in flight on it ends with its peers, and the group closes its
+        connections when its last holder lets go (``GlooGroup.__del__``)."""
         if self.backend != "nccl":  # NCCL's abort() ends in-flight work itself
             self._drain()  # gloo: nothing may be in flight when the group goes (see the collectives below)
         self._in_flight, self._sends, self._failure = [], [], None
-        groups = (self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg, self.side_pg)
+        groups = (self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg)
         if self._stuck:  # gloo's destructor would wait for the stuck work: keep its groups until it ends
             self._retired.append((*groups, self._stuck))
             self._stuck = []
@@ -278,7 +280,7 @@ class Comm:
                 if sub is not None:
                     sub.abort()
         self.tp_pg = self.pp_pg = self.dp_pg = self.shard_pg = None
-        self.side_pg = None  # an exchange still in flight holds it until its peers' groups close too
+        self.side_pg = None  # an exchange still in flight holds it until it ends (its peers' groups close too)
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
     # Collectives are launched, then waited for together. After an error every launched one is
@@ -544,6 +546,11 @@ class GlooGroup(dist.ProcessGroupGloo):
         for context in self.peers:
             context.update(dict.fromkeys(p for p in peers if p != self.rank()))
 
+    def __del__(self) -> None:
+        """Whoever lets go of the group last (the side group's: an exchange's thread) closes it first."""
+        if getattr(self, "lazy", False):  # not set when the constructor failed
+            self.close_connections()
+
     def close_connections(self) -> None:
         """Close every connection of the group at once, so that its destructor finds no socket in its event loop
         and every peer's pending collective fails. A receive whose wait times out makes gloo close every pair of
@@ -557,6 +564,7 @@ class GlooGroup(dist.ProcessGroupGloo):
             for src in list(peers):  # a copy: an exchange's thread may still add to it
                 if _timed_out_receive(self, src, tag):
                     break
+        self.peers = [{} for _ in self.peers]  # closed: nothing left to close when the group goes
 
 
 _CLOSING_TAG = 2**31 - 1  # no message is ever sent with it (or the tags just below it, one per context)

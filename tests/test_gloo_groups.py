@@ -91,25 +91,29 @@ with ThreadPoolExecutor(2) as pool:
 del works
 groups[0].recv([torch.zeros(1024)], 1, 7)  # posted, then its buffer goes with the discarded work
 groups[1].send([torch.ones(1024)], 0, 7).wait()  # the bytes sit in rank 0's socket, for no buffer
-if {close}:
-    for group in groups:
+for group in groups:
+    if {how!r} == "close":
         group.close_connections()
-del groups
+    elif {how!r} == "neither":
+        group.lazy = False  # dropped as an eagerly connected group is: nothing closes its pairs first
+del groups  # "drop": the group closes its connections as it goes (GlooGroup.__del__)
 print("dropped", flush=True)
 """
 
 
-def _drop_with_stranded_bytes(close: bool, timeout_s: float) -> subprocess.CompletedProcess | None:
-    """Run the script above; None when it did not end within ``timeout_s`` (it is killed)."""
+def _drop_with_stranded_bytes(how: str, timeout_s: float) -> subprocess.CompletedProcess | None:
+    """Run the script above (``how``: "close" its connections, "drop" it, or "neither" close them nor let the
+    group close them as it goes); None when it did not end within ``timeout_s`` (it is killed)."""
     try:
-        return subprocess.run([sys.executable, "-c", _STRANDED.format(repo=str(REPO), close=close)],
+        return subprocess.run([sys.executable, "-c", _STRANDED.format(repo=str(REPO), how=how)],
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return None
 
 
-def test_a_group_holding_bytes_no_receive_will_take_is_dropped_once_its_connections_are_closed():
-    done = _drop_with_stranded_bytes(close=True, timeout_s=60)
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_group_holding_bytes_no_receive_will_take_is_dropped_once_its_connections_are_closed(how):
+    done = _drop_with_stranded_bytes(how, timeout_s=60)
     assert done is not None and done.returncode == 0, done and done.stderr[-2000:]
     assert done.stdout.strip() == "dropped"
 
@@ -118,4 +122,4 @@ def test_a_group_holding_bytes_no_receive_will_take_is_dropped_once_its_connecti
 def test_without_closing_its_connections_such_a_group_never_goes():
     """What the test above guards against: gloo's destructor waits for its event loop, which the socket keeps
     busy (the process is killed after 10 s)."""
-    assert _drop_with_stranded_bytes(close=False, timeout_s=10) is None
+    assert _drop_with_stranded_bytes("neither", timeout_s=10) is None
