@@ -535,10 +535,12 @@ class GlooGroup(dist.ProcessGroupGloo):
     def broadcast(self, tensors: list[torch.Tensor], opts=None):
         opts = dist.BroadcastOptions() if opts is None else opts
         work = super().broadcast(tensors, opts)  # type: ignore[misc]
+        # gloo's binomial tree, over ranks relative to the root: a member receives from its relative rank with the
+        # top bit cleared; the root sends to the next rank first
         size, root = self.size(), opts.rootRank
-        vrank = (self.rank() - root) % size  # gloo's binomial tree, over ranks relative to the root: a member
-        parent = vrank ^ (1 << (vrank.bit_length() - 1)) if vrank else 1  # receives from its rank with the top bit
-        self._used((parent + root) % size)  # cleared, the root sends to the next rank first
+        relative = (self.rank() - root) % size
+        parent = relative ^ (1 << (relative.bit_length() - 1)) if relative else 1
+        self._used((parent + root) % size)
         return work
 
     def _used(self, *peers: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
 from runner.comm import _gloo_group
@@ -46,29 +47,50 @@ def test_a_group_connects_a_pair_when_a_collective_first_uses_it():
     del groups
 
 
-def test_a_group_used_point_to_point_closes_only_the_pairs_it_used():
-    """Each of 4 members sends to and receives from the member two ranks on, never a ring neighbour. Closing
-    posts its receive on that used pair and returns at once; a receive from a neighbour would start a connection
-    the neighbour never answers, for the rendezvous timeout (what stalled a lazily connected side group)."""
+def _groups_in_one_process(prefix: str, size: int, use) -> list:
+    """``size`` members of a lazily connected group, each on a thread of its own in this process, after each ran
+    ``use(group, rank)``."""
     server = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
-    clients = [TCPStore("127.0.0.1", server.port, 1, False) for _ in range(4)]
+    clients = [TCPStore("127.0.0.1", server.port, 1, False) for _ in range(size)]
     wait = timedelta(seconds=20)
+    with ThreadPoolExecutor(size) as pool:
+        groups = list(pool.map(lambda rank: _gloo_group(PrefixStore(prefix, clients[rank]), rank, size, wait, wait),
+                               range(size)))
+        list(pool.map(use, groups, range(size)))
+    return groups
 
+
+def _assert_each_closes_at_once(groups: list, order: list[int]) -> None:
+    """One after the other (no two close the same pair at once); a receive on a pair the group never used would
+    start a connection the peer never answers, for the rendezvous timeout (what stalled a lazy side group)."""
+    for rank in order:
+        start = time.monotonic()
+        groups[rank].close_connections()
+        assert time.monotonic() - start < 5, f"rank {rank} waited for a pair it never used"
+
+
+def test_a_group_used_point_to_point_closes_only_the_pairs_it_used():
+    """Each of 4 members sends to and receives from the member two ranks on, never a ring neighbour."""
     def exchange(group, rank: int) -> None:
         works = [group.send([torch.ones(4)], (rank + 2) % 4, 0), group.recv([torch.zeros(4)], (rank + 2) % 4, 0)]
         for work in works:
             work.wait()
 
-    with ThreadPoolExecutor(4) as pool:  # every member in this process, each call on a thread of its own
-        groups = list(pool.map(lambda rank: _gloo_group(PrefixStore("p2p/", clients[rank]), rank, 4, wait, wait),
-                               range(4)))
-        list(pool.map(exchange, groups, range(4)))
+    groups = _groups_in_one_process("p2p/", 4, exchange)
     assert [list(group.peers[0]) for group in groups] == [[2], [3], [0], [1]]
-    for rank in (1, 0, 3, 2):  # one after the other: no peer closes the same pair at the same time
-        start = time.monotonic()
-        groups[rank].close_connections()
-        assert time.monotonic() - start < 5, f"rank {rank} waited for a pair it never used"
-    del groups
+    _assert_each_closes_at_once(groups, [1, 0, 3, 2])
+
+
+def test_a_group_that_only_broadcast_closes_through_its_parent_in_gloos_tree():
+    """7 members, root 2: gloo's binomial tree connects rank 1 (6 ranks after the root) only to rank 4."""
+    def broadcast(group, rank: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 2
+        group.broadcast([torch.full((4,), float(rank))], opts).wait()
+
+    groups = _groups_in_one_process("bcast/", 7, broadcast)
+    assert list(groups[1].peers[0]) == [4]
+    _assert_each_closes_at_once(groups, [1, 0, 3, 5, 6, 4, 2])
 
 
 _STRANDED = """
