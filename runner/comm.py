@@ -191,8 +191,7 @@ class Comm:
             if self.want_side_group:  # host-memory traffic beside the main group, never queued behind it
                 side = PrefixStore(f"pg/{layout.gen}/side/", self.store)
                 self._arrive(side, wait)
-                # eager: a lazy side group stalled the full mix's transient retry (docs/recovery.md, "Lazy gloo groups")
-                self.side_pg = _gloo_group(side, self.rank, self.size, wait, self.collective_timeout, lazy=False)
+                self.side_pg = _gloo_group(side, self.rank, self.size, wait, self.collective_timeout)
             if self.replica_size > 1 and layout.complete:  # a survivors-only generation trains nothing: no subgroups
                 self.tp_pg = self._subgroup("tp", wait) if self.tp > 1 else None
                 self.pp_pg = self._subgroup("pp", wait) if self.pp > 1 else None
@@ -254,11 +253,13 @@ class Comm:
 
     def abort(self) -> None:
         """Drop this process's groups: their connections close first, so peers' pending collectives fail
-        immediately and no gloo destructor waits on a socket (``GlooGroup.close_connections``)."""
+        immediately and no gloo destructor waits on a socket (``GlooGroup.close_connections``). The side group
+        is only let go of: an exchange still in flight on it ends with its peers, and the group closes its
+        connections when its last holder lets go (``GlooGroup.__del__``)."""
         if self.backend != "nccl":  # NCCL's abort() ends in-flight work itself
             self._drain()  # gloo: nothing may be in flight when the group goes (see the collectives below)
         self._in_flight, self._sends, self._failure = [], [], None
-        groups = (self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg, self.side_pg)
+        groups = (self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg)
         if self._stuck:  # gloo's destructor would wait for the stuck work: keep its groups until it ends
             self._retired.append((*groups, self._stuck))
             self._stuck = []
@@ -279,7 +280,7 @@ class Comm:
                 if sub is not None:
                     sub.abort()
         self.tp_pg = self.pp_pg = self.dp_pg = self.shard_pg = None
-        self.side_pg = None  # an exchange still in flight holds it until its peers' groups close too
+        self.side_pg = None  # an exchange still in flight holds it until it ends (its peers' groups close too)
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
     # Collectives are launched, then waited for together. After an error every launched one is
@@ -493,43 +494,89 @@ def _opts(op) -> dist.AllreduceOptions:
 
 class GlooGroup(dist.ProcessGroupGloo):
     """A gloo group whose pairs connect on first use (unless built with ``lazy`` False): a ring collective connects
-    each member to its two neighbours, so a generation's groups open O(1) connections per member, O(N) in all,
-    where a full mesh opens N - 1 per member. It holds the store its rendezvous reads through
-    (``BatchedAddressStore``): gloo reads a peer's address from it when it first talks to that peer, long after
-    the constructor returned.
+    each member to its two neighbours, a send or receive the one peer, so a generation's groups open O(1)
+    connections per member, O(N) in all, where a full mesh opens N - 1 per member. It holds the store its
+    rendezvous reads through (``BatchedAddressStore``): gloo reads a peer's address from it when it first talks to
+    that peer, long after the constructor returned.
 
     Drop it only after ``close_connections``: a lazily connected group's destructor stops its event loop before
     it closes its pairs, and a socket still holding bytes for a receive whose buffer is gone (a collective that
-    failed while a peer still sent) keeps that loop busy forever (docs/recovery.md, "Lazy gloo groups")."""
+    failed while a peer still sent) keeps that loop busy forever (docs/recovery.md, "Lazy gloo groups"). Closing
+    needs a pair that is connected already (a first use of a pair waits until the peer uses it too, up to the
+    rendezvous timeout), so the group records, per gloo context, the peers its calls used (``peers``)."""
 
     def __init__(self, store: BatchedAddressStore, rank: int, size: int, opts, lazy: bool) -> None:
         super().__init__(store, rank, size, opts)
         self.address_store = store
-        self.devices = len(opts._devices)
+        self.devices = len(opts._devices)  # a gloo context each; a send or receive runs on context ``tag % devices``
         self.lazy = lazy  # False: every pair connected by the constructor, and closed first by the destructor
+        self.peers: list[dict[int, None]] = [{} for _ in range(self.devices)]  # per context, in order of first use
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int):
+        work = super().send(tensors, dst, tag)  # type: ignore[misc]  # the stubs declare no send, recv, allreduce...
+        self.peers[tag % self.devices][dst] = None
+        return work
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int):
+        work = super().recv(tensors, src, tag)  # type: ignore[misc]
+        self.peers[tag % self.devices][src] = None
+        return work
+
+    def allreduce(self, *args, **kwargs):
+        work = super().allreduce(*args, **kwargs)  # type: ignore[misc]
+        self._used((self.rank() + 1) % self.size(), (self.rank() - 1) % self.size())  # gloo's ring
+        return work
+
+    def allgather(self, *args, **kwargs):
+        work = super().allgather(*args, **kwargs)  # type: ignore[misc]
+        self._used((self.rank() + 1) % self.size(), (self.rank() - 1) % self.size())  # gloo's ring
+        return work
+
+    def broadcast(self, tensors: list[torch.Tensor], opts=None):
+        opts = dist.BroadcastOptions() if opts is None else opts
+        work = super().broadcast(tensors, opts)  # type: ignore[misc]
+        # gloo's binomial tree, over ranks relative to the root: a member receives from its relative rank with the
+        # top bit cleared; the root sends to the next rank first
+        size, root = self.size(), opts.rootRank
+        relative = (self.rank() - root) % size
+        parent = relative ^ (1 << (relative.bit_length() - 1)) if relative else 1
+        self._used((parent + root) % size)
+        return work
+
+    def _used(self, *peers: int) -> None:
+        """A collective used ``peers``: on whichever context its tag picked, so each context counts them."""
+        for context in self.peers:
+            context.update(dict.fromkeys(p for p in peers if p != self.rank()))
+
+    def __del__(self) -> None:
+        """Whoever lets go of the group last (the side group's: an exchange's thread) closes it first."""
+        if getattr(self, "lazy", False):  # not set when the constructor failed
+            self.close_connections()
 
     def close_connections(self) -> None:
         """Close every connection of the group at once, so that its destructor finds no socket in its event loop
         and every peer's pending collective fails. A receive whose wait times out makes gloo close every pair of
-        its context (``tcp::Context::signalException``): one is posted per device (a context each) on a ring
-        neighbour's pair, which any collective the group ran has connected, and waited for 1 ms. A neighbour's
-        pair that already failed refuses the receive; then the other neighbour's is tried."""
-        rank, size = self.rank(), self.size()
-        neighbours = dict.fromkeys(((rank + 1) % size, (rank - 1) % size))
-        for device in range(self.devices):
-            for src in neighbours:
-                if src != rank and _timed_out_receive(self, src, _CLOSING_TAG - device):
+        its context (``tcp::Context::signalException``): one is posted per context, on the pair of a peer that
+        context already used (``peers``), and waited for 1 ms. A pair that already failed refuses the receive;
+        then the next peer's is tried. A context that never used a pair has nothing to close, and must not start
+        a connection here: a pair's first use waits until the peer uses it too, up to the rendezvous timeout
+        (a side group's receive from a ring neighbour it never talked to stalled every recovery that way)."""
+        for context, peers in enumerate(self.peers):
+            tag = _CLOSING_TAG - (_CLOSING_TAG - context) % self.devices  # the largest tag on this context
+            for src in list(peers):  # a copy: an exchange's thread may still add to it
+                if _timed_out_receive(self, src, tag):
                     break
+        self.peers = [{} for _ in self.peers]  # closed: nothing left to close when the group goes
 
 
-_CLOSING_TAG = 2**31 - 1  # no message is ever sent with it (or the tags just below it, one per device)
+_CLOSING_TAG = 2**31 - 1  # no message is ever sent with it (or the tags just below it, one per context)
 
 
 def _timed_out_receive(group: GlooGroup, src: int, tag: int) -> bool:
     """Post a receive from ``src`` that nothing will match and let its wait time out after 1 ms; False when the pair
     refuses it (it failed before). A function of its own so that no frame holds on to the work once it returns."""
     try:
-        work = group.recv([torch.zeros(1)], src, tag)  # type: ignore[attr-defined]  # the stubs declare no recv
+        work = group.recv([torch.zeros(1)], src, tag)
     except Exception:
         return False
     try:
