@@ -163,6 +163,7 @@ class RunLogger:
                   if e["kind"] == "fault_detected" and e.get("recovery") in self._recoveries_logged and e["t"] < before]
         claimed = max(claims, default=float("-inf"))
         known = [g for r in pending for g in (r.survivors_gen, r.full_gen) if g is not None]
+        assert logged.full_gen is not None  # logged once its complete generation committed
         oldest_gen = min([logged.full_gen, *known])
         self._phase_events = [e for e in self._phase_events
                               if (e.get("gen", oldest_gen) >= oldest_gen if e["kind"] == "group_formed"
