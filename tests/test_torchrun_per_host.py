@@ -216,15 +216,16 @@ def test_under_slurm_three_hosts_complete_with_the_local_launchers_checksum(make
 # a worker of node 1 killed: (hosts, layout, its fault-free run, the killed rank, the ranks that log sending it their
 # state, the workers started in all, the ZeRO-1 shard it gets back as (rank, holder, replayed updates)); at pp=2 rank
 # 3 is the last stage of replica 1, served by the replica at its coordinate. With ZeRO-1 the restarted rank's shard
-# comes from its holder (``shard_restored``) and the rest of its state with it, no ``state_sent``: in DP replica
-# groups of two (dp=4) rank 2's shard from rank 0, the same shard in the other group; at tp=2 with fp32 master
-# weights rank 3's (the masters and their moments) from DeadPool's replica on rank 1, replica 0 at its TP coordinate
+# comes from its holder (``shard_restored``) and the rest of its state from the member at its coordinate
+# (``state_sent``): in DP replica groups of two (dp=4) rank 2's shard from rank 0, the same shard in the other group;
+# at tp=2 with fp32 master weights rank 3's (the masters and their moments) from DeadPool's replica on rank 1,
+# replica 0 at its TP coordinate
 KILLED_WORKER = {
     "dp4": (3, LAYOUT, "two_by_two", 3, [0], 4 + 2 + 1, []),  # the spare host's two warm workers among them
     "pp2": (2, [*on_hosts(PP2), f"trainer.max_steps={TP2PP2_STEPS}", "ft=[flashrecovery]"], "pp2", 3, [1], 4 + 1, []),
-    "hsdp": (2, [*TWO_HOSTS, *HSDP, "ft=[flashrecovery]"], "two_by_two", 2, [], 4 + 1, [(2, 0, 0)]),
+    "hsdp": (2, [*TWO_HOSTS, *HSDP, "ft=[flashrecovery]"], "two_by_two", 2, [0], 4 + 1, [(2, 0, 0)]),
     "tp2_master": (3, [*on_hosts(TP2_DP2), *MASTER, CONSTANT_LR, f"trainer.max_steps={STEPS}", "parallel.spares=2",
-                       "ft=[flashrecovery,deadpool]"], "tp2_master", 3, [], 4 + 2 + 1, [(3, 1, 0)]),
+                       "ft=[flashrecovery,deadpool]"], "tp2_master", 3, [1], 4 + 2 + 1, [(3, 1, 0)]),
 }
 
 
@@ -327,14 +328,14 @@ def _complete_after_losing_host_1(job: Job, hosts: int, *overrides: str) -> tupl
 # replica 1's two stages, and the spare host takes every coordinate, each served by replica 0's rank at it (at
 # tp = pp = 1 one coordinate, served by rank 0). With ZeRO-1 (tp=2, fp32 master weights) each spare's shard (its fp32
 # masters and their moments) comes from DeadPool's replica on replica 0's rank at its TP coordinate
-# (``shard_restored``) and the rest of its state with it, no ``state_sent``
+# (``shard_restored``), and the rest of its state from that rank (``state_sent``)
 SPARE_HOST = {
     "dp4": (LAYOUT, "two_by_two", [2, 3], [0], {}),
     "tp2": ([*on_hosts(TP2), "parallel.spares=2", "ft=[deadpool]"], "tp2", [2, 3], [0, 1], {}),
     "tp2pp2": ([*on_hosts(TP2PP2), f"trainer.max_steps={TP2PP2_STEPS}", "parallel.spares=4", "ft=[deadpool]"],
                "tp2pp2", [4, 5, 6, 7], [0, 1, 2, 3], {}),
     "tp2_master": ([*on_hosts(TP2_DP2), *MASTER, CONSTANT_LR, f"trainer.max_steps={STEPS}", "parallel.spares=2",
-                    "ft=[deadpool]"], "tp2_master", [2, 3], [], {2: 0, 3: 1}),
+                    "ft=[deadpool]"], "tp2_master", [2, 3], [0, 1], {2: 0, 3: 1}),
 }
 
 

@@ -71,6 +71,8 @@ def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, tab
     for src, receivers in _by_source(source, joiners):
         got = exchange(comm, state.dump_state() if me == src else None, src, receive=me in receivers)
         ckpt = got if me in receivers else ckpt
+        if me == src:
+            events.emit("state_sent", gen=comm.gen, receivers=len(receivers), step=newest)
     if ckpt is None:
         return None
     assert shard is not None
