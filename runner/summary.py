@@ -59,7 +59,8 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
         "train_s": train_s,
         "param_checksum": checksums[0] if len(checksums) == 1 else None,
         "recoveries": recoveries,
-        **({"attempts": _attempt_entries(record.attempts, status, error, global_step)} if record.attempts else {}),
+        **({"attempts": _attempt_entries(record.attempts, metrics, status, error, global_step)}
+           if record.attempts else {}),
         "takeovers": [{"wid": wid, **d["takeover"]} for wid, d in done.items() if "takeover" in d],
         **_replication(done),
         "sdc_recomputed_steps": [e["step"] for e in events if e["kind"] == "sdc_detected"],
@@ -129,12 +130,24 @@ def _ettr(train_s: float, recoveries: list[dict]) -> float:
     return max(0.0, (train_s - lost) / train_s)
 
 
-def _attempt_entries(attempts: list[Attempt], status: str, error: str, step: int) -> list[dict]:
+def _attempt_entries(attempts: list[Attempt], metrics: list[dict], status: str, error: str,
+                     step: int) -> list[dict]:
     """Every attempt of the job, the last one (this one) ending now as the summary says."""
     entries = [{"attempt": a.attempt, "t_start": a.t_start, "t_end": a.t_end, "status": a.status or "unrecorded",
-                "error": a.error, "step": a.step} for a in attempts]
-    entries[-1].update(t_end=time.time(), status=status, error=error if status == "failed" else "", step=step)
+                "error": a.error, "step": _step_reached(a, nxt.t_start, metrics)}
+               for a, nxt in zip(attempts, attempts[1:])]
+    entries.append({"attempt": attempts[-1].attempt, "t_start": attempts[-1].t_start, "t_end": time.time(),
+                    "status": status, "error": error if status == "failed" else "", "step": step})
     return entries
+
+
+def _step_reached(attempt: Attempt, next_start: float, metrics: list[dict]) -> int:
+    """The step after the newest one an attempt committed (its commits are those before the next attempt
+    started), so that its restart's RPO counts exactly the commits the next attempt redoes (``steps_redone``).
+    Its end record's step, the newest step a heartbeat reported, is only the fallback (it committed nothing):
+    heartbeats lag a loaded host's steps, and a rank can report a step whose commit never happened."""
+    committed = [m["step"] for m in metrics if attempt.t_start <= m["t"] < next_start]
+    return max(committed) + 1 if committed else attempt.step
 
 
 def _launcher_restarts(attempts: list[Attempt], metrics: list[dict]) -> list[dict]:
@@ -144,9 +157,7 @@ def _launcher_restarts(attempts: list[Attempt], metrics: list[dict]) -> list[dic
     entries: list[dict] = []
     for prev, nxt in zip(attempts, attempts[1:]):
         t_end = prev.t_end if prev.t_end is not None else nxt.t_start
-        step = prev.step
-        if step < 0:  # no record of its end: the steps committed while it ran
-            step = max((m["step"] + 1 for m in metrics if prev.t_start <= m["t"] <= t_end), default=-1)
+        step = _step_reached(prev, nxt.t_start, metrics)
         after = [m for m in metrics if m["t"] >= nxt.t_start]
         t_commit = after[0]["t"] if after else None
         entries.append({

@@ -97,8 +97,27 @@ def test_each_failed_attempt_is_a_launcher_restart_in_the_summary():
     assert (first["step"], first["rpo_steps"], first["rto_s"]) == (12, 2, 132.0 - 110.0)  # to the commit of step 10
     assert (second["step"], second["rpo_steps"], second["t_fault"], second["resumed_step"]) == (15, 15, 160.0, 0)
     assert "lost" in second["reason"]
-    entries = _attempt_entries(attempts, "completed", "", 20)
+    entries = _attempt_entries(attempts, metrics, "completed", "", 20)
     assert [e["status"] for e in entries] == ["failed", "unrecorded", "completed"]
+    assert [e["step"] for e in entries] == [12, 15, 20]
+
+
+def test_a_failed_attempts_step_is_the_one_after_its_newest_commit_whatever_its_heartbeats_said():
+    """Rank 0 records the newest step a heartbeat reported when its attempt ends: behind the commits on a loaded
+    host, or one ahead when a rank finished a step whose commit never happened. The restart's RPO counts the
+    commits the next attempt redoes; the record counts only when the attempt committed nothing."""
+    from runner.control.records import Attempt
+    from runner.summary import _attempt_entries, _launcher_restarts
+
+    metrics = [{"step": s, "t": 100.0 + s} for s in range(5)]  # attempt 1: steps 0..4, killed in step 5
+    metrics += [{"step": s, "t": 130.0 + s} for s in range(3, 10)]  # attempt 3 resumed at 3 (attempt 2: nothing)
+    for recorded in (1, 5, 6):
+        attempts = [Attempt(1, 100.0, 105.5, "failed", "process_crash of [1]", recorded),
+                    Attempt(2, 110.0, 120.0, "failed", "rendezvous timed out", 4), Attempt(3, 125.0)]
+        first, second = _launcher_restarts(attempts, metrics)
+        assert (first["step"], first["rpo_steps"], first["resumed_step"]) == (5, 2, 3)  # steps 3 and 4 redone
+        assert (second["step"], second["rpo_steps"], second["resumed_step"]) == (4, 1, 3)
+        assert [e["step"] for e in _attempt_entries(attempts, metrics, "completed", "", 10)] == [5, 4, 10]
 
 
 # -- two hosts, one rank of host 1 killed, resumed from flash checkpoints ------------------------------------

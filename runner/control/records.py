@@ -64,7 +64,7 @@ class Attempt:
     t_end: Optional[float] = None  # None: still running, or it ended without a record (rank 0 was lost)
     status: str = ""  # completed | failed | "" (no record of its end)
     error: str = ""
-    step: int = -1  # the furthest step a rank of it reached (-1: unknown)
+    step: int = -1  # the newest step a heartbeat of it reported (-1: unknown); the summary prefers its commits
 
 
 @dataclass
