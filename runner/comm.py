@@ -493,7 +493,7 @@ def _opts(op) -> dist.AllreduceOptions:
 
 
 class GlooGroup(dist.ProcessGroupGloo):
-    """A gloo group whose pairs connect on first use (unless built with ``lazy`` False): a ring collective connects
+    """A gloo group whose pairs connect on first use: a ring collective connects
     each member to its two neighbours, a send or receive the one peer, so a generation's groups open O(1)
     connections per member, O(N) in all, where a full mesh opens N - 1 per member. It holds the store its
     rendezvous reads through (``BatchedAddressStore``): gloo reads a peer's address from it when it first talks to
@@ -505,12 +505,13 @@ class GlooGroup(dist.ProcessGroupGloo):
     needs a pair that is connected already (a first use of a pair waits until the peer uses it too, up to the
     rendezvous timeout), so the group records, per gloo context, the peers its calls used (``peers``)."""
 
-    def __init__(self, store: BatchedAddressStore, rank: int, size: int, opts, lazy: bool) -> None:
+    def __init__(self, store: BatchedAddressStore, rank: int, size: int, opts) -> None:
         super().__init__(store, rank, size, opts)
         self.address_store = store
         self.devices = len(opts._devices)  # a gloo context each; a send or receive runs on context ``tag % devices``
-        self.lazy = lazy  # False: every pair connected by the constructor, and closed first by the destructor
         self.peers: list[dict[int, None]] = [{} for _ in range(self.devices)]  # per context, in order of first use
+        self._ring = ((rank + 1) % size, (rank - 1) % size)  # the neighbours gloo's ring collectives use
+        self._ring_recorded = False  # recorded once, not at every collective of the training step
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int):
         work = super().send(tensors, dst, tag)  # type: ignore[misc]  # the stubs declare no send, recv, allreduce...
@@ -523,13 +524,15 @@ class GlooGroup(dist.ProcessGroupGloo):
         return work
 
     def allreduce(self, *args, **kwargs):
-        work = super().allreduce(*args, **kwargs)  # type: ignore[misc]
-        self._used((self.rank() + 1) % self.size(), (self.rank() - 1) % self.size())  # gloo's ring
-        return work
+        return self._ring_used(super().allreduce(*args, **kwargs))  # type: ignore[misc]
 
     def allgather(self, *args, **kwargs):
-        work = super().allgather(*args, **kwargs)  # type: ignore[misc]
-        self._used((self.rank() + 1) % self.size(), (self.rank() - 1) % self.size())  # gloo's ring
+        return self._ring_used(super().allgather(*args, **kwargs))  # type: ignore[misc]
+
+    def _ring_used(self, work):
+        if not self._ring_recorded:
+            self._used(*self._ring)
+            self._ring_recorded = True
         return work
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None):
@@ -550,7 +553,7 @@ class GlooGroup(dist.ProcessGroupGloo):
 
     def __del__(self) -> None:
         """Whoever lets go of the group last (the side group's: an exchange's thread) closes it first."""
-        if getattr(self, "lazy", False):  # not set when the constructor failed
+        if hasattr(self, "peers"):  # not set when the constructor failed
             self.close_connections()
 
     def close_connections(self) -> None:
@@ -567,6 +570,7 @@ class GlooGroup(dist.ProcessGroupGloo):
                 if _timed_out_receive(self, src, tag):
                     break
         self.peers = [{} for _ in self.peers]  # closed: nothing left to close when the group goes
+        self._ring_recorded = False
 
 
 _CLOSING_TAG = 2**31 - 1  # no message is ever sent with it (or the tags just below it, one per context)
@@ -587,22 +591,20 @@ def _timed_out_receive(group: GlooGroup, src: int, tag: int) -> bool:
 
 
 def _close_connections(group) -> None:
-    """``GlooGroup.close_connections`` for a lazily connected gloo group (or a stand-in that passes it on); nothing
-    for an eager one, whose destructor closes its pairs first, or NCCL's."""
-    if group is not None and getattr(group, "lazy", False):
+    """``GlooGroup.close_connections`` for a gloo group; nothing for NCCL's."""
+    if isinstance(group, GlooGroup):
         group.close_connections()
 
 
-def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta,
-                lazy: bool = True) -> GlooGroup:
+def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta) -> GlooGroup:
     """A ``GlooGroup`` over loopback (or the interfaces ``GLOO_SOCKET_IFNAME`` names, as torch's default), lazily
-    connected unless ``lazy`` is False; the rendezvous reads every member's address in one batch
+    connected; the rendezvous reads every member's address in one batch
     (``BatchedAddressStore``), waiting at most ``rendezvous``, which also bounds each first-use connect."""
     interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stubs call it Options
-    opts._devices = ([dist.ProcessGroupGloo.create_device(interface=name, lazy_init=lazy) for name in interfaces]
-                     or [dist.ProcessGroupGloo.create_default_device(lazy_init=lazy)])
+    opts._devices = ([dist.ProcessGroupGloo.create_device(interface=name, lazy_init=True) for name in interfaces]
+                     or [dist.ProcessGroupGloo.create_default_device(lazy_init=True)])
     opts._threads, opts._timeout = 2 * len(opts._devices), rendezvous  # torch's defaults
-    pg = GlooGroup(BatchedAddressStore(store, size), rank, size, opts, lazy)
+    pg = GlooGroup(BatchedAddressStore(store, size), rank, size, opts)
     pg.set_timeout(timeout)
     return pg

@@ -117,7 +117,7 @@ for group in groups:
     if {how!r} == "close":
         group.close_connections()
     elif {how!r} == "neither":
-        group.lazy = False  # dropped as an eagerly connected group is: nothing closes its pairs first
+        group.peers = [{{}} for _ in group.peers]  # it forgets the pairs it used: nothing closes them first
 del groups  # "drop": the group closes its connections as it goes (GlooGroup.__del__)
 print("dropped", flush=True)
 """
