@@ -72,6 +72,10 @@ class Membership:
         while agents and time.monotonic() < deadline and not all(agents[w.node].exit_reported(w.wid) for w in workers):
             time.sleep(0.005)
 
+    def starting(self) -> bool:
+        """Some worker holding a logical rank has not said it is ready yet (a replacement starting)."""
+        return any(not w.ready for w in self.live())
+
     def poll_ready(self) -> bool:
         """Note workers that became ready or finished; True when one became ready."""
         changed = False
