@@ -17,6 +17,7 @@ replacement rank joins them like any other member.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -252,35 +253,31 @@ class Comm:
                 raise CollectiveFailure(f"gen {gen}: not every member arrived within {wait.total_seconds():.0f}s")
 
     def abort(self) -> None:
-        """Drop this process's groups: their connections close first, so peers' pending collectives fail
-        immediately and no gloo destructor waits on a socket (``GlooGroup.close_connections``). The side group
+        """Drop this process's groups: their connections close first, so peers' pending collectives fail within
+        milliseconds and no gloo destructor waits on a socket (``GlooGroup.close_connections``), on a thread of
+        their own while this one goes on to the next generation (``_close_and_drop``). The side group
         is only let go of: an exchange still in flight on it ends with its peers, and the group closes its
         connections when its last holder lets go (``GlooGroup.__del__``)."""
         if self.backend != "nccl":  # NCCL's abort() ends in-flight work itself
             self._drain()  # gloo: nothing may be in flight when the group goes (see the collectives below)
         self._in_flight, self._sends, self._failure = [], [], None
-        groups = (self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg)
+        groups = [self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg]
+        self.pg = self.tp_pg = self.pp_pg = self.dp_pg = self.shard_pg = None
+        self.side_pg = None  # an exchange still in flight holds it until it ends (its peers' groups close too)
+        if self.backend == "nccl":
+            for group in groups:
+                if group is not None:
+                    group.abort()  # NCCL: abort the communicator instead of waiting for its timeout
         if self._stuck:  # gloo's destructor would wait for the stuck work: keep its groups until it ends
             self._retired.append((*groups, self._stuck))
-            self._stuck = []
-        else:
-            for group in groups:
-                _close_connections(group)
+            self._stuck, groups = [], []
         ended = [r for r in self._retired if all(w.is_completed() for w in r[-1])]
         self._retired = [r for r in self._retired if not any(r is e for e in ended)]
-        for retired in ended:
-            for group in retired[:-1]:
-                _close_connections(group)
-        if self.pg is not None:
-            if self.backend == "nccl":
-                self.pg.abort()  # NCCL: abort the communicator instead of waiting for its timeout
-            self.pg = None
-        if self.backend == "nccl":
-            for sub in (self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg):
-                if sub is not None:
-                    sub.abort()
-        self.tp_pg = self.pp_pg = self.dp_pg = self.shard_pg = None
-        self.side_pg = None  # an exchange still in flight holds it until it ends (its peers' groups close too)
+        groups += [group for retired in ended for group in retired[:-1]]
+        del ended
+        groups[:] = [group for group in groups if group is not None]  # the list's holder is the only one left
+        if groups:
+            _close_and_drop(groups)
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
     # Collectives are launched, then waited for together. After an error every launched one is
@@ -594,6 +591,20 @@ def _close_connections(group) -> None:
     """``GlooGroup.close_connections`` for a gloo group; nothing for NCCL's."""
     if isinstance(group, GlooGroup):
         group.close_connections()
+
+
+def _close_and_drop(groups: list) -> None:
+    """Close ``groups``' connections and let go of them on a thread of its own, which holds the only references
+    left, so that their destructors run there. Both wait for a tick of gloo's event loop (up to 10 ms each, the
+    GIL released): a recovery's next group is built meanwhile instead of after 20 ms per generation dropped. Not a
+    daemon thread: the interpreter's exit waits for it (a daemon thread ended inside gloo's destructor aborts the
+    process)."""
+    def close() -> None:
+        for group in groups:
+            _close_connections(group)
+        groups.clear()  # the destructors run here, each after its connections closed
+
+    threading.Thread(target=close, name="close-groups").start()
 
 
 def _gloo_group(store, rank: int, size: int, rendezvous: timedelta, timeout: timedelta) -> GlooGroup:
