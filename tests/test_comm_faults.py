@@ -1,14 +1,17 @@
-"""FaultInjectingComm on a real one-member gloo group: each armed fault surfaces as a real one would."""
+"""FaultInjectingComm on a real one-member gloo group: each armed fault surfaces as a real one would; and where a
+dropped group goes."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.distributed import TCPStore
 
-from runner.comm import CollectiveFailure, Comm
+from runner.comm import CollectiveFailure, Comm, GlooGroup
 from runner.faults.comm_faults import FaultInjectingComm
 from runner.protocol import Layout
 from runner.reducer import GradReducer
@@ -60,3 +63,26 @@ def test_a_partition_fails_collectives_and_the_next_rendezvous(comm):
         comm.barrier()
     with pytest.raises(CollectiveFailure, match="network partition"):
         comm.join(Layout(gen=1, members=[0], logical=[0], dp=1))
+
+
+def test_a_dropped_group_is_closed_and_destroyed_on_a_thread_of_its_own(comm, monkeypatch):
+    """``Comm.abort`` keeps no reference to the groups it drops: their connections close and their destructors
+    run on the closing thread (each waits for a tick of gloo's event loop), not in the caller, whose next
+    rendezvous would wait for them."""
+    closed_on: list[str] = []
+    close = GlooGroup.close_connections
+
+    def recorded(group: GlooGroup) -> None:
+        closed_on.append(threading.current_thread().name)
+        close(group)
+
+    monkeypatch.setattr(GlooGroup, "close_connections", recorded)
+    comm.barrier()
+    assert isinstance(comm.pg, GlooGroup)
+    dropped = weakref.ref(comm.pg)
+    comm.abort()
+    assert comm.pg is None
+    for thread in [t for t in threading.enumerate() if t.name == "close-groups"]:
+        thread.join(timeout=10)
+    assert dropped() is None  # destroyed: __del__ closed it once more, on the same thread
+    assert closed_on == ["close-groups", "close-groups"]

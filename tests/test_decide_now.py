@@ -13,8 +13,10 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from runner import protocol
-from runner.control.controller import Controller
+from runner.control.controller import READY_POLL_S, Controller
 from runner.summary import recovery_entry
 from tests.test_control_state import RecordedFleet, _round
 from tests.test_control_state import _start as start_controller
@@ -144,3 +146,24 @@ def test_a_transient_is_decided_once_everyone_proved_alive(tmp_path):
     _beat(ctl, range(4))
     _round(ctl, heartbeats=True, ahead_s=WINDOW_S + 1)
     assert _decided(tmp_path) == [("retry", [], "proof_of_life")]
+
+
+def test_the_loop_waits_briefly_only_while_a_decision_is_due_or_a_replacement_starts(tmp_path):
+    """The loop's wait for the next exit (``Controller._wait_s``): ``idle_s`` with nothing open, no longer than
+    until a due decision, and ``READY_POLL_S`` while the recovery waits for its replacement's ready key."""
+    ctl, fleet = _start(tmp_path, "heartbeat.decide_at_once=false")
+    idle_s = 0.05
+    assert ctl._wait_s(time.monotonic(), idle_s) == idle_s
+    _beat(ctl, [0, 1, 3])
+    ctl.queue.put(("exit", 2, -9, time.time()))
+    _round(ctl)
+    due = ctl.incidents.decide_at
+    assert due is not None and ctl._wait_s(due - 10 * idle_s, idle_s) == idle_s
+    assert ctl._wait_s(due - 0.01, idle_s) == pytest.approx(0.01) and ctl._wait_s(due + 1, idle_s) == 0.0
+    _round(ctl, ahead_s=WINDOW_S)  # decided: restart_rank, a replacement spawned
+    replacement = max(ctl.members.workers)
+    assert ctl.members.workers[replacement].role == "joiner"
+    assert ctl._wait_s(time.monotonic(), idle_s) == READY_POLL_S
+    ctl.store.set(f"ready/{replacement}", "1")
+    _round(ctl)
+    assert ctl.incidents.active is None and ctl._wait_s(time.monotonic(), idle_s) == idle_s

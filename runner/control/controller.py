@@ -51,6 +51,15 @@ def agent_setup(actions: dict) -> tuple[list[str], Optional[NodePersist]]:
     return preload, persist
 
 
+def loop_wait_s(idle_s: float, until_decision_s: Optional[float], awaiting_ready: bool) -> float:
+    """How long the controller's loop may wait for an exit before its next round: ``idle_s``, but no longer than
+    until a decision is due, and only ``READY_POLL_S`` while an open recovery waits for a replacement (its
+    readiness is a store key read each round, not a queued event: read every 50 ms, a replacement ready in 55 ms
+    was seen at 100 ms)."""
+    wait = idle_s if until_decision_s is None else min(idle_s, max(0.0, until_decision_s))
+    return min(wait, READY_POLL_S) if awaiting_ready else wait
+
+
 class Controller:
     """``fleet`` starts and signals workers (AgentFleet, or ExternalFleet under per_rank);
     ``store`` is given when the job already has one (torchrun's agent store, or the one node 0 hosts
@@ -166,16 +175,9 @@ class Controller:
                 self._fail(f"the run exceeded launcher.run_timeout_s={self.cfg.launcher.run_timeout_s:.0f}s")
 
     def _wait_s(self, now: float, idle_s: float) -> float:
-        """How long the loop may wait for an exit before its next round: ``idle_s``, but no longer than until a
-        decision is due, and only ``READY_POLL_S`` while an open recovery waits for a replacement (its
-        readiness is a store key read each round, not a queued event: read every 50 ms, a replacement ready
-        in 55 ms was seen at 100 ms)."""
-        wait = idle_s
-        if self.incidents.decide_at is not None:
-            wait = min(wait, max(0.0, self.incidents.decide_at - now))
-        if self.incidents.active is not None and self.members.starting():
-            wait = min(wait, READY_POLL_S)
-        return wait
+        decide_at = self.incidents.decide_at
+        return loop_wait_s(idle_s, None if decide_at is None else decide_at - now,
+                           self.incidents.active is not None and self.members.starting())
 
     def round(self, now: float, heartbeats: bool) -> None:
         """One pass over everything but the exits: reports, faults, heartbeats (when due), replacements
