@@ -246,6 +246,8 @@ class Comm:
                 return
             except Exception:
                 pass
+            if self.store.check(["abort"]):  # the run ended (a repaired rank published to rejoin as it completed)
+                raise RunAborted(self.store.get("abort").decode())
             gen = self.joined.gen
             if self.store.check([f"gen/{gen + 1}"]):
                 raise CollectiveFailure(f"gen {gen} was replaced before every member arrived")
@@ -282,8 +284,7 @@ class Comm:
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
     # Collectives are launched, then waited for together. After an error every launched one is
     # waited for (it completes, or fails once its peers drop their groups, or at the collective
-    # timeout) before the group is dropped: gloo's destructor joins its worker threads while
-    # holding the GIL, which with work still in flight would silence the heartbeat thread.
+    # timeout) before the group is dropped: gloo's destructor waits for the work queued on it.
     # Dropping a group closes its connections first (``GlooGroup.close_connections``), which is what makes
     # peers fail at once (gloo's abort()/shutdown() leave the sockets open); no frame may keep a reference
     # to the group or its work objects once a collective failed, so that the group goes with the generation.

@@ -194,7 +194,9 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     status.phase = "done"
     checksum = strategy.full_checksum if strategy.full_checksum is not None else param_checksum(module)
     final = {"global_step": trainer.global_step, "checksum": checksum,
-             "logical_rank": strategy.logical_rank, "t": time.time(), **hooks.final_record()}
+             "logical_rank": strategy.logical_rank, "t": time.time(), **hooks.final_record(),
+             # its own rank and those it computed too (NDB) to the end: the controller waits for no one else for them
+             "computed_ranks": [strategy.logical_rank, *comm.joined.extra_of(spec.wid)]}
     protocol.set_json(store, f"done/{spec.wid}", final)
     store.add("done_count", 1)  # one counter for the controller to watch instead of a key per worker
     events.emit("worker_done", wid=spec.wid, **{k: v for k, v in final.items() if k != "checksum"})

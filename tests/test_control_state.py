@@ -87,9 +87,11 @@ def _beat(ctl: Controller, wids, seq: int, step: int) -> None:
         protocol.set_json(ctl.store, f"hb/{wid}", {"seq": seq, "step": step, "phase": "compute", "rss": 0, "t": 0})
 
 
-def _finish(ctl: Controller, wids) -> None:
+def _finish(ctl: Controller, wids, computed: tuple[int, ...] = ()) -> None:
+    """The workers finished, each computing its own logical rank and ``computed`` to the end."""
     for wid in wids:
-        protocol.set_json(ctl.store, f"done/{wid}", {"checksum": "c", "global_step": 8})
+        ranks = [ctl.members.workers[wid].logical, *computed]
+        protocol.set_json(ctl.store, f"done/{wid}", {"checksum": "c", "global_step": 8, "computed_ranks": ranks})
         ctl.store.add("done_count", 1)
 
 
@@ -189,6 +191,39 @@ def test_a_neighbour_takes_over_and_the_repaired_rank_rejoins(tmp_path):
     back = _layout(ctl, 2)
     assert (back.members, back.extra, back.complete) == ([0, 1, 2, 4], [], True)
     assert [(e["logical"], e["wid"]) for e in _events(tmp_path, "rejoined")] == [(3, 4)]
+
+
+def test_a_repaired_rank_published_as_the_training_ends_is_not_waited_for(tmp_path):
+    """The neighbour finished the training still computing the repaired rank (it never learnt of the rejoin
+    generation): the run completes without the rejoining process, and releases it."""
+    ctl, fleet = _start(tmp_path, "ft=ndb", "ft.ndb.repair_after_s=0")
+    ctl.queue.put(("exit", 3, -9, time.time()))
+    _round(ctl)
+    _round(ctl)  # the repair restarts rank 3 as wid 4
+    ctl.store.set("ready/4", "1")
+    _beat(ctl, [0, 1, 2], seq=1, step=1)
+    _round(ctl, heartbeats=True)
+    assert _layout(ctl, 2).members == [0, 1, 2, 4]
+    _finish(ctl, [1, 2])
+    _finish(ctl, [0], computed=(3,))
+    _round(ctl)
+    assert ctl.record.status == "completed" and ctl.store.get("abort") == b"the run completed"
+
+
+def test_a_rejoined_rank_is_waited_for_once_its_neighbour_stopped_computing_it(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=ndb", "ft.ndb.repair_after_s=0")
+    ctl.queue.put(("exit", 3, -9, time.time()))
+    _round(ctl)
+    _round(ctl)
+    ctl.store.set("ready/4", "1")
+    _beat(ctl, [0, 1, 2], seq=1, step=1)
+    _round(ctl, heartbeats=True)
+    _finish(ctl, [0, 1, 2])  # wid 0 trained in the rejoin generation: rank 3 is wid 4's again
+    _round(ctl)
+    assert ctl.record.status == "running"
+    _finish(ctl, [4])
+    _round(ctl)
+    assert ctl.record.status == "completed"
 
 
 def test_a_repaired_rank_ready_before_its_takeover_ends_is_left_out_of_another_incidents_generation(tmp_path):

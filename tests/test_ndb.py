@@ -117,8 +117,14 @@ def test_a_repaired_tp2_replica_without_approximations_ends_as_the_fault_free_ru
     assert (s["global_step"], s["samples_committed"]) == (ref["global_step"], ref["samples_committed"])
 
 # -- ZeRO-1 with DeadPool: the holder of the failed rank's shard replica carries the shard -------------------------
-ZERO_NDB = ["+recipe=gpt_tiny", "trainer.max_steps=20", "parallel.nodes=2", "parallel.procs_per_node=1",
-            "parallel.zero=1", "ft=[ndb,deadpool]", "policy.process_crash=[takeover]", "ft.ndb.exact_reference=true"]
+ZERO_NDB_LAYOUT = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=1", "parallel.zero=1",
+                   "ft=[ndb,deadpool]", "policy.process_crash=[takeover]", "ft.ndb.exact_reference=true"]
+ZERO_NDB = [*ZERO_NDB_LAYOUT, "trainer.max_steps=20"]
+# A repaired rank rejoins at a step boundary once its process started, its neighbour's takeover committed a step and
+# the neighbour's heartbeat thread read the new generation (once per heartbeat interval); published after the last
+# step, it never joins and the run completes without it. At 20 steps an idle host finished first (the 12 steps after
+# the fault took 0.2 s): the repaired runs are longer.
+REPAIRED_STEPS = "trainer.max_steps=60"
 MASTER = ["trainer.precision=bf16-true", "trainer.master_weights=true"]
 
 
@@ -130,7 +136,8 @@ def test_zero1_takeover_carries_the_failed_shard_from_deadpools_replica_exactly(
     # replica of its shard (Adam moments, fp32 masters with master weights), updates that shard every step and sends
     # it in the all-gather: the run ends with the fault-free run's parameters bit for bit. Repaired, rank 1 rejoins
     # with the carried shard as it is then, and the run is still the fault-free one.
-    run = exact_zero1_takeover([*ZERO_NDB, *precision], repair, 1, tmp_path_factory)
+    run = exact_zero1_takeover([*(ZERO_NDB_LAYOUT + [REPAIRED_STEPS] if repair else ZERO_NDB), *precision], repair, 1,
+                               tmp_path_factory)
     assert [(e["logical"], e["step"]) for e in run.events("shard_carried")] == [(1, 8)]
     assert [e["covered"] for e in run.events("replication_suspended")] == [[1]]
     if repair:
@@ -193,7 +200,8 @@ def test_zero1_takeover_of_a_split_replica_carries_each_coordinates_shard_exactl
     # replica's rank there (replica 0's rank at that coordinate) carries that rank's shard of its part of the model:
     # the run ends with the fault-free run's parameters bit for bit. Repaired, every rank of replica 1 rejoins with
     # the shard its coordinate's holder carried, and the run is still the fault-free one.
-    run = exact_zero1_takeover([*ZERO_NDB, "parallel.nodes=2", *split], repair, killed, tmp_path_factory)
+    steps = ZERO_NDB_LAYOUT + [REPAIRED_STEPS] if repair else ZERO_NDB
+    run = exact_zero1_takeover([*steps, "parallel.nodes=2", *split], repair, killed, tmp_path_factory)
     stopped = sorted((e["wid"], e["failed"]) for e in run.events("replica_stopped"))
     assert stopped == [(r, killed) for r in replica if r != killed]
     assert sorted((e["logical"], e["step"]) for e in run.events("shard_carried")) == [(r, 8) for r in replica]

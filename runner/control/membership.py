@@ -91,13 +91,18 @@ class Membership:
             for w in self.live():
                 if not w.done and self.store.check([f"done/{w.wid}"]):
                     w.done = True
+                    w.finished_ranks = protocol.get_json(self.store, f"done/{w.wid}")["computed_ranks"]
         return changed
 
     def all_done(self) -> bool:
-        """Every logical rank is computed by a ready member, and every such member finished."""
+        """Every logical rank is computed by a ready member, and every such member finished; or its rank was
+        finished by the neighbour that computed it (NDB): a repaired rank's process published to rejoin while
+        the training ended never joins (its neighbour's last generation still covered the rank) and is not
+        waited for (the run's end releases it)."""
         live = [w for w in self.live() if not w.dead and w.ready]  # a rejoining process still starting is no member
         covered = {w.logical for w in live} | set(self.covered_by)
-        return len(covered) == self.dp and all(w.done for w in live)
+        finished = {rank for w in live if w.done for rank in w.finished_ranks}
+        return len(covered) == self.dp and all(w.done or w.logical in finished for w in live)
 
     def done_records(self) -> dict[int, dict]:
         """The done record of each logical rank's last worker, by wid."""

@@ -23,6 +23,7 @@ class Worker:
     ready: bool = False
     synced: bool = False  # holds the model/optimizer state (an initial worker, or a joiner seen training)
     done: bool = False
+    finished_ranks: list[int] = field(default_factory=list)  # once done: the logical ranks it computed to the end
     dead: bool = False
     killed_for: str = ""  # set when the controller itself killed it (hang)
     hb_seq: int = -1
