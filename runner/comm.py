@@ -509,7 +509,8 @@ class GlooGroup(dist.ProcessGroupGloo):
         self.devices = len(opts._devices)  # a gloo context each; a send or receive runs on context ``tag % devices``
         self.peers: list[dict[int, None]] = [{} for _ in range(self.devices)]  # per context, in order of first use
         self._ring = ((rank + 1) % size, (rank - 1) % size)  # the neighbours gloo's ring collectives use
-        self._ring_recorded = False  # recorded once, not at every collective of the training step
+        self._ring_recorded: set[int] = set()  # contexts it is recorded on: once, not at every collective of a step
+        self._collectives = 0  # gloo tags each collective with this count and runs it on context ``tag % devices``
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int):
         work = super().send(tensors, dst, tag)  # type: ignore[misc]  # the stubs declare no send, recv, allreduce...
@@ -528,9 +529,10 @@ class GlooGroup(dist.ProcessGroupGloo):
         return self._ring_used(super().allgather(*args, **kwargs))  # type: ignore[misc]
 
     def _ring_used(self, work):
-        if not self._ring_recorded:
-            self._used(*self._ring)
-            self._ring_recorded = True
+        context = self._next_context()
+        if context not in self._ring_recorded:
+            self._used(context, *self._ring)
+            self._ring_recorded.add(context)
         return work
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None):
@@ -541,13 +543,19 @@ class GlooGroup(dist.ProcessGroupGloo):
         size, root = self.size(), opts.rootRank
         relative = (self.rank() - root) % size
         parent = relative ^ (1 << (relative.bit_length() - 1)) if relative else 1
-        self._used((parent + root) % size)
+        self._used(self._next_context(), (parent + root) % size)
         return work
 
-    def _used(self, *peers: int) -> None:
-        """A collective used ``peers``: on whichever context its tag picked, so each context counts them."""
-        for context in self.peers:
-            context.update(dict.fromkeys(p for p in peers if p != self.rank()))
+    def _next_context(self) -> int:
+        """The context of the collective just started: every collective (all go through the three methods above)
+        takes the next of the group's tags, and runs on context ``tag % devices`` (torch's ``nextTag`` and
+        ``getContext``)."""
+        context = self._collectives % self.devices
+        self._collectives += 1
+        return context
+
+    def _used(self, context: int, *peers: int) -> None:
+        self.peers[context].update(dict.fromkeys(p for p in peers if p != self.rank()))
 
     def __del__(self) -> None:
         """Whoever lets go of the group last (the side group's: an exchange's thread) closes it first."""
@@ -568,7 +576,7 @@ class GlooGroup(dist.ProcessGroupGloo):
                 if _timed_out_receive(self, src, tag):
                     break
         self.peers = [{} for _ in self.peers]  # closed: nothing left to close when the group goes
-        self._ring_recorded = False
+        self._ring_recorded = set()
 
 
 _CLOSING_TAG = 2**31 - 1  # no message is ever sent with it (or the tags just below it, one per context)

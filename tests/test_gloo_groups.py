@@ -93,6 +93,23 @@ def test_a_group_that_only_broadcast_closes_through_its_parent_in_gloos_tree():
     _assert_each_closes_at_once(groups, [1, 0, 3, 5, 6, 4, 2])
 
 
+@pytest.mark.parametrize("collectives", [1, 2])
+def test_with_two_devices_a_group_closes_through_the_contexts_its_collectives_ran_on(collectives, monkeypatch):
+    """``GLOO_SOCKET_IFNAME`` naming two interfaces gives a group two gloo contexts, and its collectives take them
+    in turn: after one all-reduce only the first context has pairs, and closing must not start one on the second."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,lo")
+
+    def reduce(group, rank: int) -> None:
+        for _ in range(collectives):
+            group.allreduce([torch.ones(4)]).wait()
+
+    groups = _groups_in_one_process(f"two/{collectives}/", 4, reduce)
+    assert [group.devices for group in groups] == [2] * 4
+    assert [[sorted(context) for context in group.peers] for group in groups][1] == (
+        [[0, 2], []] if collectives == 1 else [[0, 2], [0, 2]])
+    _assert_each_closes_at_once(groups, [0, 1, 2, 3])
+
+
 _STRANDED = """
 import sys
 from concurrent.futures import ThreadPoolExecutor
