@@ -62,8 +62,8 @@ class ForkedProcess:
             if self._exitcode is None and self._status.poll():
                 try:
                     self._exitcode = _CODE.unpack(self._status.recv_bytes())[0]
-                except EOFError:  # the server died before it could report: the child died with it
-                    self._exitcode = -signal.SIGKILL
+                except (EOFError, ConnectionResetError):  # the server died before it could report (a reset:
+                    self._exitcode = -signal.SIGKILL  # with bytes it had not read yet): the child died with it
             return self._exitcode
 
     def join(self, timeout: Optional[float] = None) -> None:
