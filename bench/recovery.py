@@ -225,6 +225,8 @@ def print_standby_cost(kills: int, ranks: int) -> None:
                 "full world commits"):
         print(f"  {key:24s} off {median_spread(off[key])} s")
         print(f"  {'':24s} on  {median_spread(on[key])} s")
+    full_off, full_on = statistics.median(off["full world commits"]), statistics.median(on["full world commits"])
+    print(f"  full world back, off / on: {full_off / full_on:.2f}x")
     print("  target (one host): full world back <= 0.1 s")
 
 
