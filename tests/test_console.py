@@ -34,11 +34,16 @@ def test_a_smoke_run_with_a_killed_rank_reads_as_plan_bar_one_recovery_line_and_
     recovery = [x for x in lines if "(SIGKILL)" in x]
     assert len(recovery) == 1, run.output[-3000:]
     assert re.fullmatch(r"\[runner\] step 10: rank 2 killed \(SIGKILL\) -> restarted in place; "
-                        r"full world back in \d+\.\d\d s, 0 steps lost", recovery[0]), recovery[0]
+                        r"full world ready in \d+\.\d\d s \(detect\+decide\+replace\), 0 steps lost",
+                        recovery[0]), recovery[0]
     assert '"recovery":' not in run.output
     # the progress bar: committed step, loss and tokens/s, no v_num
     assert re.search(r"step=20, loss=\d\.\d{4}, tokens/s=[\d,]+\]", run.output), run.output[-3000:]
     assert "v_num" not in run.output
+    # the summary block: the same phases as the recovery line, rounded, the interval named
+    assert re.search(r"RTO \d\.\d{3} s \(fault to first full-world commit: detect \d\.\d{3} \+ decide \d\.\d{3} \+ "
+                     r"replace \d\.\d{3} \+ rebuild \d\.\d{3} \+ restore \d\.\d{3}\), RPO 0 steps", run.output)
+    assert re.search(r"loss \d+\.\d{4} -> \d+\.\d{4}\n", run.output), run.output[-3000:]
     # no banners or warnings from any of the five workers
     assert not [b for b in BANNERS if b in run.output], run.output[-3000:]
 
@@ -60,8 +65,8 @@ def test_a_node_loss_taken_over_by_spares_is_one_line_when_the_full_world_is_bac
         ("generation", {"gen": 1, "members": [0, 1], "pending": [2, 3], "recovery": 0}),
         ("generation", {"gen": 2, "members": [0, 1, 4, 5], "pending": [], "recovery": 0}),
     ])
-    assert lines == ["[runner] step 20: node lost (ranks 2, 3) -> warm spare took over; full world back in 0.40 s, "
-                     "0 steps lost", ""]
+    assert lines == ["[runner] step 20: node lost (ranks 2, 3) -> warm spare took over; full world ready in 0.40 s "
+                     "(detect+decide+replace), 0 steps lost", ""]
 
 
 def test_an_uninjected_crash_and_a_failed_run_are_lines_too_each_starting_a_line_of_its_own_under_a_bar():
@@ -78,7 +83,7 @@ def test_an_uninjected_crash_and_a_failed_run_are_lines_too_each_starting_a_line
         ("generation", {"gen": 5, "members": [4, 5], "pending": [], "recovery": 3}),
     ])
     assert lines == ["[runner] rank 1 exited with code 1 -> every rank restarted from the newest flash snapshot; "
-                     "full world back in 0.20 s, steps lost in summary.json", ""]
+                     "full world ready in 0.20 s (detect+decide+replace), steps lost in summary.json", ""]
 
 
 def test_an_injected_hang_is_named_a_hang_though_its_worker_is_then_killed():
@@ -90,4 +95,22 @@ def test_an_injected_hang_is_named_a_hang_though_its_worker_is_then_killed():
         ("generation", {"gen": 1, "members": [0, 2], "pending": [], "recovery": 0}),
     ])
     assert lines[0] == ("[runner] step 7: hang on rank 1 (injected hang_rank) -> restarted in place; "
-                        "full world back in 0.30 s, 0 steps lost")
+                        "full world ready in 0.30 s (detect+decide+replace), 0 steps lost")
+
+
+def test_a_failed_run_prints_its_reason_not_placeholders(tmp_path):
+    from runner.cli import render_summary
+
+    recovery = {"id": 0, "fault": "node_loss", "victims": [2, 3], "step": 7, "action": "fail", "rto_s": None,
+                "detect_s": 1.0312, "decide_s": 0.0021, "replace_s": None, "rebuild_s": None, "restore_s": None,
+                "rpo_steps": None}
+    summary = {"status": "failed", "run_name": "gpt_tiny-x", "error": "no spare host is left", "global_step": 7,
+               "initial_loss": 5.54321987, "final_loss": None, "steps_per_s": 3.0, "tokens_per_s": 900.0, "mfu": 0.0,
+               "wall_s": 9.0, "train_s": 2.0, "effective_training_time_ratio": 1.0, "samples_committed": 28,
+               "samples_lost": 0, "samples_duplicated": 0, "param_checksum": None, "recoveries": [recovery]}
+    text = render_summary(summary, tmp_path)
+    assert "error        no spare host is left" in text
+    assert "loss 5.5432 -> n/a" in text
+    assert "no ETTR: the run failed" in text and "ETTR 1.000" not in text
+    assert "no RTO: the full world never committed again (reached: detect 1.031 + decide 0.002)" in text
+    assert "None" not in text

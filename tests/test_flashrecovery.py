@@ -62,7 +62,7 @@ def test_kill_rank_restarts_only_that_rank_and_loses_nothing(fault_free, rank0_k
     restored = run.events("state_restored")
     assert len(restored) == 1 and restored[0]["role"] == "joiner"
     # shown live on the console, one line
-    assert "[runner] step 12: rank 0 killed (SIGKILL) -> restarted in place; full world back in " in run.output
+    assert "[runner] step 12: rank 0 killed (SIGKILL) -> restarted in place; full world ready in " in run.output
 
 
 @pytest.mark.slow

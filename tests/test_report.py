@@ -151,3 +151,19 @@ def test_throughput_is_smoothed_and_a_pause_is_left_blank():
     assert times[:4] == [0.0, 1.0, 2.0, 3.0] and times[5:] == [30.0, 31.0]
     assert values[4] != values[4]  # NaN: matplotlib draws no line across the recovery
     assert _with_gaps([0.0, 1.0, 2.0, 3.0], [1.0] * 4) == ([0.0, 1.0, 2.0, 3.0], [1.0] * 4)
+
+
+def test_progress_shades_each_recovery_and_every_rto_phase_is_written_out(tmp_path):
+    from runner.report.collect import read_job
+    from runner.report.plots import phase_text, recovery_spans
+
+    _fake_job(tmp_path / "0", "kill_rank")
+    _fake_job(tmp_path / "1", "none")
+    killed, clean = read_job(tmp_path / "0", tmp_path), read_job(tmp_path / "1", tmp_path)
+    t0 = killed.first_step_start()
+    (rec,) = killed.recoveries
+    ((start, end),) = recovery_spans(killed, t0)
+    assert (start, end) == (rec["t_fault"] - t0, rec["t_fault"] - t0 + 0.25)
+    assert recovery_spans(clean, clean.first_step_start()) == []  # a fault-free job's flats are not shaded
+    assert phase_text(rec) == "detect 20 ms, decide 30 ms, replace 50 ms, rebuild 10 ms, restore 140 ms"
+    assert phase_text({**rec, "restore_s": None}).endswith("restore n/a")

@@ -1,9 +1,11 @@
 """The controller's console: each recovery as one readable line, when its full world is back.
 
 The controller's events (``events.jsonl``) are the source; this turns the few a reader follows into
-sentences, e.g. ``step 20: rank 2 killed (SIGKILL) -> restarted in place; full world back in 0.21 s,
-0 steps lost``. A recovery's fault, decision and complete generation arrive as separate events, so the
-console gathers them and prints once the recovery closes. The exact RTO phases and RPO measured from
+sentences, e.g. ``step 20: rank 2 killed (SIGKILL) -> restarted in place; full world ready in 0.21 s
+(detect+decide+replace), 0 steps lost``. The line names its interval in the phases of summary.json's RTO
+(which goes on to the full world's first commit: + rebuild + restore), so the two never read as two RTOs.
+A recovery's fault, decision and complete generation arrive as separate events, so the console gathers them
+and prints once the recovery closes. The exact RTO phases and RPO measured from
 the workers' commits are in ``summary.json`` and the summary block at the end.
 """
 
@@ -24,6 +26,7 @@ DONE = {
 }
 # Actions that restore from a live replica: the struck step is redone, no committed step is lost.
 FROM_LIVE_STATE = {"retry", "restart_rank", "swap_spare", "takeover"}
+READY_PHASES = "detect+decide+replace"  # what the line's time covers, in summary.json's RTO phases
 CLEAR_LINE = "\r\x1b[K"  # on a terminal: erase the progress bar's line; the bar redraws below
 
 
@@ -86,11 +89,13 @@ class RecoveryConsole:
 
 
 def recovery_line(rec: _Open, t_back: float) -> str:
-    """``step 20: rank 2 killed (SIGKILL) -> restarted in place; full world back in 0.21 s, 0 steps lost``."""
+    """``step 20: rank 2 killed (SIGKILL) -> restarted in place; full world ready in 0.21 s (detect+decide+replace),
+    0 steps lost``: fault to the complete generation's publication, the first three of the RTO's phases."""
     where = f"step {rec.step}: " if rec.step is not None and rec.step >= 0 else ""
     done = DONE.get(rec.action, rec.action or "recovered")
     lost = "0 steps lost" if rec.action in FROM_LIVE_STATE else "steps lost in summary.json"
-    back = f"full world back in {t_back - rec.t_fault:.2f} s" if rec.t_fault is not None else "full world back"
+    back = (f"full world ready in {t_back - rec.t_fault:.2f} s ({READY_PHASES})" if rec.t_fault is not None
+            else "full world ready")
     return f"{where}{what_happened(rec)} -> {done}; {back}, {lost}"
 
 

@@ -1,7 +1,9 @@
 """The report's PNGs: progress over wall time, RTO phases per recovery, smoothed tokens/s, and loss per step.
 
-Read at a glance: a recovery is a flat in the progress plot and a gap (not a bridging line) in the
-throughput plot; a failed job is marked with an x where it stopped and "(failed)" in its label.
+Read at a glance: each recovery is a shaded span in the progress plot (from its summary.json entry: fault to the
+first commit of the full world), so a flat stretch that is not shaded is a slow host, not a recovery; a gap (not a
+bridging line) in the throughput plot; a failed job is marked with an x where it stopped and "(failed)" in its
+label. Every RTO phase is written beside its bar, so a phase of a few milliseconds is read, not guessed.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def draw_all(jobs: list[Job], out_dir: Path) -> list[str]:
 def rto_phases(jobs: list[Job]):
     """Stacked horizontal bars: one bar per recovery, one segment per RTO phase."""
     bars = [(f"{j.label} #{r['id']}" if len(j.recoveries) > 1 else j.label, r) for j in jobs for r in j.recoveries]
-    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.45 * max(len(bars), 1)))
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.7 * max(len(bars), 1)))
     ax.set_title("Recovery time (RTO) by phase")
     ax.set_xlabel("time since fault (s)")
     if not bars:
@@ -52,18 +54,36 @@ def rto_phases(jobs: list[Job]):
     left = [0.0] * len(bars)
     for phase in PHASES:
         widths = [r.get(phase) or 0.0 for _, r in bars]
-        ax.barh(labels, widths, left=left, label=phase[:-2])
+        ax.barh(labels, widths, left=left, height=0.45, label=phase[:-2])
         left = [a + b for a, b in zip(left, widths)]
-    ax.invert_yaxis()  # first job on top
+    for y, (_, r) in enumerate(bars):  # under each bar, so that a phase of a few ms is read, not guessed
+        ax.text(0, y + 0.3, phase_text(r), va="top", fontsize=8)
+    ax.set_ylim(len(bars) - 0.35, -0.5)  # first job on top, room for the last bar's phases
     ax.legend(title="phase", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
 
 
+def phase_text(recovery: dict) -> str:
+    """``detect 20 ms, decide 3 ms, ...``: every phase of one recovery, as its summary.json entry has it."""
+    return ", ".join(f"{p[:-2]} {recovery[p] * 1000:.0f} ms" if recovery.get(p) is not None else f"{p[:-2]} n/a"
+                     for p in PHASES)
+
+
+def recovery_spans(job: Job, t0: float) -> list[tuple[float, float]]:
+    """Each recovery of ``job`` as (start, end) in seconds since ``t0``: its fault to its full world's first
+    commit (``rto_s``); a recovery that never got there (the run failed) runs to the job's last commit."""
+    last = job.metrics[-1]["t"] - t0 if job.metrics else 0.0
+    return [(r["t_fault"] - t0, r["t_fault"] - t0 + r["rto_s"] if r.get("rto_s") is not None else last)
+            for r in job.recoveries if r.get("t_fault") is not None]
+
+
 def progress(jobs: list[Job]):
-    """Committed global step against wall time: the run's slope is its speed, a recovery a flat stretch."""
-    fig, ax = _figure("Progress (flat stretches: recoveries; x: a failed job stopped there)", WALL_TIME,
-                      "committed global step")
+    """Committed global step against wall time: the run's slope is its speed; each recovery shaded, from its
+    fault to its full world's first commit, so that a flat stretch left unshaded is a slow host, not a fault."""
+    fig, ax = _figure("Progress (shaded: recoveries, fault to first full-world commit; x: a failed job stopped "
+                      "there)", WALL_TIME, "committed global step")
+    shaded = False
     for job in jobs:
         t0 = job.first_step_start()
         if t0 is None:
@@ -72,7 +92,12 @@ def progress(jobs: list[Job]):
         line, = ax.plot([0.0, *times], [0, *steps], drawstyle="steps-post", linewidth=1.5, label=_label(job))
         if job.failed:
             ax.plot(times[-1:], steps[-1:], marker="x", markersize=10, color=line.get_color())
-    _legend(ax, len(jobs))
+        for start, end in recovery_spans(job, t0):
+            ax.axvspan(start, end, color=line.get_color(), alpha=0.2, linewidth=0)
+            shaded = True
+    if shaded:
+        ax.fill_between([], [], color="grey", alpha=0.2, label="recovery")
+    _legend(ax, len(jobs) + shaded)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     fig.tight_layout()
