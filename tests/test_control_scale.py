@@ -1,0 +1,40 @@
+"""``bench/control_scale.py``: the real controller and store against simulated hosts. No timing is asserted here
+(benchmarks are never timed asserts); what is checked is that a recovery's store traffic is what the protocol's
+O(N) model says, counted at its source, at two sizes, and that the bench ends leaving nothing behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psutil
+
+from tests.conftest import ROOT
+
+
+def test_a_recoverys_store_operations_match_the_protocols_model_at_16_and_64_hosts(tmp_path):
+    out = tmp_path / "scale.json"
+    before = {p.pid for p in psutil.process_iter()}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "control_scale.py"), "--hosts", "16,64",
+                          "--ranks-per-host", "4", "--steady-s", "1", "--json", str(out),
+                          # counts, not times: a busy machine's late generators must not read as hangs or losses
+                          "--heartbeat-misses", "50", "--saturation", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [r["hosts"] for r in results] == [16, 64] and [r["ranks"] for r in results] == [64, 256]
+    for r in results:
+        assert [f["fault"] for f in r["faults"]] == ["crash", "silent", "hang"]
+        assert [f["action"] for f in r["faults"]] == ["restart_rank", "swap_spare", "restart_rank"]
+        for f in r["faults"]:
+            counted = f["ops"]
+            modelled = {k: f["model"][k] for k in counted}
+            assert counted == modelled, (r["hosts"], f)
+    # O(N): the generation traffic grows with the ranks, the agents' does not
+    small, large = ([f["ops"] for f in r["faults"]] for r in results)
+    assert all(b["gen"] > 3 * a["gen"] and b["agent"] == a["agent"] for a, b in zip(small, large))
+    assert "N=16 hosts x 4 = 64 ranks" in run.stdout
+    left = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
+            and "control_scale.py" in " ".join(p.info["cmdline"] or [])]
+    assert not left, left
