@@ -1,6 +1,7 @@
 """The control plane at scale: the real controller and store against N simulated hosts that speak its protocol.
 
     python bench/control_scale.py [--hosts 16,128,1024,2048] [--ranks-per-host 8] [--generators 2]
+                                  [--emit-calibration FILE]
 
 For each N, node 0's side is the code a job runs, untouched: a process composes the config (``launcher.mode=
 per_host``, ``ft=[flashrecovery,deadpool]``, N training hosts of ``--ranks-per-host`` ranks and one spare host),
@@ -32,10 +33,12 @@ against the model at small N.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -487,6 +490,29 @@ def measure(hosts: int, ranks_per_host: int, generators: int, faults: list[str],
         run.close()
 
 
+def calibration(results: list[dict], ranks_per_host: int) -> dict:
+    """The simulator's calibration (``runner/sim/calibration.py``) from the largest size whose faults were timed:
+    the runner's own detection and decision, which do not grow with N in the model above (an exit is one
+    record, a silent host one beat's age, the decision one round). FlashRecovery's phases from the crash,
+    DeadPool's from the silent host. Group rebuild and communicator creation stay the simulator's published
+    figures: here the generators stand in for gloo and NCCL, so nothing of them is measured."""
+    timed = [r for r in results if r["faults"]]
+    if not timed:
+        raise SystemExit("no size was timed (every one saturated): no calibration to write")
+    r = timed[-1]
+    fault = {f["fault"]: f for f in r["faults"]}
+    phases = {}
+    if "crash" in fault:
+        phases["flashrecovery"] = {"detect_s": fault["crash"]["detect_s"], "decide_s": fault["crash"]["decide_s"]}
+    if "silent" in fault:
+        phases["deadpool"] = {"detect_s": fault["silent"]["detect_s"], "decide_s": fault["silent"]["decide_s"]}
+    return {"measured": {"host": socket.gethostname(),
+                         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                         "by": f"bench/control_scale.py, control plane at {r['hosts']} hosts x {ranks_per_host} "
+                               f"ranks ({r['ranks']} ranks)"},
+            "phases": phases}
+
+
 def report(r: dict, ranks_per_host: int) -> str:
     """One N's figures, as printed."""
     lines = [f"N={r['hosts']} hosts x {ranks_per_host} = {r['ranks']} ranks: start-up {r['startup_s']:.1f}s; steady: "
@@ -529,6 +555,8 @@ def main() -> None:
     parser.add_argument("--saturation", type=float, default=SATURATED,
                         help="time no fault when the generators reach less of the prescribed heartbeat rate")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--emit-calibration", type=Path, metavar="FILE",
+                        help="write the simulator's calibration file (python -m runner.sim calibration=FILE)")
     args = parser.parse_args()
     results = []
     for n in [int(x) for x in args.hosts.split(",")]:
@@ -538,6 +566,8 @@ def main() -> None:
         print(report(r, args.ranks_per_host), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    if args.emit_calibration:
+        args.emit_calibration.write_text(json.dumps(calibration(results, args.ranks_per_host), indent=1))
 
 
 if __name__ == "__main__":

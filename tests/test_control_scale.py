@@ -18,6 +18,7 @@ def test_a_recoverys_store_operations_match_the_protocols_model_at_16_and_64_hos
     before = {p.pid for p in psutil.process_iter()}
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "control_scale.py"), "--hosts", "16,64",
                           "--ranks-per-host", "4", "--steady-s", "1", "--json", str(out),
+                          "--emit-calibration", str(tmp_path / "calibration.json"),
                           # counts, not times: a busy machine's late generators must not read as hangs or losses
                           "--heartbeat-misses", "50", "--saturation", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
@@ -35,6 +36,20 @@ def test_a_recoverys_store_operations_match_the_protocols_model_at_16_and_64_hos
     small, large = ([f["ops"] for f in r["faults"]] for r in results)
     assert all(b["gen"] > 3 * a["gen"] and b["agent"] == a["agent"] for a, b in zip(small, large))
     assert "N=16 hosts x 4 = 64 ranks" in run.stdout
+    _the_simulator_takes_the_measured_phases_with_their_source(tmp_path / "calibration.json", results[-1])
     left = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
             and "control_scale.py" in " ".join(p.info["cmdline"] or [])]
     assert not left, left
+
+
+def _the_simulator_takes_the_measured_phases_with_their_source(path, largest: dict) -> None:
+    from runner.sim import calibration, report
+    from tests.test_sim import load_cfg
+
+    cfg = load_cfg()
+    overrides = calibration.apply(cfg, str(path))
+    crash, silent = (next(f for f in largest["faults"] if f["fault"] == kind) for kind in ("crash", "silent"))
+    assert overrides == {"flashrecovery": {"detect": crash["detect_s"], "decide": crash["decide_s"]},
+                         "deadpool": {"detect": silent["detect_s"], "decide": silent["decide_s"]}}
+    source = report.constants(cfg, overrides)["phases.flashrecovery.detect_s"]["source"]
+    assert source.startswith("measured: ") and "bench/control_scale.py, control plane at 64 hosts x 4 ranks" in source

@@ -58,12 +58,16 @@ def label(path: str) -> str:
 
 
 def apply(cfg, path: str) -> PhaseOverrides:
-    """Put the file's costs into `cfg.costs`, mark them measured in `cfg.sources`, and
+    """Put the file's costs into `cfg.costs`, mark them and the phase overrides measured in `cfg.sources`
+    (with the file's host, date and what measured them, so sim.json says where each number comes from), and
     return its phase overrides."""
     cfg.costs, overrides = load(path, cfg.costs)
     where = label(path)
     for key in _read(path).get("costs", {}):
         cfg.sources[f"costs.{key}"] = f"measured: {where}"
+    for strategy, phases in overrides.items():
+        for phase in phases:
+            cfg.sources[f"phases.{strategy}.{phase}_s"] = f"measured: {where}"
     return overrides
 
 

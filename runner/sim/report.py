@@ -95,7 +95,8 @@ def constants(cfg, overrides) -> dict[str, dict]:
         out[key] = {"value": getattr(value, "value", value), "source": cfg.sources[key]}
     for strategy, phases in overrides.items():
         for phase, value in phases.items():
-            out[f"phases.{strategy}.{phase}_s"] = {"value": value, "source": "measured: calibration file"}
+            key = f"phases.{strategy}.{phase}_s"
+            out[key] = {"value": value, "source": cfg.sources.get(key, "measured: calibration file")}
     return out
 
 
