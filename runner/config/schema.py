@@ -366,6 +366,9 @@ class RunnerConfig:
     resume: Optional[str] = None
     """A run dir or a .ckpt file: continue that run's checkpoint (checkpoints/last.ckpt) in this new run dir up to
     trainer.max_steps; null = start from scratch."""
+    optimized_metric: Optional[str] = "train/loss"
+    """The logged metric whose final value the job returns to Hydra (for a sweeper such as Optuna to optimise):
+    train/loss, train/tokens_per_s, train/step_time_s, or val/loss (with validation); null = return nothing."""
 
 
 @dataclass

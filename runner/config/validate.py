@@ -36,6 +36,7 @@ from runner.config.schema import (
     choices,
     value_range,
 )
+from runner.objective import LOGGED
 from runner.topology import Topology, spare_count
 
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
@@ -430,6 +431,11 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         if one.kind != "none" and 0 <= cfg.trainer.max_steps <= one.step:
             out.append(f"{where}.step={one.step} is not before trainer.max_steps={cfg.trainer.max_steps}; the fault "
                        "would never fire.")
+    metric = cfg.runner.optimized_metric
+    if metric is not None and (metric not in LOGGED or (metric == "val/loss" and cfg.trainer.val_check_interval <= 0)):
+        out.append(f"runner.optimized_metric={metric} is not a metric this run logs, so the job could return no "
+                   f"value for it: use one of {', '.join(n for n in LOGGED if n != 'val/loss')}, or val/loss with "
+                   "trainer.val_check_interval=N (or null to return nothing).")
     secret = cfg.launcher.secret_file
     if secret and not os.path.isfile(secret):
         out.append(f"launcher.secret_file={secret} is not a file: point it at the job's secret (one line, the same "
