@@ -30,10 +30,10 @@ from runner.plan import apply_smoke, make_plan, memory_problem, needs_gpus, scal
 EXIT_CONFIG = 2
 EXIT_NEEDS_GPUS = 3
 EXIT_RUN_FAILED = 1
-EXIT_STOPPED = 75  # SIGINT/SIGTERM: checkpointed and stopped (EX_TEMPFAIL: requeue and resume)
+EXIT_STOPPED = 75  # SIGINT/SIGTERM/SIGUSR2: checkpointed and stopped (EX_TEMPFAIL: requeue and resume)
 OUTCOMES = {EXIT_RUN_FAILED: "failed", EXIT_CONFIG: "was refused (bad config)",
             EXIT_NEEDS_GPUS: "did not train (it needs GPUs this host lacks)",
-            EXIT_STOPPED: "was stopped (SIGINT/SIGTERM)"}
+            EXIT_STOPPED: "was stopped (SIGINT/SIGTERM/SIGUSR2)"}
 
 register_all(user_config_dirs(sys.argv[1:]))  # a user's recipes/ beside --config-dir or on hydra.searchpath
 
@@ -56,7 +56,7 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 def run(cfg: DictConfig, run_dir: Path) -> int:
     """Run one job; returns the process exit code (0 completed, 1 failed, 2 bad config, 3 needs GPUs, 75 stopped
-    by SIGINT/SIGTERM after a checkpoint)."""
+    by SIGINT/SIGTERM/SIGUSR2 after a checkpoint)."""
     try:
         validate(cfg, for_training=False)
         if cfg.runner.smoke:

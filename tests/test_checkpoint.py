@@ -264,3 +264,15 @@ def test_a_resume_with_other_module_arguments_exits_2_before_any_worker_starts(t
     assert "trainer.lr=0.003 in the checkpoint, 0.001 here" in run.output
     assert not (tmp_path / "run" / "events.jsonl").exists()  # no worker wrote its worker_started (nor anything)
     assert not (tmp_path / "run" / "agent_config.json").exists()  # no agent was configured
+
+
+def test_sigusr2_checkpoints_at_the_next_step_and_stops_with_exit_75(tmp_path):
+    """submitit's and SLURM's time-limit warning (--signal=USR2@90) stops the run as SIGTERM does."""
+    stopped = _run_until(tmp_path / "stopped", step=5, sig=signal.SIGUSR2, overrides=[*TINY, "trainer.max_steps=5000"])
+    assert stopped.returncode == 75, stopped.output[-3000:]
+    s = stopped.summary
+    assert s["status"] == "stopped" and 5 <= s["global_step"] < 5000 and s["samples_lost"] == 0
+    assert [e["signal"] for e in stopped.events("stop_requested")] == ["SIGUSR2"]
+    assert [e["at_step"] for e in stopped.events("checkpoint_saved")] == [s["global_step"]]
+    ckpt = torch.load(stopped.dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True, mmap=True)
+    assert ckpt["global_step"] == s["global_step"]
