@@ -11,7 +11,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from callbacks.metrics import CommitMetrics
+from runner.callbacks.metrics import CommitMetrics
 
 
 class StepProgressBar(TQDMProgressBar):

@@ -3,12 +3,18 @@
 Validation and planning happen here, in the launching process, before any worker starts; workers
 receive the resolved config as a dict and never run Hydra (so a multirun is never re-run by a
 child process).
+
+What a launcher sees: a single run exits with the job's code. Each job of a ``-m`` sweep returns the final
+value of ``runner.optimized_metric`` (what a sweeper optimises), and one that did not complete raises
+``JobFailed``, so Hydra's launchers (basic, joblib, submitit) record it failed; Hydra runs every job of the
+sweep first, then reports the failure and exits non-zero.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -18,27 +24,39 @@ from omegaconf import DictConfig
 from runner.config import ConfigError, register_all
 from runner.config.registry import CONF_DIR, user_config_dirs
 from runner.config.validate import validate
+from runner.objective import final_metric
 from runner.plan import apply_smoke, make_plan, memory_problem, needs_gpus, scaled
 
 EXIT_CONFIG = 2
 EXIT_NEEDS_GPUS = 3
 EXIT_RUN_FAILED = 1
-EXIT_STOPPED = 75  # SIGINT/SIGTERM: checkpointed and stopped (EX_TEMPFAIL: requeue and resume)
+EXIT_STOPPED = 75  # SIGINT/SIGTERM/SIGUSR2: checkpointed and stopped (EX_TEMPFAIL: requeue and resume)
+OUTCOMES = {EXIT_RUN_FAILED: "failed", EXIT_CONFIG: "was refused (bad config)",
+            EXIT_NEEDS_GPUS: "did not train (it needs GPUs this host lacks)",
+            EXIT_STOPPED: "was stopped (SIGINT/SIGTERM/SIGUSR2)"}
 
 register_all(user_config_dirs(sys.argv[1:]))  # a user's recipes/ beside --config-dir or on hydra.searchpath
 
 
+class JobFailed(RuntimeError):
+    """A job of a ``-m`` sweep that did not complete (its exit code would not be 0)."""
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
-    single = HydraConfig.get().mode == RunMode.RUN
-    code = run(cfg, Path(HydraConfig.get().runtime.output_dir))
-    if code and single:
+def main(cfg: DictConfig) -> Optional[float]:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    code = run(cfg, run_dir)
+    if code and HydraConfig.get().mode == RunMode.RUN:
         sys.exit(code)
+    if code:
+        raise JobFailed(f"the job in {run_dir} {OUTCOMES.get(code, 'failed')}: exit code {code}; its output says why")
+    metric = cfg.runner.optimized_metric
+    return final_metric(run_dir, metric) if metric else None
 
 
 def run(cfg: DictConfig, run_dir: Path) -> int:
     """Run one job; returns the process exit code (0 completed, 1 failed, 2 bad config, 3 needs GPUs, 75 stopped
-    by SIGINT/SIGTERM after a checkpoint)."""
+    by SIGINT/SIGTERM/SIGUSR2 after a checkpoint)."""
     try:
         validate(cfg, for_training=False)
         if cfg.runner.smoke:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from runner.checkpoint.resume import resume_checkpoint
+from runner.checkpoint.resume import module_arguments, resume_checkpoint
 from runner.config import ConfigError
 from runner.config.validate import all_faults
 from runner.control.controller import Controller
@@ -39,7 +39,8 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     if not cfg.launcher.join:  # a joining host's config is the running job's, checked by its node 0
         check_mode(cfg, kind)
     if cfg.runner.resume:  # the workers get the checked file's absolute path
-        cfg.runner.resume = str(resume_checkpoint(cfg.runner.resume, Path(run_dir), cfg.trainer.max_steps))
+        cfg.runner.resume = str(resume_checkpoint(cfg.runner.resume, Path(run_dir), cfg.trainer.max_steps,
+                                                  module_arguments(cfg)))
     if cfg.launcher.join:  # a host started later, outside the launcher: a spare host of a running per_host job
         from runner.per_host import join_running_job
 

@@ -25,12 +25,12 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from callbacks.fault_injection import FaultTrigger
-from callbacks.heartbeat import Heartbeat
-from callbacks.lightning_checkpoint import LightningCheckpoint
-from callbacks.metrics import CommitMetrics
-from callbacks.progress import StepProgressBar
 from runner import protocol
+from runner.callbacks.fault_injection import FaultTrigger
+from runner.callbacks.heartbeat import Heartbeat
+from runner.callbacks.lightning_checkpoint import LightningCheckpoint
+from runner.callbacks.metrics import CommitMetrics
+from runner.callbacks.progress import StepProgressBar
 from runner.checksum import param_checksum
 from runner.comm import Comm, RunAborted, RunFailedError
 from runner.config.validate import all_faults, dp_size, ft_names, world_size

@@ -59,3 +59,20 @@ class ManualRegressor(ValidatedRegressor):
         self.manual_backward(loss)
         opt.step()
         return loss
+
+
+class WideRegressor(ValidatedRegressor):
+    """A hidden width as a constructor argument, saved as a hyper-parameter (Lightning's save_hyperparameters)."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+
+class LoggingOnlyRegressor(ValidatedRegressor):
+    """Lightning's documented idiom: a validation_step that logs its loss and returns nothing."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))

@@ -203,3 +203,76 @@ def test_a_run_dir_resumes_from_a_flash_checkpoint_newer_than_last_ckpt_only_if_
     expected = {"whole_model": checkpoint_path(old / "checkpoints", 2, 20),
                 "damaged": checkpoint_path(old / "checkpoints", 2, 15)}.get(case, old / "checkpoints" / "last.ckpt")
     assert resume_checkpoint(str(old), tmp_path / "run", max_steps=60) == expected
+
+
+def _config(*overrides: str):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from runner.config import register_all
+    from runner.config.registry import CONF_DIR
+
+    register_all()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _checkpoint_of(module, path: Path) -> Path:
+    """A resumable checkpoint file at step 10 holding ``module``'s saved hyper-parameters."""
+    state = {"state_dict": {}, "optimizer_states": [], "lr_schedulers": [], "loops": {}, "global_step": 10}
+    torch.save({**state, "hyper_parameters": dict(module.hparams)}, path)
+    return path
+
+
+def _gpt_of(cfg) -> GPTModule:
+    from runner.plan import gpt_config
+
+    t = cfg.trainer
+    return GPTModule(gpt_config(cfg), t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.weight_decay, tuple(t.betas))
+
+
+def test_a_checkpoint_of_a_module_built_with_other_arguments_is_refused_naming_them(tmp_path):
+    """The built-in GPT's shape and optimizer arguments, and a user module's constructor arguments (its defaults
+    overlaid with model.kwargs), must equal the checkpoint's saved hyper-parameters; max_steps may grow."""
+    from runner.checkpoint.resume import module_arguments, resume_checkpoint
+    from runner.config import ConfigError
+    from tests.regressors import WideRegressor
+
+    gpt = _checkpoint_of(_gpt_of(_config(*TINY)), tmp_path / "gpt.ckpt")
+    longer = _config(*TINY, "trainer.max_steps=60")
+    assert resume_checkpoint(str(gpt), tmp_path / "run", 60, module_arguments(longer)) == gpt
+    other = _config(*TINY, "trainer.lr=1e-3", "model.n_layer=3")
+    with pytest.raises(ConfigError) as err:
+        resume_checkpoint(str(gpt), tmp_path / "run", 60, module_arguments(other))
+    assert ("(model.n_layer=2 in the checkpoint, 3 here; trainer.lr=0.003 in the checkpoint, 0.001 here)"
+            in str(err.value))
+    assert "set model.n_layer=2 trainer.lr=0.003 to continue that run" in str(err.value)
+
+    wide = _checkpoint_of(WideRegressor(hidden=32), tmp_path / "wide.ckpt")
+    user = ("+recipe=gpt_tiny", "model._target_=tests.regressors.WideRegressor")
+    with pytest.raises(ConfigError, match=r"model.kwargs.hidden=32 in the checkpoint, 16 here"):
+        resume_checkpoint(str(wide), tmp_path / "run", 60, module_arguments(_config(*user)))
+    same = module_arguments(_config(*user, "+model.kwargs.hidden=32"))
+    assert resume_checkpoint(str(wide), tmp_path / "run", 60, same) == wide
+
+
+def test_a_resume_with_other_module_arguments_exits_2_before_any_worker_starts(tmp_path):
+    gpt = _checkpoint_of(_gpt_of(_config(*TINY)), tmp_path / "gpt.ckpt")
+    run = run_cli(*TINY, "trainer.lr=1e-3", f"runner.resume={gpt}", run_dir=tmp_path / "run", timeout=60)
+    assert run.returncode == 2, run.output[-3000:]
+    assert "trainer.lr=0.003 in the checkpoint, 0.001 here" in run.output
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # no worker wrote its worker_started (nor anything)
+    assert not (tmp_path / "run" / "agent_config.json").exists()  # no agent was configured
+
+
+def test_sigusr2_checkpoints_at_the_next_step_and_stops_with_exit_75(tmp_path):
+    """submitit's and SLURM's time-limit warning (--signal=USR2@90) stops the run as SIGTERM does."""
+    stopped = _run_until(tmp_path / "stopped", step=5, sig=signal.SIGUSR2, overrides=[*TINY, "trainer.max_steps=5000"])
+    assert stopped.returncode == 75, stopped.output[-3000:]
+    s = stopped.summary
+    assert s["status"] == "stopped" and 5 <= s["global_step"] < 5000 and s["samples_lost"] == 0
+    assert [e["signal"] for e in stopped.events("stop_requested")] == ["SIGUSR2"]
+    assert [e["at_step"] for e in stopped.events("checkpoint_saved")] == [s["global_step"]]
+    ckpt = torch.load(stopped.dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True, mmap=True)
+    assert ckpt["global_step"] == s["global_step"]

@@ -129,21 +129,50 @@ def test_unknown_key_fails_before_any_worker(run_dir):
     assert not (run_dir / "events.jsonl").exists()
 
 
-@pytest.mark.parametrize("overrides, code", [
-    (("+recipe=gpt_tiny", "+foo=1"), 2),  # a wrong key: compose and validate
-    (("+recipe=gpt_tiny", "parallel.tp=3"), 2),  # an impossible layout
-], ids=["bad_key", "impossible_layout"])
-def test_refused_config_never_imports_torch(overrides, code, run_dir):
-    """Composing and validating a config stay free of torch, Lightning and wandb (importing them took more than
-    half of a refusal's time); ``-X importtime`` names every module the process imported."""
+def _cli_with_imports(*overrides: str, run_dir: Path) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """``python -m runner`` and every module it imported (``-X importtime`` names them on stderr)."""
     args = [sys.executable, "-X", "importtime", "-m", "runner", *overrides, f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == code, proc.stderr[-3000:]
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert len(imported) > 100  # the timing lines were read
+    return proc, imported
+
+
+@pytest.mark.parametrize("overrides, code", [
+    (("+recipe=gpt_tiny", "+foo=1"), 2),  # a wrong key: compose and validate
+    (("+recipe=gpt_tiny", "parallel.tp=3"), 2),  # an impossible layout
+    (("+recipe=gpt_tiny", "trainer.lr=-1"), 2),  # out of the schema's range
+], ids=["bad_key", "impossible_layout", "out_of_range"])
+def test_refused_config_never_imports_torch(overrides, code, run_dir):
+    """Composing and validating a config stay free of torch, Lightning and wandb (importing them took more than
+    half of a refusal's time)."""
+    proc, imported = _cli_with_imports(*overrides, run_dir=run_dir)
+    assert proc.returncode == code, proc.stderr[-3000:]
     heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "lightning", "wandb"))
     assert not heavy, heavy[:10]
+
+
+@pytest.mark.parametrize("overrides, expected, misleading", [
+    (["trainer.lr=-1"], "trainer.lr=-1 must be > 0.", None),
+    (["trainer.global_batch_size=-8"], "trainer.global_batch_size=-8 must be >= 1.", "data-parallel ranks"),
+    (["trainer.max_steps=-5"], "trainer.max_steps=-5 must be >= 1.", "fault.step"),
+    (["trainer.precision=16-mixd"], "trainer.precision='16-mixd' is not one of 32-true, bf16-mixed, 16-mixed", None),
+    (["model._target_=torch.nn.Linear"], "model._target_=torch.nn.Linear is a class deriving from Module, not a "
+     "lightning.pytorch.LightningModule", None),
+    (["+ckpt_path=last.ckpt"], "ckpt_path is not a config key: use runner.resume", "checkpoint"),
+], ids=["lr", "batch", "max_steps", "precision", "not_a_module", "ckpt_path"])
+def test_bad_input_exits_2_before_any_worker_starts(overrides, expected, misleading, run_dir):
+    """Each bad input is refused in the launching process: exit 2, one paragraph that says what to change, and no
+    worker: the process never imported the launcher that starts the controller, agents and workers, and no runner
+    file (the workers' events.jsonl with their pids, the agents' config) was written."""
+    proc, imported = _cli_with_imports("+recipe=gpt_tiny", *overrides, run_dir=run_dir)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    refusals = [line for line in (proc.stdout + proc.stderr).splitlines() if "Invalid configuration" in line]
+    assert len(refusals) == 1 and expected in refusals[0], refusals
+    assert misleading is None or misleading not in refusals[0], refusals[0]
+    assert not {"runner.launcher", "runner.worker", "runner.control.controller"} & imported
+    assert not [p.name for p in run_dir.glob("*") if p.name not in (".hydra", "cli.log")]
 
 
 @pytest.mark.slow  # CI time: the message is checked in-process above, the CLI's exit 2 by the unimportable-target runs
@@ -280,6 +309,18 @@ def test_every_schema_field_has_a_docstring_and_a_row_in_the_docs(section):
          "ft.deadpool.max_restarts=3 is ignored with flashrecovery in ft"),
         (["model._target_=no_such_pkg.Module"], "model._target_=no_such_pkg.Module cannot be imported"),
         (["data._target_=lightning.pytorch.demos.boring_classes.NoSuchData"], "data._target_="),
+        (["data._target_=torch.nn.Linear"], "data._target_=torch.nn.Linear is a class deriving from Module, not a "
+         "lightning.pytorch.LightningDataModule"),
+        (["model._target_=lightning.pytorch.demos.boring_classes.BoringDataModule"],
+         "not a lightning.pytorch.LightningModule"),
+        (["model._target_=math.pi"], "model._target_=math.pi is a float, not a lightning.pytorch.LightningModule"),
+        (["trainer.warmup_steps=-1"], "trainer.warmup_steps=-1 must be >= 0."),
+        (["model.dropout=1.5"], "model.dropout=1.5 must be >= 0 and < 1."),
+        (["launcher.run_timeout_s=0"], "launcher.run_timeout_s=0 must be > 0."),
+        (["+trainer.gradient_clip_val=1"], "trainer.gradient_clip_val is not a config key: use trainer.grad_clip."),
+        (["runner.optimized_metric=train/acc"], "runner.optimized_metric=train/acc is not a metric this run logs"),
+        (["runner.optimized_metric=val/loss"], "use one of train/loss, train/tokens_per_s, train/step_time_s, or "
+         "val/loss with trainer.val_check_interval=N"),
     ],
 )
 def test_no_silent_keys_unknown_out_of_set_ignored_or_unimportable(overrides, expected):
@@ -321,3 +362,16 @@ def test_a_flashrecovery_standby_is_refused_where_it_could_take_a_gpu_slot():
     with pytest.raises(ConfigError, match="ft.flashrecovery.standby=true with runner.device=auto"):
         validate(cfg)
     validate(_compose("+recipe=gpt_tiny", "ft=[flashrecovery]", "ft.flashrecovery.standby=true", "runner.device=cpu"))
+
+
+def test_a_user_module_and_data_module_pass_the_target_check():
+    validate(_compose("+recipe=gpt_tiny", "model._target_=lightning.pytorch.demos.boring_classes.BoringModel",
+                      "data._target_=lightning.pytorch.demos.boring_classes.BoringDataModule"))
+
+
+@pytest.mark.parametrize("overrides", [[], ["fault=kill_rank", "fault.step=3"]], ids=["no_fault", "fault"])
+def test_a_bad_max_steps_is_reported_alone(overrides):
+    """No fault set, no sentence about a fault (the step of "none" is -1); a bad max_steps is the only problem."""
+    with pytest.raises(ConfigError) as err:
+        validate(_compose("+recipe=gpt_tiny", "trainer.max_steps=-5", *overrides))
+    assert str(err.value) == "Invalid configuration: trainer.max_steps=-5 must be >= 1."

@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Run, assert_nothing_left
+from conftest import ROOT, Run, assert_nothing_left, run_cli
 
 from runner.config.registry import user_config_dirs
 
@@ -64,14 +64,15 @@ def from_wheel(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess
 
 def test_the_wheel_holds_every_module_config_and_recipe(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {str(p.relative_to(ROOT)) for pkg in ("runner", "callbacks") for p in (ROOT / pkg).rglob("*.py")}
+    expected = {str(p.relative_to(ROOT)) for p in (ROOT / "runner").rglob("*.py")}
+    expected |= {f"runner/{p.relative_to(ROOT)}" for p in (ROOT / "callbacks").rglob("*.py")}
     expected |= {f"runner/{p.relative_to(ROOT)}" for d in ("conf", "recipes") for p in (ROOT / d).rglob("*.yaml")}
     assert not expected - names
 
 
 @pytest.mark.slow
 def test_the_wheel_trains_gpt_tiny_from_another_directory(site, tmp_path):
-    which = from_wheel(site, tmp_path, "-c", "import runner, callbacks; print(runner.__file__, callbacks.__file__)")
+    which = from_wheel(site, tmp_path, "-c", "import runner.callbacks.metrics as m; print(m.__file__)")
     assert all(Path(f).is_relative_to(site) for f in which.stdout.split()), which.stdout + which.stderr
     proc = from_wheel(site, tmp_path, "-m", "runner", "+recipe=gpt_tiny", "trainer.max_steps=3", "logger=none",
                       "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}")
@@ -97,3 +98,16 @@ def test_the_directories_a_command_line_adds_to_the_search_path_are_where_user_r
             "+hydra.searchpath=[pkg://runner]", "trainer.max_steps=3"]
     assert user_config_dirs(argv) == [Path(x) for x in "abcde"] + [Path(str(ROOT / "runner"))]
     assert user_config_dirs(["hydra.searchpath=[unclosed"]) == []  # left for Hydra to report
+
+
+def test_a_run_from_a_directory_with_its_own_callbacks_module_and_folder_completes(tmp_path):
+    """A user's ``callbacks.py`` and ``callbacks/`` in the working directory (first on every process's path: the
+    launcher's, the fork servers' and the workers') are never imported: the runner's are ``runner.callbacks``."""
+    trap = "raise RuntimeError('the user\\'s callbacks were imported in place of the runner\\'s')\n"
+    (tmp_path / "callbacks.py").write_text(trap)
+    (tmp_path / "callbacks").mkdir()
+    (tmp_path / "callbacks" / "__init__.py").write_text(trap)
+    run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=3", run_dir=tmp_path / "run", cwd=tmp_path)
+    assert run.returncode == 0, run.output[-3000:]
+    assert (run.summary["status"], run.summary["global_step"]) == ("completed", 3)
+    assert "callbacks were imported" not in run.output

@@ -184,7 +184,7 @@ def test_restart_all_needs_a_node_left_and_a_snapshot_of_every_rank():
 def test_a_committed_step_without_a_record_is_written_by_a_member_that_holds_it(tmp_path):
     from types import SimpleNamespace
 
-    from callbacks.metrics import CommitMetrics
+    from runner.callbacks.metrics import CommitMetrics
     from runner.events import JsonLines
     from runner.protocol import Layout
 

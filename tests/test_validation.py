@@ -107,3 +107,14 @@ def test_validation_keys_that_cannot_work_are_refused(overrides, expected):
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert expected in str(err.value)
+
+
+def test_a_validation_step_that_logs_and_returns_nothing_does_not_fail_the_run(tmp_path):
+    """Validation runs at its steps, adds no val/loss, and logical rank 0 says once that the logged values are not
+    recorded."""
+    run = run_cli(*USER, "model._target_=tests.regressors.LoggingOnlyRegressor", "trainer.val_check_interval=3",
+                  run_dir=tmp_path / "run")
+    assert run.returncode == 0, run.output[-3000:]
+    assert (run.summary["status"], run.summary["global_step"]) == ("completed", 9)
+    assert not val_losses(run)
+    assert run.output.count("LoggingOnlyRegressor.validation_step returned nothing") == 1

@@ -4,7 +4,7 @@
 the optimizer state of one unsharded optimizer and back; ``tp_state`` turns tensor-parallel slices of the
 parameters and their optimizer state into the full model's and back; ``resume`` checks a ``runner.resume`` target
 in the launching process, before any worker starts. The Lightning callback that decides when to save
-is ``callbacks.lightning_checkpoint.LightningCheckpoint``.
+is ``runner.callbacks.lightning_checkpoint.LightningCheckpoint``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ after it (the hosts that outlive the controller's host persist their ranks' newe
 when each of the run's ranks held the whole model (tp = pp = 1, no ZeRO), so that one rank's file is every rank's
 state.
 
-A missing, unreadable or finished checkpoint is a ``ConfigError`` (exit 2) before any worker starts.
+A missing, unreadable or finished checkpoint is a ``ConfigError`` (exit 2) before any worker starts, and so is
+one whose module was built with other arguments than this config gives it (its saved hyper-parameters): the
+workers build the module from the config and load the checkpoint's weights into it, so other arguments would
+fail there (another shape) or silently continue another run (another learning rate).
 The check reads the file memory-mapped, so a large checkpoint costs little here; the workers read it
 again through Lightning (``Trainer.fit(ckpt_path=...)``). The resumed run writes only into its own
 new run dir.
@@ -13,14 +16,20 @@ new run dir.
 
 from __future__ import annotations
 
+import inspect
 import json
 import pickle
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
 
 from runner.checkpoint import last_checkpoint
 from runner.config import ConfigError
+from runner.plan import gpt_config
 from runner.protocol import AGENT_CONFIG_FILE
 from runner.recovery.flash_ckpt.disk import every_ranks_checkpoints, verify
 from runner.recovery.flash_ckpt.segment import CorruptSnapshot
@@ -28,8 +37,56 @@ from runner.recovery.flash_ckpt.segment import CorruptSnapshot
 REQUIRED = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
 
 
-def resume_checkpoint(target: str, run_dir: Path, max_steps: int) -> Path:
-    """The checkpoint file ``runner.resume=target`` names (a run dir's checkpoints/last.ckpt, or a file)."""
+# the built-in GPT's hyper-parameters (runner.lightning_module.GPTModule) that the config sets; max_steps is left
+# out: a resumed run may train further (the schedule's horizon)
+_GPT_TRAINER_ARGS = ("lr", "min_lr", "warmup_steps", "weight_decay", "betas")
+
+
+def module_arguments(cfg: DictConfig) -> dict[str, tuple[str, Any]]:
+    """The arguments this config builds its module with, flattened (``model_cfg.n_layer``), each with the config
+    key that sets it: what a checkpoint's saved hyper-parameters of the same names must equal. For a user's module,
+    its constructor's defaults overlaid with ``model.kwargs``."""
+    if cfg.model._target_ is None:
+        trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
+        assert isinstance(trainer, dict)
+        args = {"model_cfg": asdict(gpt_config(cfg)), **{k: trainer[k] for k in _GPT_TRAINER_ARGS}}
+        return {name: (f"model.{name[len('model_cfg.'):]}" if name.startswith("model_cfg.") else f"trainer.{name}",
+                       value) for name, value in _flat(args).items()}
+    try:
+        params = inspect.signature(get_object(cfg.model._target_)).parameters.values()
+        defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    except (TypeError, ValueError):  # no signature to read: only the given kwargs
+        defaults = {}
+    given = OmegaConf.to_container(cfg.model.kwargs, resolve=True)
+    assert isinstance(given, dict)
+    return {name: (f"model.kwargs.{name}", value) for name, value in _flat({**defaults, **given}).items()}
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as dotted names; tuples as lists (a checkpoint stores what a config gives as a list)."""
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): list(tree) if isinstance(tree, tuple) else tree}
+
+
+def argument_problem(target: str, hparams: Any, expected: dict[str, tuple[str, Any]]) -> Optional[str]:
+    """The refusal of a checkpoint whose saved hyper-parameters differ from the config's module arguments."""
+    saved = _flat(dict(hparams)) if isinstance(hparams, dict) else {}
+    differ = [(key, saved[name], value) for name, (key, value) in expected.items()
+              if name in saved and saved[name] != value]
+    if not differ:
+        return None
+    return (f"runner.resume={target}: the checkpoint's module was built with other arguments than this config "
+            f"gives it ({'; '.join(f'{key}={old!r} in the checkpoint, {new!r} here' for key, old, new in differ)}); "
+            "the resumed run builds the module from the config and loads the checkpoint into it: set "
+            f"{' '.join(f'{key}={old!r}' for key, old, _ in differ)} to continue that run, or drop runner.resume to "
+            "start a new one.")
+
+
+def resume_checkpoint(target: str, run_dir: Path, max_steps: int,
+                      expected: Optional[dict[str, tuple[str, Any]]] = None) -> Path:
+    """The checkpoint file ``runner.resume=target`` names (a run dir's checkpoints/last.ckpt, or a file);
+    ``expected``: the config's module arguments (``module_arguments``) its hyper-parameters must match."""
     given = Path(target).expanduser().resolve()
     path = given if given.is_file() else newest_checkpoint(given)
     why = ("There is nothing to continue from: give a run dir that holds checkpoints/last.ckpt (or flash checkpoints "
@@ -59,6 +116,9 @@ def resume_checkpoint(target: str, run_dir: Path, max_steps: int) -> Path:
         raise ConfigError(f"runner.resume={target}: {path} lacks {', '.join(missing)}, so it is not a training "
                           "checkpoint Lightning can resume (a weights-only file?): give a checkpoint written by "
                           "trainer.save_checkpoint or by this runner.")
+    mismatch = argument_problem(target, ckpt.get("hyper_parameters"), expected or {})
+    if mismatch:
+        raise ConfigError(mismatch)
     step = int(ckpt["global_step"])
     if step >= max_steps:
         raise ConfigError(f"runner.resume={target}: the checkpoint is at step {step} and "

@@ -4,7 +4,8 @@ Hydra rejects unknown keys and wrong types against these dataclasses while it co
 the YAML under ``conf/`` and ``recipes/`` holds only what differs from the defaults here. A closed
 set of values is written ``Annotated[str, Literal[...]]``: OmegaConf 2.3 refuses ``Literal`` but
 reads the ``Annotated`` base type, and ``runner.config.validate`` checks the value against the
-``Literal`` (``choices``). Cross-field rules (layouts, ranges) live in ``runner.config.validate``.
+``Literal`` (``choices``). A numeric key's bounds are written the same way, ``Annotated[int, Range(ge=1)]``
+(``value_range``), and checked with the closed sets. Cross-field rules (layouts) live in ``runner.config.validate``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,32 @@ LauncherKind = Annotated[str, Literal["auto", "local", "torchrun", "slurm"]]
 LauncherMode = Annotated[str, Literal["auto", "per_host", "per_rank"]]
 DataKind = Annotated[str, Literal["synthetic", "memmap"]]
 Device = Annotated[str, Literal["auto", "cpu", "cuda"]]
+PrecisionName = Annotated[str, Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "32",
+                                       "bf16", "16", "64"]]
+
+
+@dataclass(frozen=True)
+class Range:
+    """The bounds of a numeric key, written ``Annotated[float, Range(gt=0)]``: OmegaConf reads the base type, and
+    ``runner.config.validate`` checks the value with the schema, before any rule that reads it."""
+
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    lt: Optional[float] = None
+
+    def holds(self, value: float) -> bool:
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.lt is None or value < self.lt))
+
+    def __str__(self) -> str:
+        bounds = ((">=", self.ge), (">", self.gt), ("<", self.lt))
+        return " and ".join(f"{op} {bound:g}" for op, bound in bounds if bound is not None)
+
+
+PositiveInt = Annotated[int, Range(ge=1)]
+NonNegativeInt = Annotated[int, Range(ge=0)]
+Positive = Annotated[float, Range(gt=0)]
+NonNegative = Annotated[float, Range(ge=0)]
 
 
 def choices(hint: Any) -> Optional[tuple[Any, ...]]:
@@ -37,6 +64,13 @@ def choices(hint: Any) -> Optional[tuple[Any, ...]]:
         for meta in hint.__metadata__:
             if get_origin(meta) is Literal:
                 return get_args(meta)
+    return None
+
+
+def value_range(hint: Any) -> Optional[Range]:
+    """The bounds a numeric type states (the ``Range`` inside its ``Annotated``), or None."""
+    if get_origin(hint) is Annotated:
+        return next((meta for meta in hint.__metadata__ if isinstance(meta, Range)), None)
     return None
 
 
@@ -176,17 +210,17 @@ class LauncherConfig:
     """Under torchrun/SLURM, what one launched process is: per_rank = one rank (the launcher owns restarts);
     per_host = a host's node agent (node 0 also runs the controller); auto = per_rank. Must be auto under
     launcher=local."""
-    start_timeout_s: float = 120.0
+    start_timeout_s: Positive = 120.0
     """A worker's first heartbeat must come within this; also the initial rendezvous."""
-    collective_timeout_s: float = 30.0
+    collective_timeout_s: Positive = 30.0
     """gloo/NCCL timeout of one collective."""
-    rendezvous_timeout_s: float = 15.0
+    rendezvous_timeout_s: Positive = 15.0
     """Forming the process group of a new generation."""
-    recovery_timeout_s: float = 60.0
+    recovery_timeout_s: Positive = 60.0
     """A worker waiting for the next generation; a victim waiting for the controller to carry out its fault."""
-    run_timeout_s: float = 3600.0
+    run_timeout_s: Positive = 3600.0
     """The whole run; then it fails."""
-    threads_per_rank: int = 0
+    threads_per_rank: NonNegativeInt = 0
     """Torch intra-op threads per worker; 0 = cores // ranks (at least 1)."""
     secret_file: Optional[str] = None
     """File holding the job's secret that signs commands to node agents; unset: env RESILIENT_RUNNER_SECRET, else
@@ -203,47 +237,47 @@ class LauncherConfig:
 class TrainerConfig:
     """Optimisation settings shared by every rank."""
 
-    max_steps: int = 50
+    max_steps: PositiveInt = 50
     """Optimizer steps."""
-    global_batch_size: int = 8
+    global_batch_size: PositiveInt = 8
     """Samples per step over all DP ranks; micro-batch = global_batch_size / dp."""
-    lr: float = 3e-3
+    lr: Positive = 3e-3
     """Peak learning rate (AdamW; built-in GPT only)."""
-    min_lr: float = 3e-4
+    min_lr: NonNegative = 3e-4
     """Cosine decay floor (built-in GPT only)."""
-    warmup_steps: int = 5
+    warmup_steps: NonNegativeInt = 5
     """Linear warm-up steps (built-in GPT only)."""
-    weight_decay: float = 0.1
+    weight_decay: NonNegative = 0.1
     """AdamW weight decay on parameters with >= 2 dims (built-in GPT only)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW betas (built-in GPT only)."""
-    grad_clip: float = 1.0
+    grad_clip: NonNegative = 1.0
     """Global gradient-norm clip (Lightning's gradient_clip_val); 0 = off."""
-    precision: str = "32-true"
+    precision: PrecisionName = "32-true"
     """Lightning precision string."""
     master_weights: bool = False
     """With precision bf16-true and parallel.zero=1: the optimizer steps fp32 master weights and fp32 Adam moments
     of the rank's ZeRO-1 shard, beside bf16 parameters and gradients (Megatron's distributed optimizer)."""
-    bucket_mb: float = 25.0
+    bucket_mb: Positive = 25.0
     """Gradient all-reduce bucket size (MiB); each bucket's all-reduce overlaps the rest of the backward."""
-    sdc_factor: float = 100.0
+    sdc_factor: NonNegative = 100.0
     """Silent-corruption guard: recompute a step whose reduced gradient norm is non-finite or above sdc_factor x
     the median of recent accepted steps; 0 = off."""
-    sdc_window: int = 20
+    sdc_window: PositiveInt = 20
     """Accepted steps that median is taken over."""
-    log_every_n_steps: int = 1
+    log_every_n_steps: PositiveInt = 1
     """Experiment-logger cadence (metrics.jsonl gets every committed step regardless)."""
     progress_bar: bool = True
     """Progress bar on the console (logical rank 0): committed step, loss and tokens/s."""
-    val_check_interval: int = 0
+    val_check_interval: NonNegativeInt = 0
     """Validate every N committed steps (val/loss in metrics.jsonl and the logger), sharded over the DP ranks;
     0 = never."""
-    limit_val_batches: int = 0
+    limit_val_batches: NonNegativeInt = 0
     """Validation batches per validation over all DP ranks; 0 = the whole val_dataloader() of your module or
     DataModule (the built-in data's held-out split has no end: set it)."""
-    accumulate_grad_batches: int = 1
+    accumulate_grad_batches: PositiveInt = 1
     """Micro-batches per optimizer step on each rank (global_batch_size stays the samples per step)."""
-    micro_batches: int = 0
+    micro_batches: NonNegativeInt = 0
     """Pipeline micro-batches per step with parallel.pp > 1 (the 1F1B schedule's); the replica's batch
     (global_batch_size / dp) must divide into them; 0 = parallel.pp."""
 
@@ -252,19 +286,19 @@ class TrainerConfig:
 class GPTConfig:
     """Shape of the built-in GPT (``runner.model.GPT``); the recipes in ``recipes/`` set it."""
 
-    vocab_size: int = 256
+    vocab_size: PositiveInt = 256
     """Vocabulary size (byte-level by default)."""
-    seq_len: int = 64
+    seq_len: PositiveInt = 64
     """Context length; also the tokens per sample in the accounting."""
-    n_layer: int = 2
+    n_layer: PositiveInt = 2
     """Transformer blocks."""
-    n_head: int = 2
+    n_head: PositiveInt = 2
     """Attention heads; must divide d_model."""
-    d_model: int = 64
+    d_model: PositiveInt = 64
     """Model width."""
-    ffn_mult: int = 4
+    ffn_mult: PositiveInt = 4
     """FFN hidden width = ffn_mult x d_model."""
-    dropout: float = 0.0
+    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     """Dropout probability, seeded per (step, logical rank) when > 0."""
     bias: bool = True
     """Biases in Linear and LayerNorm."""
@@ -307,7 +341,7 @@ class DataConfig:
 class CheckpointConfig:
     """The run's Lightning checkpoint, ``<run dir>/checkpoints/last.ckpt``, written at the end of every run."""
 
-    every_n_steps: int = 0
+    every_n_steps: NonNegativeInt = 0
     """Also write it every n committed steps; 0 = only at the end (and when a SIGINT/SIGTERM stops the run)."""
 
 
@@ -317,21 +351,24 @@ class RunnerConfig:
 
     smoke: bool = False
     """Shrink the recipe (model, and the layout above smoke_max_ranks) to train on CPU."""
-    smoke_max_ranks: int = 4
+    smoke_max_ranks: PositiveInt = 4
     """Smoke-mode layout cap."""
     device: Device = "auto"
     """auto uses a GPU per rank (logical_rank % device_count) when there are GPUs."""
-    peak_flops_per_rank: float = 1.0e12
+    peak_flops_per_rank: Positive = 1.0e12
     """Hardware peak FLOP/s of one rank, for MFU; the recipes set the GPU's bf16 peak."""
-    cpu_max_params: int = 400_000_000
+    cpu_max_params: PositiveInt = 400_000_000
     """Bigger models only print their plan on a host without enough GPUs."""
-    gpu_memory_gib: float = 80.0
+    gpu_memory_gib: Positive = 80.0
     """Memory of one GPU; a layout whose plan needs more per rank is refused, naming the smallest change that fits."""
     console_events: bool = True
     """One console line per recovery (and per failed run), from the controller's events."""
     resume: Optional[str] = None
     """A run dir or a .ckpt file: continue that run's checkpoint (checkpoints/last.ckpt) in this new run dir up to
     trainer.max_steps; null = start from scratch."""
+    optimized_metric: Optional[str] = "train/loss"
+    """The logged metric whose final value the job returns to Hydra (for a sweeper such as Optuna to optimise):
+    train/loss, train/tokens_per_s, train/step_time_s, or val/loss (with validation); null = return nothing."""
 
 
 @dataclass

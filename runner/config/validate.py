@@ -1,10 +1,13 @@
 """Validation in one place: every key against the schema, then everything a type cannot express, before launch.
 
-First the schema check: an unknown key (also one added with ``+``, which Hydra lets through) or a
-value outside its closed set (``runner.config.schema.choices``). Then the rules that span several
-fields: layouts, ranges, keys the chosen options would ignore, ``_target_`` imports, and the
-fault-tolerance mix against the faults it faces. Each problem becomes one sentence that says what to
-change; all of them are reported together in one ``ConfigError``.
+First the schema check: an unknown key (also one added with ``+``, which Hydra lets through), a
+value outside its closed set (``runner.config.schema.choices``) or outside the range its type states
+(``runner.config.schema.value_range``). Then the rules that span several fields: layouts, keys the
+chosen options would ignore, and the fault-tolerance mix against the faults it faces. Last, only for
+a config with no other problem, a user's ``_target_`` is imported and checked to be a LightningModule
+or LightningDataModule (it costs torch and Lightning, which no other refusal imports). Each problem
+becomes one sentence that says what to change; all of them are reported together in one
+``ConfigError``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from runner.config.schema import (
     PolicyConfig,
     RootConfig,
     choices,
+    value_range,
 )
+from runner.objective import LOGGED
 from runner.topology import Topology, spare_count
 
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
@@ -81,9 +86,10 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
     problems += _ft_problems(cfg)
     problems += _misc_problems(cfg)
     problems += ignored_key_problems(cfg)
-    problems += _target_problems(cfg)
     if for_training and not problems:  # the replay of the faults needs every value above in range
         problems += mix_problems(cfg, ft_names(cfg), all_faults(cfg), world_size(cfg))  # logical ranks, not replicas
+    if not problems:  # a user's module imports torch and Lightning: only once nothing else refuses the config
+        problems += _target_problems(cfg)
     if problems:
         raise ConfigError("Invalid configuration: " + " ".join(problems))
 
@@ -422,19 +428,14 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         elif (one.kind not in ("none", "slow_rank") and one.during in ("step", "after_reduce") and one.step < 0
               and one.after_s < 0):
             out.append(f"{where}: set fault.step (a step) or fault.after_s (seconds) to say when to inject.")
-        if one.step >= cfg.trainer.max_steps:
+        if one.kind != "none" and 0 <= cfg.trainer.max_steps <= one.step:
             out.append(f"{where}.step={one.step} is not before trainer.max_steps={cfg.trainer.max_steps}; the fault "
                        "would never fire.")
-    if cfg.trainer.sdc_factor < 0 or cfg.trainer.sdc_window < 1:
-        out.append(f"trainer.sdc_factor ({cfg.trainer.sdc_factor}) must be >= 0 (0 = guard off) and "
-                   f"trainer.sdc_window ({cfg.trainer.sdc_window}) >= 1.")
-    if cfg.trainer.max_steps < 1:
-        out.append(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1.")
-    if cfg.checkpoint.every_n_steps < 0:
-        out.append(f"checkpoint.every_n_steps={cfg.checkpoint.every_n_steps} must be >= 0 (0 = last.ckpt only at the "
-                   "end of the run).")
-    if cfg.runner.gpu_memory_gib <= 0:
-        out.append(f"runner.gpu_memory_gib={cfg.runner.gpu_memory_gib:g} must be > 0: the memory of one GPU, in GiB.")
+    metric = cfg.runner.optimized_metric
+    if metric is not None and (metric not in LOGGED or (metric == "val/loss" and cfg.trainer.val_check_interval <= 0)):
+        out.append(f"runner.optimized_metric={metric} is not a metric this run logs, so the job could return no "
+                   f"value for it: use one of {', '.join(n for n in LOGGED if n != 'val/loss')}, or val/loss with "
+                   "trainer.val_check_interval=N (or null to return nothing).")
     secret = cfg.launcher.secret_file
     if secret and not os.path.isfile(secret):
         out.append(f"launcher.secret_file={secret} is not a file: point it at the job's secret (one line, the same "
@@ -467,11 +468,6 @@ def _loop_problems(cfg: DictConfig) -> list[str]:
     """Validation and gradient accumulation."""
     t, d = cfg.trainer, cfg.data
     out: list[str] = []
-    if t.accumulate_grad_batches < 1:
-        out.append(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} must be >= 1 (1 = no accumulation).")
-    if t.val_check_interval < 0 or t.limit_val_batches < 0:
-        out.append(f"trainer.val_check_interval ({t.val_check_interval}) and trainer.limit_val_batches "
-                   f"({t.limit_val_batches}) must be >= 0.")
     if t.val_check_interval <= 0 or cfg.model._target_ or d._target_:
         return out
     if t.limit_val_batches == 0:  # the built-in data
@@ -523,12 +519,22 @@ def _value_problems(value: Any, hint: Any, where: str) -> list[str]:
     allowed = choices(hint)
     if allowed is not None and value not in allowed:
         return [f"{where}={value!r} is not one of {', '.join(str(a) for a in allowed)}."]
+    bounds = value_range(hint)
+    if bounds is not None and isinstance(value, (int, float)) and not bounds.holds(value):
+        return [f"{where}={value:g} must be {bounds}."]
     if is_dataclass(hint) and isinstance(value, DictConfig):
         return _walk(value, hint, f"{where}.")  # type: ignore[arg-type]
     return []  # a list of a closed set (fault.kinds) is checked where it is used, with what it is for
 
 
+# Lightning Trainer arguments a user may try, and the key that does their work here
+_LIGHTNING_KEYS = {"ckpt_path": "runner.resume (a run dir or a .ckpt file to continue)",
+                   "trainer.gradient_clip_val": "trainer.grad_clip"}
+
+
 def _unknown_key(path: str, names: list[str], where: str) -> str:
+    if path in _LIGHTNING_KEYS:
+        return f"{path} is not a config key: use {_LIGHTNING_KEYS[path]}."
     closest = difflib.get_close_matches(path.rsplit(".", 1)[-1], names, n=1, cutoff=0.0)
     section = where.rstrip(".") or "the top level"
     hint = f": the closest valid key is {where}{closest[0]}" if closest else ""
@@ -593,18 +599,42 @@ def _show(value: Any) -> str:
     return str(OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value)
 
 
+_TARGET_ADVICE = {
+    "model": "the runner trains through Lightning, so give a LightningModule subclass (or a function that returns "
+             "one); wrap a plain torch module in a LightningModule with a training_step and configure_optimizers.",
+    "data": "give a LightningDataModule subclass (or a function that returns one) whose train_dataloader() returns a "
+            "DataLoader over a map-style dataset, or drop data._target_ to use the module's own train_dataloader().",
+}
+
+
+def _described(obj: Any) -> str:
+    """What a ``_target_`` that is not a Lightning class is, for the refusal."""
+    if isinstance(obj, type):
+        bases = [c.__name__ for c in obj.__mro__[1:-1]]
+        return f"a class deriving from {', '.join(bases)}" if bases else "a plain class"
+    return f"a {type(obj).__name__}"
+
+
 def _target_problems(cfg: DictConfig) -> list[str]:
-    """A user's ``_target_`` must import here, before any worker starts (each worker would fail the same way)."""
+    """A user's ``_target_`` must import here and be a LightningModule / LightningDataModule class (or a function
+    that builds one), before any worker starts: each worker would fail the same way."""
     out = []
     for group, kind in (("model", "LightningModule"), ("data", "LightningDataModule")):
         target: Optional[str] = cfg[group]._target_
         if target is None:
             continue
         try:
-            get_object(target)
+            obj = get_object(target)
         except Exception as err:  # noqa: BLE001 - any import-time failure of the user's code is the answer
             cause = err.__cause__ or err  # Hydra wraps the import's own error
             reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
             out.append(f"{group}._target_={target} cannot be imported ({reason.rstrip('.')}): give the import path of "
                        f"your {kind} (package.module.Class) and make sure its package is on PYTHONPATH.")
+            continue
+        import lightning.pytorch as pl  # here only: a config without a _target_ is refused without Lightning
+
+        base = pl.LightningModule if group == "model" else pl.LightningDataModule
+        if (isinstance(obj, type) and not issubclass(obj, base)) or not callable(obj):
+            out.append(f"{group}._target_={target} is {_described(obj)}, not a lightning.pytorch.{kind}: "
+                       f"{_TARGET_ADVICE[group]}")
     return out

@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 
 from runner.control.records import Recovery, RunRecord
 from runner.loggers import STEP_AXIS, TIME_AXIS, ExperimentLogger, open_logger
+from runner.objective import TRAIN_ROW
 from runner.summary import recovery_entry
 
 POLL_S = 0.5  # how often the files are read; every row carries its own step and time
@@ -115,8 +116,7 @@ class RunLogger:
         self._first_commit.setdefault(m["gen"], m)
         self._recent.append(m)
         if m["step"] % self.log_every == 0:
-            self._log(m["step"], m["t"], {"train/loss": m["loss"], "train/tokens_per_s": m["tokens_per_s"],
-                                          "train/step_time_s": m["step_time_s"]})
+            self._log(m["step"], m["t"], {name: m[field] for name, field in TRAIN_ROW.items()})
         if "val/loss" in m:  # a validation step is logged whatever log_every_n_steps says
             self._log(m["step"], m["t"], {"val/loss": m["val/loss"]})
         self._log_recoveries()  # a recovery closed by this commit is logged in its place among the rows

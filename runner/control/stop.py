@@ -1,4 +1,6 @@
-"""SIGINT/SIGTERM to the launching process: a checkpoint at the next committed step, then a clean stop.
+"""SIGINT/SIGTERM/SIGUSR2 to the launching process: a checkpoint at the next committed step, then a clean stop.
+
+SIGUSR2 is the warning signal of submitit and SLURM (``--signal=USR2@90``) before a time limit.
 
 The first signal sets ``protocol.STOP`` in the store. Every worker's heartbeat thread sees it, the
 members learn it at one and the same committed step through that step's all-reduce
@@ -20,11 +22,11 @@ from runner import protocol
 from runner.checkpoint import last_checkpoint
 from runner.events import EventLog, read_jsonl
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 
 
 class StopOnSignal:
-    """A context: while inside, SIGINT and SIGTERM ask the workers to checkpoint and stop (only in the main
+    """A context: while inside, SIGINT, SIGTERM and SIGUSR2 ask the workers to checkpoint and stop (only in the main
     thread, where Python delivers signals; elsewhere it changes nothing)."""
 
     def __init__(self, store: Any, events: EventLog) -> None:

@@ -2,7 +2,7 @@
 
 Only a run with a fault config builds it (``worker.py``); ``Comm`` itself knows nothing of faults.
 The model is torchft's fault-injecting process-group wrapper: the faults are the victim's own, armed
-by ``callbacks.fault_injection.FaultTrigger``, and they surface exactly as real ones would, as a
+by ``runner.callbacks.fault_injection.FaultTrigger``, and they surface exactly as real ones would, as a
 failed launch or wait (``CollectiveFailure``) of the main group, or a failed rendezvous.
 
 * ``fail_next_collective``: the next launched collective fails (a transient connection error);

@@ -11,7 +11,10 @@ and the same logical rank, computes the one of the rank it replaces.
 
 The loss of a validation batch is what the module's ``validation_step`` returns (a scalar tensor or
 a dict with ``loss``); ``self.log`` calls inside it are not recorded (Lightning's validation loop
-does not run), ``val/loss`` in metrics.jsonl and the logger is the mean over the batches. With
+does not run), ``val/loss`` in metrics.jsonl and the logger is the mean over the batches that returned
+one. A ``validation_step`` may also return nothing, as Lightning's own idiom has it (it only logs):
+its batch adds nothing to ``val/loss`` (none at all when no batch returned a loss), and logical rank 0
+says once that what it logs is not recorded. With
 pipeline parallelism no stage holds the whole model, so the strategy passes the batches' losses
 in place of ``validation_step`` (``BatchLosses``): the same batches, through the pipeline's stages.
 """
@@ -38,6 +41,7 @@ class StepValidation:
         DP ranks (0 = the whole validation dataloader)."""
         self.interval, self.limit = interval, limit
         self._loader: Any = None
+        self._said_unrecorded = False
 
     def due(self, step: int) -> bool:
         return self.interval > 0 and step > 0 and step % self.interval == 0
@@ -70,11 +74,22 @@ class StepValidation:
                 outs = (module.validation_step(batch, i) for i, batch in own) if batch_losses is None else \
                     batch_losses(batch for _, batch in own)
                 for out in outs:
-                    total += _loss_value(out, type(module).__name__)
+                    loss = _loss_value(out, type(module).__name__)
+                    if loss is None:
+                        self._say_unrecorded(module, logical_rank)
+                        continue
+                    total += loss
                     count += 1
         finally:
             module.train(was_training)
         return total, count
+
+    def _say_unrecorded(self, module: pl.LightningModule, logical_rank: int) -> None:
+        if logical_rank == 0 and not self._said_unrecorded:
+            self._said_unrecorded = True
+            print(f"[runner] warning: {type(module).__name__}.validation_step returned nothing, and the values it "
+                  "logs with self.log are not recorded: return the batch's loss to get val/loss", file=sys.stderr,
+                  flush=True)
 
     def _own_batches(self, logical_rank: int, dp: int) -> Iterator[tuple[int, Any]]:
         """Batches ``i`` with ``i % dp == logical_rank``, below the limit; by index where the loader allows it."""
@@ -107,11 +122,15 @@ def warn_unscheduled(module: pl.LightningModule, interval: int) -> None:
               "trainer.val_check_interval=N to validate every N steps", file=sys.stderr, flush=True)
 
 
-def _loss_value(out: Any, module_name: str) -> float:
+def _loss_value(out: Any, module_name: str) -> Optional[float]:
+    """The batch's loss; None for a ``validation_step`` that returned nothing."""
+    if out is None:
+        return None
     loss = out.get("loss") if isinstance(out, dict) else out
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise TypeError(f"{module_name}.validation_step returned {type(out).__name__}; the runner averages the "
-                        "validation loss itself: return the batch's loss (a scalar tensor or a dict with 'loss').")
+                        "validation loss itself: return the batch's loss (a scalar tensor or a dict with 'loss'), "
+                        "or nothing.")
     return float(loss)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from lightning.pytorch import LightningModule
 
-from callbacks.flash_checkpoint import FlashCheckpoint
+from runner.callbacks.flash_checkpoint import FlashCheckpoint
 from runner.recovery.flash_ckpt.events import Event
 from runner.recovery.flash_ckpt.persister import persister_address
 from runner.recovery.flash_ckpt.prefetch import Prefetch
