@@ -1,6 +1,7 @@
 """Worker heartbeats, sent from a daemon thread so the training step never waits for them.
 
-Payload: sequence number, step, phase and RSS. The thread also reads the newest generation number,
+Payload: sequence number, step, phase, RSS, and the newest committed steps' timings (compute,
+reduction wait, link: ``runner.control.stragglers``). The thread also reads the newest generation number,
 so a planned change (a repaired rank rejoining) is noticed at the next step at no cost to it, and
 whether the controller asked the run to stop (``protocol.STOP``). The
 controller declares a worker dead after ``misses`` silent intervals (SIGSTOP, a wedged process)
@@ -59,6 +60,8 @@ class Heartbeat(Callback):
             seq += 1
             payload = {"seq": seq, "step": self.status.step, "phase": self.status.phase, "rss": rss_bytes(),
                        "t": time.time()}
+            if self.status.timings:
+                payload["timing"] = self.status.timings
             try:
                 store.set(key, json.dumps(payload))
                 if self.status.latest_gen >= 0 or store.check(["gen"]):  # planned membership changes reach

@@ -32,6 +32,7 @@ from runner.config.schema import (
     RootConfig,
     choices,
 )
+from runner.control.stragglers import config_problems as straggler_config_problems
 from runner.topology import Topology, spare_count
 
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
@@ -80,6 +81,7 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
     problems += layout_problems(cfg, for_training)
     problems += _ft_problems(cfg)
     problems += _misc_problems(cfg)
+    problems += straggler_config_problems(cfg)
     problems += ignored_key_problems(cfg)
     problems += _target_problems(cfg)
     if for_training and not problems:  # the replay of the faults needs every value above in range

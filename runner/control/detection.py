@@ -37,6 +37,7 @@ class Detector:
         self.silent_reported: set[int] = set()  # nodes whose silence was already raised as a symptom
         self.nodes_lost: set[int] = set()  # nodes whose loss was decided: their silence is old news
         self._last_hb_poll = time.monotonic()
+        self.beat_readers: list[Callable[[Worker, dict], None]] = []  # also read each heartbeat (straggler timings)
 
     # -- symptoms ---------------------------------------------------------------------------------
     def is_news(self, wid: int, code: int) -> bool:
@@ -88,6 +89,8 @@ class Detector:
         payloads = self.store.multi_get([f"hb/{w.wid}" for w in beating]) if beating else []
         for w, raw in zip(beating, payloads):  # one round trip for every beating worker
             hb = json.loads(raw)
+            for reader in self.beat_readers:
+                reader(w, hb)
             if hb["seq"] != w.hb_seq:
                 w.hb_seq, w.hb_change = hb["seq"], now
             if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:
