@@ -26,6 +26,7 @@ from runner.config.validate import ft_names
 from runner.control.console import RecoveryConsole
 from runner.control.context import RunContext
 from runner.control.detection import Detector
+from runner.control.diagnosis import Diagnoser
 from runner.control.execution import Executor
 from runner.control.incidents import Incidents
 from runner.control.membership import Membership
@@ -150,6 +151,8 @@ class Controller:
         straggler_row = policy.table(cfg, self.ft)["straggler"]
         self.stragglers = StragglerWatch(cfg, self.topo, self.events, straggler_row[0] if straggler_row else "none")
         self.detector.beat_readers.append(self.stragglers.read)
+        self.detector.diagnose = Diagnoser(self.run_dir, self.members, self.fleet, self.store, cfg.heartbeat.interval_s,
+                                           self.events).collect
         self.ctx = RunContext(cfg, self.ft, self.topo, self.members, self.detector, self.incidents, self.events,
                               self.store, self.fleet, tuple(self.actions.values()))
         self.executor = Executor(self.ctx, self.actions, self._fail)

@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Optional
 
 from torch.distributed import PrefixStore
 
@@ -38,6 +39,7 @@ class Detector:
         self.nodes_lost: set[int] = set()  # nodes whose loss was decided: their silence is old news
         self._last_hb_poll = time.monotonic()
         self.beat_readers: list[Callable[[Worker, dict], None]] = []  # also read each heartbeat (straggler timings)
+        self.diagnose: Optional[Callable[[Recovery, Worker], None]] = None  # where everyone was, before a hang kill
 
     # -- symptoms ---------------------------------------------------------------------------------
     def is_news(self, wid: int, code: int) -> bool:
@@ -115,6 +117,8 @@ class Detector:
             return
         w.killed_for = why
         self.incidents.symptom(kind, wid=w.wid, why=why, t=time.time())
+        if kind == "hang" and self.diagnose is not None and self.incidents.active is not None:
+            self.diagnose(self.incidents.active, w)
         self.events.emit("worker_killed", wid=w.wid, logical=w.logical, reason=why)
         self.fleet.signal(w.wid, w.node, signal.SIGKILL)
 
