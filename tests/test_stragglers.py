@@ -187,3 +187,24 @@ def test_a_slow_link_is_reported_as_a_link_not_as_a_slow_rank(run_dir):
     assert [(e["straggler"], e["rank"], e["host"]) for e in found] == [("link", 1, 0)], found
     assert committed_at(run, found[0]["t"]) <= SLOW_FROM + WINDOW + 5
     assert "slow link at rank 1" in run.output
+
+
+def test_the_experiment_logger_gets_a_straggler_as_an_event_row(tmp_path):
+    from omegaconf import OmegaConf
+
+    from runner.control.records import RunRecord
+    from runner.control.run_logger import RunLogger
+    from runner.events import JsonLines
+    from tests.test_wandb_run import Recorder, commit
+
+    metrics, events = JsonLines(tmp_path / "metrics.jsonl"), JsonLines(tmp_path / "events.jsonl")
+    cfg = OmegaConf.create({"trainer": {"log_every_n_steps": 100}, "logger": {"kind": "csv"}})
+    logger = RunLogger(cfg, tmp_path, RunRecord(ft=[], dp=2, t_start=100.0))
+    logger.backend = backend = Recorder()
+    metrics.write(commit(9, 101.0, 0))
+    events.write({"t": 101.5, "step": -1, "rank": 1, "kind": "straggler_detected", "straggler": "rank", "host": 0,
+                  "factor": 2.1, "action": "report"})
+    logger.follow()
+    row = backend.rows[-1]
+    assert (row["event/kind"], row["global_step"]) == ("straggler_detected", 10)
+    assert '"straggler": "rank"' in row["event/text"]
