@@ -1,6 +1,8 @@
 """Worker heartbeats, sent from a daemon thread so the training step never waits for them.
 
-Payload: sequence number, step, phase and RSS. The thread also reads the newest generation number,
+Payload: sequence number, step, phase, RSS, and the newest committed steps' timings (compute,
+reduction wait, link: ``runner.control.stragglers``), and the generation and the count of collectives
+in flight (where a hang is stuck: ``runner.control.diagnosis``). The thread also reads the newest generation number,
 so a planned change (a repaired rank rejoining) is noticed at the next step at no cost to it, and
 whether the controller asked the run to stop (``protocol.STOP``). The
 controller declares a worker dead after ``misses`` silent intervals (SIGSTOP, a wedged process)
@@ -30,8 +32,10 @@ def rss_bytes() -> int:
 
 class Heartbeat(Callback):
     def __init__(self, host: str, port: int, namespace: str, status: WorkerStatus, interval_s: float,
-                 orphan_after_s: float) -> None:
+                 orphan_after_s: float, comm=None) -> None:
+        """``comm``: whose generation and collectives in flight each beat reports (where a hang is stuck)."""
         self.host, self.port, self.namespace, self.status = host, port, namespace, status
+        self.comm = comm
         self.interval_s, self.orphan_after_s = interval_s, orphan_after_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -59,6 +63,11 @@ class Heartbeat(Callback):
             seq += 1
             payload = {"seq": seq, "step": self.status.step, "phase": self.status.phase, "rss": rss_bytes(),
                        "t": time.time()}
+            if self.status.timings:
+                payload["timing"] = self.status.timings
+            if self.comm is not None:  # read only: the count of launched collectives not waited for yet
+                payload["gen"] = self.comm.gen
+                payload["in_flight"] = len(getattr(self.comm, "_in_flight", ()))
             try:
                 store.set(key, json.dumps(payload))
                 if self.status.latest_gen >= 0 or store.check(["gen"]):  # planned membership changes reach

@@ -16,7 +16,7 @@ Keys (all under the job's store, or a namespace of it under torchrun):
                       are given up on, not waited out (the controller's reason)
   pg/<g>/...          generation g's process-group rendezvous (a PrefixStore: arrived/<rank> first)
   ready/<wid>         a replacement finished its start-up and can join
-  hb/<wid>            heartbeat payload (JSON: seq, step, phase, rss, t)
+  hb/<wid>            heartbeat payload (JSON: seq, step, phase, rss, t, timing: the newest steps' timings)
   reports, report/<n> counter and the n-th symptom a worker reported (JSON)
   fault/claim/<i>     counter that makes fault i fire once per job
   fault/hit/<i>       fault i's victim reached its trigger point (JSON)

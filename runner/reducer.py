@@ -25,6 +25,7 @@ model without such a bucket (bf16 weights) gets a float64 bucket holding only th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Optional
 
@@ -69,6 +70,7 @@ class GradReducer:
         self._opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
         self._armed = False
         self._next = 0  # the next bucket to launch
+        self.launch_s = 0.0  # this step's time inside the launches (the sending side of this rank's links)
         for bucket in self.buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(lambda _, b=bucket: self._ready(b))
@@ -78,6 +80,7 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.waiting = len(bucket.params)
         self._next = 0
+        self.launch_s = 0.0
         self._armed = True
 
     def disarm(self) -> None:
@@ -89,6 +92,7 @@ class GradReducer:
         the accounting sum). Raises ``CollectiveFailure`` with nothing left in flight."""
         if not self._armed:
             self._next = 0
+            self.launch_s = 0.0
         self._armed = False
         while self._next < len(self.buckets):
             self._launch_next()
@@ -125,7 +129,9 @@ class GradReducer:
         bucket.fill()
         if bucket.accounting is not None:
             bucket.accounting.copy_(self.accounting())
+        t0 = time.perf_counter()
         self.comm.launch_reduction(lambda pg: pg.allreduce([bucket.flat], self._opts))
+        self.launch_s += time.perf_counter() - t0
 
 
 def trainable_params(module: torch.nn.Module) -> list[Tensor]:

@@ -223,5 +223,7 @@ def recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> di
         "t_replacement_ready": t_ready,
         "t_group_formed": t_formed,
         "t_first_commit": t_commit,
+        "diagnosis": rec.diagnosis,  # a hang: where everyone was (runner.control.diagnosis)
+        "verdict": rec.verdict,
     }
     return entry

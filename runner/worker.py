@@ -25,7 +25,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import protocol
+from runner import protocol, stack_dumps
 from runner.callbacks.fault_injection import FaultTrigger
 from runner.callbacks.heartbeat import Heartbeat
 from runner.callbacks.lightning_checkpoint import LightningCheckpoint
@@ -124,8 +124,9 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                                                       topology=topology)
     events = EventLog(run_dir / "events.jsonl", rank=lambda: comm.logical_rank if comm.layout else spec.logical_rank,
                       step=lambda: status.step)
+    stack_dumps.arm(run_dir, spec.wid)  # where everyone was, should a rank hang (runner.control.diagnosis)
     heartbeat = Heartbeat(spec.host, spec.port, spec.namespace, status, cfg.heartbeat.interval_s,
-                          orphan_after_s=max(5.0, cfg.heartbeat.interval_s * cfg.heartbeat.misses * 4))
+                          orphan_after_s=max(5.0, cfg.heartbeat.interval_s * cfg.heartbeat.misses * 4), comm=comm)
     heartbeat.start()
     events.emit("worker_started", wid=spec.wid, node=spec.node, role=spec.role, pid=os.getpid())
     # Workers never decide a run's fate: even without fault tolerance a failed collective is reported

@@ -61,7 +61,16 @@ def run_cli(*overrides: str, run_dir: Path, timeout: float = 240, quiet: bool = 
     proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     run = Run(proc, Path(run_dir))
     assert_nothing_left(token, run)
+    if not any(o.split("=")[0].lstrip("+").split(".")[0] in ("fault", "straggler") for o in overrides):
+        assert_no_straggler(run)
     return run
+
+
+def assert_no_straggler(run: Run) -> None:
+    """A fault-free run (no ``fault`` override) has no straggler: every such run of the tests checks it."""
+    if (run.dir / "events.jsonl").exists():
+        found = run.events("straggler_detected")
+        assert not found, f"straggler detected in a fault-free run: {found}"
 
 
 def assert_nothing_left(token: str, run: Run) -> None:

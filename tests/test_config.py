@@ -206,7 +206,7 @@ def test_every_config_group_option_composes_and_validates_for_training(group, op
 
 def test_every_group_option_is_covered():
     groups = {g for g, _ in GROUP_OPTIONS}
-    assert groups == {"ft", "heartbeat", "launcher", "logger", "parallel", "policy", "trainer"}
+    assert groups == {"ft", "heartbeat", "launcher", "logger", "parallel", "policy", "straggler", "trainer"}
     assert {f"{o}" for g, o in GROUP_OPTIONS if g == "ft"} == set(FT_SCHEMAS)
 
 

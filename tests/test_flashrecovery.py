@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import TWO_BY_TWO, run_cli
+from tests.test_diagnosis import assert_diagnosed
 
 FOUR = TWO_BY_TWO  # 2 nodes x 2 ranks, 30 steps: the layout of the shared fault-free run
 FR = ["ft=[flashrecovery]"]
@@ -80,6 +81,7 @@ def test_hang_is_detected_killed_and_recovered(fault_free, run_dir):
     rec = s["recoveries"][0]
     assert rec["fault"] == "hang" and rec["victims"] == [1]
     assert rec["detect_s"] <= 10.0 + 0.1  # heartbeat.stall_timeout_s + one interval
+    assert_diagnosed(run, rec, hung=1, answering=[0, 2, 3])  # where everyone was before the kill
 
 
 @pytest.mark.slow  # CI time: a variant of what the default tier covers

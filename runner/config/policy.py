@@ -13,7 +13,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 FAULT_CLASSES = ("transient", "process_crash", "hang", "node_loss_spare_free", "node_loss_no_spare", "replica_lost",
-                 "silent_corruption")
+                 "silent_corruption", "straggler")
 
 _RANK_LOSS = ("process_crash", "hang")
 _WITH_SURVIVORS = ("transient", *_RANK_LOSS, "node_loss_spare_free", "node_loss_no_spare")
@@ -25,6 +25,7 @@ ACTIONS = {
     "takeover": ((*_RANK_LOSS, "node_loss_spare_free", "node_loss_no_spare"), ("ndb",)),
     "restart_all": ((*_WITH_SURVIVORS, "replica_lost"), ("flash_ckpt",)),
     "recompute": (("silent_corruption",), ()),  # the gradient guard (trainer.sdc_factor > 0), no strategy
+    "report": (("straggler",), ()),  # the controller's straggler detection: an event and a console line, no strategy
 }
 
 SEED_TABLE = {
@@ -35,6 +36,7 @@ SEED_TABLE = {
     "node_loss_no_spare": ["takeover", "restart_all"],
     "replica_lost": ["restart_all"],
     "silent_corruption": ["recompute"],
+    "straggler": ["report"],
 }
 
 
@@ -42,6 +44,8 @@ def providers(action: str, cfg: DictConfig, ft: list[str]) -> list[str]:
     """The strategies in ``ft`` that carry ``action`` out (FlashRecovery retries only with retry_transient)."""
     if action == "recompute":
         return ["guard"] if _guard_on(cfg) else []
+    if action == "report":
+        return ["controller"]
     found = [s for s in ACTIONS[action][1] if s in ft]
     if action == "retry" and "flashrecovery" in found and not cfg.ft.flashrecovery.get("retry_transient", True):
         found.remove("flashrecovery")
@@ -80,7 +84,7 @@ def row_problems(cfg: DictConfig, ft: list[str]) -> list[str]:
                 out.append(f"{where}, which cannot handle {cls} faults; use any of {', '.join(able)}.")
             elif action == "recompute" and not _guard_on(cfg):
                 out.append(f"{where}, which needs the corruption guard: set trainer.sdc_factor > 0 (default 100).")
-            elif action != "recompute" and not providers(action, cfg, ft):
+            elif not providers(action, cfg, ft):
                 need = " or ".join(f"ft={s}" for s in ACTIONS[action][1])
                 extra = " with ft.flashrecovery.retry_transient=true" if action == "retry" else ""
                 out.append(f"{where}, which needs {need}{extra}: add it to ft or take {action} out of the row.")

@@ -122,6 +122,26 @@ class HeartbeatConfig:
 
 
 @dataclass
+class StragglerConfig:
+    """Straggler detection from the per-step timings the heartbeats carry (``runner/control/stragglers.py``).
+
+    A rank is a straggler when its compute time per step exceeds ``factor`` x its peers' median for
+    ``window_steps`` consecutive steps; a host when all its ranks are; a link is slow when a rank's own
+    collective launches take that much longer than its peers' and no slower peer's compute explains its
+    wait. What is done about it is the policy table's ``straggler`` row.
+    """
+
+    enabled: bool = True
+    """Judge the timings; false = no straggler is ever reported."""
+    factor: float = 1.2
+    """How much slower than the median of its peers a rank's compute (or link) time must be; > 1."""
+    window_steps: int = 20
+    """For this many consecutive committed steps; >= 1."""
+    min_excess_s: float = 0.005
+    """And by at least this many seconds per step, so that the jitter of a millisecond step is no straggler; >= 0."""
+
+
+@dataclass
 class FaultConfig:
     """Which fault to inject, where and when (``recipes/fault/*.yaml``)."""
 
@@ -164,7 +184,7 @@ class PolicyConfig:
     restart_all]; process_crash and hang [restart_rank, takeover, restart_all] (swap_spare first with
     ft.deadpool.crash_action=swap); node_loss_spare_free [swap_spare, takeover, restart_all];
     node_loss_no_spare [takeover, restart_all]; replica_lost [restart_all]; silent_corruption
-    [recompute]. A row set by the user is taken as written.
+    [recompute]; straggler [report]. A row set by the user is taken as written.
     """
 
     transient: Optional[list[str]] = None
@@ -181,6 +201,8 @@ class PolicyConfig:
     """No live rank holds the model/optimizer state any more."""
     silent_corruption: Optional[list[str]] = None
     """The reduced gradient is implausible (bit flip); the only action is recompute, switched by trainer.sdc_factor."""
+    straggler: Optional[list[str]] = None
+    """A rank, host or link keeps the job waiting (``straggler`` group); report = the event and a console line."""
     reject_unhandled: bool = True
     """Refuse (exit 2) a mix that cannot handle a fault in fault, fault.extra or fault.kinds; false = inject it
     anyway and watch the run fail."""
@@ -383,6 +405,8 @@ class RootConfig:
     """Detection."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """The fault to inject."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """Straggler detection."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Fault class -> ordered recovery actions."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -36,6 +36,7 @@ from runner.config.schema import (
     choices,
     value_range,
 )
+from runner.control.stragglers import config_problems as straggler_config_problems
 from runner.objective import LOGGED
 from runner.topology import Topology, spare_count
 
@@ -85,6 +86,7 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
     problems += layout_problems(cfg, for_training)
     problems += _ft_problems(cfg)
     problems += _misc_problems(cfg)
+    problems += straggler_config_problems(cfg)
     problems += ignored_key_problems(cfg)
     if for_training and not problems:  # the replay of the faults needs every value above in range
         problems += mix_problems(cfg, ft_names(cfg), all_faults(cfg), world_size(cfg))  # logical ranks, not replicas

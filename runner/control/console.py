@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
+from runner.control.stragglers import straggler_line
+
 # What each recovery action did, as the line says it.
 DONE = {
     "retry": "group rebuilt, step retried",
@@ -44,9 +46,9 @@ class _Open:
 
 
 class RecoveryConsole:
-    """Receives every controller event (``EventLog``'s echo) and prints a line per recovery, run failure
-    and recovery found unnecessary. ``progress_bar``: rank 0's bar shares this output, and its line has no
-    end until the bar closes, so a line printed meanwhile starts on a line of its own."""
+    """Receives every controller event (``EventLog``'s echo) and prints a line per recovery, run failure,
+    recovery found unnecessary and straggler found. ``progress_bar``: rank 0's bar shares this output, and its
+    line has no end until the bar closes, so a line printed meanwhile starts on a line of its own."""
 
     def __init__(self, progress_bar: bool, out: TextIO = sys.stdout) -> None:
         self.out, self.progress_bar = out, progress_bar
@@ -71,6 +73,8 @@ class RecoveryConsole:
         elif kind == "recovery_not_needed":
             self.open.pop(event["recovery"], None)
             self._print(f"recovery {event['recovery']} not needed: {event.get('reason', '')}")
+        elif kind == "straggler_detected":
+            self._print(straggler_line(event))
         elif kind == "run_failed":
             self._print(f"run failed: {event.get('error', '')}")
 

@@ -26,12 +26,14 @@ from runner.config.validate import ft_names
 from runner.control.console import RecoveryConsole
 from runner.control.context import RunContext
 from runner.control.detection import Detector
+from runner.control.diagnosis import Diagnoser
 from runner.control.execution import Executor
 from runner.control.incidents import Incidents
 from runner.control.membership import Membership
 from runner.control.records import RunRecord
 from runner.control.run_logger import RunLogger
 from runner.control.stop import StopOnSignal
+from runner.control.stragglers import StragglerWatch
 from runner.events import EventLog
 from runner.faults.chaos_injector import ChaosInjector
 from runner.faults.injector import FaultInjector
@@ -146,6 +148,11 @@ class Controller:
                                   self.fleet, self.events, (self.host, self.port), self.namespace)
         self.incidents = Incidents(self.record, self.events, cfg.heartbeat.decide_window_s)
         self.detector = Detector(cfg, self.members, self.incidents, self.fleet, self.store, self.events, self._fail)
+        straggler_row = policy.table(cfg, self.ft)["straggler"]
+        self.stragglers = StragglerWatch(cfg, self.topo, self.events, straggler_row[0] if straggler_row else "none")
+        self.detector.beat_readers.append(self.stragglers.read)
+        self.detector.diagnose = Diagnoser(self.run_dir, self.members, self.fleet, self.store, cfg.heartbeat.interval_s,
+                                           self.events).collect
         self.ctx = RunContext(cfg, self.ft, self.topo, self.members, self.detector, self.incidents, self.events,
                               self.store, self.fleet, tuple(self.actions.values()))
         self.executor = Executor(self.ctx, self.actions, self._fail)
@@ -188,6 +195,9 @@ class Controller:
             self.chaos.poll(now)
         if heartbeats:
             self.detector.poll_heartbeats()
+            training = [w for w in self.members.live() if w.synced and not w.done]
+            whole = self.incidents.active is None and len({w.logical for w in training}) == self.topo.world
+            self.stragglers.poll(training, whole)
             if self.joins is not None:
                 for node in self.joins.poll():  # a spare host: no generation changes, training goes on
                     for action in self.actions.values():

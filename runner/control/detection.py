@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Optional
 
 from torch.distributed import PrefixStore
 
@@ -37,6 +38,8 @@ class Detector:
         self.silent_reported: set[int] = set()  # nodes whose silence was already raised as a symptom
         self.nodes_lost: set[int] = set()  # nodes whose loss was decided: their silence is old news
         self._last_hb_poll = time.monotonic()
+        self.beat_readers: list[Callable[[Worker, dict], None]] = []  # also read each heartbeat (straggler timings)
+        self.diagnose: Optional[Callable[[Recovery, Worker], None]] = None  # where everyone was, before a hang kill
 
     # -- symptoms ---------------------------------------------------------------------------------
     def is_news(self, wid: int, code: int) -> bool:
@@ -88,6 +91,8 @@ class Detector:
         payloads = self.store.multi_get([f"hb/{w.wid}" for w in beating]) if beating else []
         for w, raw in zip(beating, payloads):  # one round trip for every beating worker
             hb = json.loads(raw)
+            for reader in self.beat_readers:
+                reader(w, hb)
             if hb["seq"] != w.hb_seq:
                 w.hb_seq, w.hb_change = hb["seq"], now
             if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:
@@ -112,6 +117,8 @@ class Detector:
             return
         w.killed_for = why
         self.incidents.symptom(kind, wid=w.wid, why=why, t=time.time())
+        if kind == "hang" and self.diagnose is not None and self.incidents.active is not None:
+            self.diagnose(self.incidents.active, w)
         self.events.emit("worker_killed", wid=w.wid, logical=w.logical, reason=why)
         self.fleet.signal(w.wid, w.node, signal.SIGKILL)
 

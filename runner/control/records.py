@@ -53,6 +53,8 @@ class Recovery:
     t_ready: Optional[float] = None
     survivors_gen: Optional[int] = None
     full_gen: Optional[int] = None
+    diagnosis: Optional[str] = None  # a hang's diagnosis directory, relative to the run directory
+    verdict: Optional[str] = None  # its one-line verdict: where everyone was
 
 
 @dataclass

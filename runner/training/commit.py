@@ -54,6 +54,8 @@ class StepCommit:
         self._batch_loss: Optional[float] = None
         self._validation = (0.0, 0)  # this rank's validation loss sum and batch count for the current step
         self._t_batch = 0.0
+        self._t_reduced: Optional[float] = None  # when the previous reduction ended; None: the next step is not timed
+        self._sync_s = 0.0  # this step's time in ZeRO-1's parameter sync (a collective, not compute)
         self.stop_agreed = False  # a member was asked to stop (protocol.STOP) by the last committed step
 
     @property
@@ -73,6 +75,7 @@ class StepCommit:
     def regroup(self) -> None:
         """The controller published a new generation: regroup at the step boundary, before any compute."""
         self.status.phase = "recovering"
+        self._t_reduced = None  # the regroup is no compute of this rank's
         self.reducer.disarm()  # the new layout may take over micro-batches: reduce after backward
         assert self.recover is not None
         self.recover(self.state, "planned")
@@ -110,6 +113,9 @@ class StepCommit:
         so the step commits on all slices or on none."""
         step = self._module().trainer.global_step
         t0 = time.perf_counter()
+        launched_s = self.reducer.launch_s  # launched from backward: in the reduction, not in compute
+        timed = self._t_reduced is not None and failed is None
+        compute_s = t0 - (self._t_reduced or t0) - launched_s - self._sync_s
         redo = False
         if failed is not None:
             self.reducer.disarm()  # armed before the failed forward; the new layout may take over micro-batches
@@ -140,6 +146,7 @@ class StepCommit:
                     self.takeover.reset()
                 continue
             except CollectiveFailure as err:
+                timed = False
                 self.recover_from(err)
                 if self.update.skip_pending:
                     return False
@@ -151,8 +158,12 @@ class StepCommit:
         self.stop_agreed = bool(extras[self.dp_size] > 0)
         self.status.step = step + 1
         self.status.phase = "compute"
+        t_end = time.perf_counter()
+        if timed:
+            self.status.record_timing(step, compute_s, t_end - t0 + launched_s + self._sync_s, self.reducer.launch_s)
+        self._t_reduced, self._sync_s = t_end, 0.0
         if self.on_commit is not None:
-            self.on_commit(step, extras, time.perf_counter() - t0)
+            self.on_commit(step, extras, t_end - t0)
         return True
 
     def _write_back(self) -> None:
@@ -166,13 +177,16 @@ class StepCommit:
         """ZeRO-1: bring every owner's updated shard to everyone, through recoveries if need be."""
         zero = self.update.zero
         assert zero is not None
+        t0 = time.perf_counter()
         while zero.stale:  # a recovery ends with a sync of its own, so it is not retried after one
             try:
                 self.status.phase = "sync"
                 zero.sync(self.comm)
             except CollectiveFailure as err:
                 self.reducer.disarm()  # armed before the step began; the new layout may take over micro-batches
+                self._t_reduced = None
                 self.recover_from(err)
+        self._sync_s += time.perf_counter() - t0
 
     def recover_from(self, err: CollectiveFailure) -> None:
         """A collective of this step failed: regroup (the run's recovery), or end the worker without one."""

@@ -1,0 +1,210 @@
+"""Straggler detection (runner/control/stragglers.py): rank, host and link on synthetic timings, the config and
+the policy row, and real runs of slow_rank and slow_link. Every fault-free test run is checked for false detections
+in tests/conftest.py (``assert_no_straggler``)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from runner.config import ConfigError, policy
+from runner.config.validate import validate
+from runner.control.stragglers import StragglerJudge
+from tests.conftest import TINY, run_cli
+from tests.test_config import _compose
+
+
+def feed(judge: StragglerJudge, steps: range, timing, hosts: dict[int, int]) -> list:
+    """One heartbeat per rank per step, then a judgement; ``timing(step, rank)`` -> [compute, wait, link]."""
+    found = []
+    for step in steps:
+        for rank, host in hosts.items():
+            judge.add(rank, host, [[step, *timing(step, rank)]])
+        found += judge.judge(set(hosts))
+    return found
+
+
+def balanced(compute: dict[int, float], link: dict[int, float] | None = None):
+    """Waits as a synchronous reduction makes them: each rank waits for the slowest compute, plus the transfer
+    (which the slowest link holds up for everyone)."""
+    link = link or {}
+
+    def timing(step: int, rank: int) -> list[float]:
+        slowest = max(compute.values())
+        transfer = 0.002 + max(link.values(), default=0.0)
+        return [compute[rank], slowest - compute[rank] + transfer, link.get(rank, 0.00005)]
+    return timing
+
+
+ONE_HOST = {0: 0, 1: 0, 2: 0, 3: 0}
+TWO_HOSTS = {0: 0, 1: 0, 2: 1, 3: 1}
+
+
+def test_a_slow_rank_is_found_after_the_window_and_named_as_a_rank():
+    judge = StragglerJudge(factor=1.2, window_steps=5, min_excess_s=0.005)
+    found = feed(judge, range(20), balanced({0: 0.02, 1: 0.06, 2: 0.02, 3: 0.021}), ONE_HOST)
+    assert len(found) == 1  # reported once
+    f = found[0]
+    assert (f.kind, f.rank, f.host, f.ranks, f.steps) == ("rank", 1, 0, [1], (0, 4))
+    assert f.factor == pytest.approx(3.0, rel=0.05)
+    assert f.evidence["compute_s"] == pytest.approx(0.06) and f.evidence["peers_compute_s"] == pytest.approx(0.02)
+
+
+def test_one_normal_step_breaks_the_streak():
+    judge = StragglerJudge(factor=1.2, window_steps=5, min_excess_s=0.005)
+
+    def timing(step, rank):  # every 4th step rank 1 is as fast as the others
+        slow = rank == 1 and step % 4 != 3
+        return balanced({0: 0.02, 1: 0.06 if slow else 0.02, 2: 0.02, 3: 0.02})(step, rank)
+    assert feed(judge, range(40), timing, ONE_HOST) == []
+
+
+def test_every_rank_of_a_slow_host_is_one_host_finding():
+    judge = StragglerJudge(factor=1.2, window_steps=4, min_excess_s=0.005)
+    found = feed(judge, range(10), balanced({0: 0.02, 1: 0.02, 2: 0.05, 3: 0.05}), TWO_HOSTS)
+    assert [(f.kind, f.host, f.ranks) for f in found] == [("host", 1, [2, 3])]
+
+
+def test_a_slow_link_is_a_link_not_a_rank():
+    """The victim's own launches carry the delay; every rank waits for its data, none computes longer."""
+    judge = StragglerJudge(factor=1.2, window_steps=5, min_excess_s=0.005)
+    compute = {r: 0.02 for r in ONE_HOST}
+    found = feed(judge, range(12), balanced(compute, link={1: 0.2}), ONE_HOST)
+    assert [(f.kind, f.rank, f.host) for f in found] == [("link", 1, 0)]
+    assert found[0].evidence["link_s"] == pytest.approx(0.2)
+
+
+def test_a_long_launch_explained_by_a_slower_peer_is_no_slow_link():
+    """A rank whose wait is all waiting for a slower peer's compute has no unexplained wait: no link finding."""
+    judge = StragglerJudge(factor=1.2, window_steps=3, min_excess_s=0.005)
+
+    def timing(step, rank):
+        compute = {0: 0.02, 1: 0.02, 2: 0.2, 3: 0.02}
+        return [compute[rank], 0.2 - compute[rank] + 0.001, 0.03 if rank == 1 else 0.0001]
+    found = feed(judge, range(6), timing, ONE_HOST)
+    assert [(f.kind, f.rank) for f in found] == [("rank", 2)]
+
+
+def test_noise_around_a_millisecond_step_is_no_straggler():
+    """Ratios over 1.2 are common when a step takes a few ms; the absolute floor keeps them out."""
+    rng = random.Random(0)
+    judge = StragglerJudge(factor=1.2, window_steps=3, min_excess_s=0.005)
+
+    def timing(step, rank):
+        c = 0.002 * rng.uniform(0.5, 2.0)
+        return [c, 0.001, 0.0001 * rng.uniform(0.5, 3)]
+    assert feed(judge, range(500), timing, TWO_HOSTS) == []
+
+
+def test_only_ranks_doing_the_same_work_are_peers():
+    """With pp=2, a stage twice as slow as the other is no straggler; a slow rank among its stage's replicas is."""
+    judge = StragglerJudge(factor=1.2, window_steps=3, min_excess_s=0.005, role=lambda rank: rank % 2)
+    compute = {0: 0.02, 1: 0.04, 2: 0.02, 3: 0.04, 4: 0.02, 5: 0.09}  # rank % 2: the stage
+    found = feed(judge, range(6), lambda step, rank: [compute[rank], 0.001, 0.0001], {r: r // 2 for r in compute})
+    assert [(f.kind, f.rank) for f in found] == [("rank", 5)]
+
+
+def test_a_step_some_rank_did_not_time_is_skipped_and_a_pause_forgets():
+    judge = StragglerJudge(factor=1.2, window_steps=3, min_excess_s=0.005)
+    timing = balanced({0: 0.02, 1: 0.06, 2: 0.02})
+    hosts = {0: 0, 1: 0, 2: 0}
+    for step in range(2):
+        for rank in hosts:
+            judge.add(rank, 0, [[step, *timing(step, rank)]])
+    judge.add(0, 0, [[2, *timing(2, 0)]])  # ranks 1 and 2 did not time step 2 (a lost beat)
+    judge.add(1, 0, [[3, *timing(3, 1)]])
+    judge.add(2, 0, [[3, *timing(3, 2)]])
+    judge.add(0, 0, [[3, *timing(3, 0)]])
+    assert [(f.rank, f.steps) for f in judge.judge(set(hosts))] == [(1, (0, 3))]  # step 2 neither counts nor breaks
+    judge = StragglerJudge(factor=1.2, window_steps=3, min_excess_s=0.005)
+    feed(judge, range(2), timing, hosts)
+    judge.pause()  # a recovery: the streak starts over
+    assert feed(judge, range(2, 4), timing, hosts) == []
+    assert [f.steps for f in feed(judge, range(4, 5), timing, hosts)] == [(2, 4)]
+
+
+def test_a_heartbeat_repeating_steps_counts_each_once_and_waits_for_the_slowest_reporter():
+    judge = StragglerJudge(factor=1.2, window_steps=2, min_excess_s=0.005)
+    timing = balanced({0: 0.02, 1: 0.06})
+    recs = {r: [[s, *timing(s, r)] for s in range(3)] for r in (0, 1)}
+    judge.add(0, 0, recs[0])
+    judge.add(0, 0, recs[0])
+    judge.add(1, 0, recs[1][:1])
+    assert judge.judge({0, 1}) == []  # only step 0 is timed by both
+    judge.add(1, 0, recs[1])
+    assert [(f.rank, f.steps) for f in judge.judge({0, 1})] == [(1, (0, 1))]
+
+
+# -- config and policy ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, says", [
+    ("straggler.factor=1.0", "straggler.factor (1.0) must be > 1"),
+    ("straggler.window_steps=0", "straggler.window_steps (0) must be >= 1"),
+    ("straggler.min_excess_s=-1", "straggler.min_excess_s (-1.0) must be >= 0"),
+    ("policy.straggler=[restart_rank]", "cannot handle straggler faults; use any of report"),
+])
+def test_bad_straggler_settings_are_refused(override, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        validate(_compose("+recipe=gpt_tiny", "ft=flashrecovery", override))
+
+
+def test_the_straggler_row_reports_by_default_and_a_run_logs_it():
+    cfg = _compose("+recipe=gpt_tiny", "straggler.window_steps=5")
+    validate(cfg)
+    assert policy.table(cfg, [])["straggler"] == ["report"] and cfg.straggler.factor == 1.2
+
+
+# -- real runs ----------------------------------------------------------------------------------------------
+WINDOW = 5
+SLOW_FROM = 5
+SLOW = [*TINY, "trainer.max_steps=20", f"straggler.window_steps={WINDOW}", "fault.rank=1", f"fault.step={SLOW_FROM}"]
+
+
+def committed_at(run, t: float) -> int:
+    """The newest step committed before time ``t``."""
+    return max(m["step"] for m in run.metrics() if m["t"] <= t)
+
+
+def test_a_slow_rank_is_reported_as_a_rank_within_the_window_and_the_run_goes_on(run_dir):
+    # the victim sleeps 0.15 s before every step from step 5 on: about 3x gpt_tiny's step here
+    run = run_cli(*SLOW, "fault=slow_rank", "fault.delay_s=0.15", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed" and s["recoveries"] == [], run.output[-3000:]
+    found = run.events("straggler_detected")
+    assert [(e["straggler"], e["rank"], e["host"], e["action"]) for e in found] == [("rank", 1, 0, "report")], found
+    assert found[0]["factor"] > 1.2 and found[0]["evidence"]["compute_s"] >= 0.15
+    assert committed_at(run, found[0]["t"]) <= SLOW_FROM + WINDOW + 5
+    assert "rank 1 is a straggler" in run.output  # the console's line
+    assert [m["step"] for m in run.metrics()] == list(range(20))  # nothing was done about it
+
+
+def test_a_slow_link_is_reported_as_a_link_not_as_a_slow_rank(run_dir):
+    run = run_cli(*SLOW, "fault=slow_link", "fault.delay_s=0.1", run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "completed" and s["recoveries"] == [], run.output[-3000:]
+    found = run.events("straggler_detected")
+    assert [(e["straggler"], e["rank"], e["host"]) for e in found] == [("link", 1, 0)], found
+    assert committed_at(run, found[0]["t"]) <= SLOW_FROM + WINDOW + 5
+    assert "slow link at rank 1" in run.output
+
+
+def test_the_experiment_logger_gets_a_straggler_as_an_event_row(tmp_path):
+    from omegaconf import OmegaConf
+
+    from runner.control.records import RunRecord
+    from runner.control.run_logger import RunLogger
+    from runner.events import JsonLines
+    from tests.test_wandb_run import Recorder, commit
+
+    metrics, events = JsonLines(tmp_path / "metrics.jsonl"), JsonLines(tmp_path / "events.jsonl")
+    cfg = OmegaConf.create({"trainer": {"log_every_n_steps": 100}, "logger": {"kind": "csv"}})
+    logger = RunLogger(cfg, tmp_path, RunRecord(ft=[], dp=2, t_start=100.0))
+    logger.backend = backend = Recorder()
+    metrics.write(commit(9, 101.0, 0))
+    events.write({"t": 101.5, "step": -1, "rank": 1, "kind": "straggler_detected", "straggler": "rank", "host": 0,
+                  "factor": 2.1, "action": "report"})
+    logger.follow()
+    row = backend.rows[-1]
+    assert (row["event/kind"], row["global_step"]) == ("straggler_detected", 10)
+    assert '"straggler": "rank"' in row["event/text"]
