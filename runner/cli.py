@@ -18,12 +18,11 @@ from omegaconf import DictConfig
 from runner.config import ConfigError, register_all
 from runner.config.registry import CONF_DIR, user_config_dirs
 from runner.config.validate import validate
+from runner.control.records import exit_code
 from runner.plan import apply_smoke, make_plan, memory_problem, needs_gpus, scaled
 
 EXIT_CONFIG = 2
 EXIT_NEEDS_GPUS = 3
-EXIT_RUN_FAILED = 1
-EXIT_STOPPED = 75  # SIGINT/SIGTERM: checkpointed and stopped (EX_TEMPFAIL: requeue and resume)
 
 register_all(user_config_dirs(sys.argv[1:]))  # a user's recipes/ beside --config-dir or on hydra.searchpath
 
@@ -69,7 +68,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
     if summary is None:  # a rank other than 0 of a torchrun/SLURM job: rank 0 reports
         return 0
     print(render_summary(summary, run_dir), flush=True)
-    return {"completed": 0, "stopped": EXIT_STOPPED}.get(summary["status"], EXIT_RUN_FAILED)
+    return exit_code(summary["status"])
 
 
 def render_summary(s: dict, run_dir: Path) -> str:

@@ -71,6 +71,9 @@ def host_env(kind: str) -> HostEnv:
                    e.get("SLURM_JOB_ID", "job"))
 
 
+REFUSED = "refused: "  # node 0 would not start: what it publishes instead of the control address
+
+
 def control_key(job_id: str) -> str:
     """Where node 0 publishes ``HOST:PORT`` of the control-plane store, in the launcher's store."""
     return f"resilient-runner/{job_id}/per_host/control"
@@ -78,19 +81,27 @@ def control_key(job_id: str) -> str:
 
 def run_host(cfg: DictConfig, run_dir: Path, kind: str) -> Optional[dict]:
     """Node 0: the controller's summary. Any other host: None once its agent ended well (else SystemExit)."""
-    _require_secret(cfg)
     env = host_env(kind)
     topo = Topology.from_cfg(cfg)
-    if env.hosts != topo.total_nodes:
-        raise ConfigError(f"{kind} started {env.hosts} hosts but the config asks for {topo.total_nodes} "
-                          f"(parallel.nodes={topo.nodes} and {topo.spare_nodes} spare host(s) for "
-                          f"parallel.spares={topo.spares}): make them equal (torchrun --nnodes={topo.total_nodes}).")
+    refusal = _missing_secret(cfg)
+    if refusal is None and env.hosts != topo.total_nodes:
+        refusal = (f"{kind} started {env.hosts} hosts but the config asks for {topo.total_nodes} "
+                   f"(parallel.nodes={topo.nodes} and {topo.spare_nodes} spare host(s) for "
+                   f"parallel.spares={topo.spares}): make them equal (torchrun --nnodes={topo.total_nodes}).")
     timeout = timedelta(seconds=cfg.launcher.start_timeout_s)
     launcher = TCPStore(env.addr, env.port, is_master=env.node == 0 and not env.launcher_store, timeout=timeout,
                         wait_for_workers=False)
     if env.node == 0:
+        if refusal is not None:  # the other hosts read it instead of the control address, and leave at once
+            launcher.set(control_key(env.job_id), REFUSED + refusal)
+            raise ConfigError(refusal)
         return _run_controller(cfg, run_dir, env, launcher)
     address = launcher.get(control_key(env.job_id)).decode()  # waits up to launcher.start_timeout_s
+    if address.startswith(REFUSED):
+        raise ConfigError(f"node 0 refused to start: {address[len(REFUSED):]}")
+    if refusal is not None:  # node 0's controller fails at once naming this host and why
+        _tell_controller(address, env.node, refusal)
+        raise ConfigError(refusal)
     spawned.die_with_parent()
     secret = auth.job_secret(cfg.launcher.secret_file, pop_env=True)  # no worker inherits it
     assert secret is not None  # checked above
@@ -100,6 +111,20 @@ def run_host(cfg: DictConfig, run_dir: Path, kind: str) -> Optional[dict]:
     if code:
         raise SystemExit(code)
     return None
+
+
+def _tell_controller(address: str, node: int, refusal: str) -> None:
+    """This host will not start: say why where the controller awaits its agent (``agent/<node>/refused``), and stay
+    until it has read it (at most ``REFUSAL_READ_TIMEOUT_S``), so that node 0 fails now, naming this host."""
+    from runner.agents.node_agent import REFUSAL_READ_TIMEOUT_S
+
+    host, port = address.rsplit(":", 1)
+    try:
+        store = protocol.connect(host, int(port), REFUSAL_READ_TIMEOUT_S)
+        store.set(protocol.agent_key(node, "refused"), refusal)
+        store.wait([protocol.agent_key(node, "refusal_read")], timedelta(seconds=REFUSAL_READ_TIMEOUT_S))
+    except DistError:
+        pass  # the controller ended, or did not read it in time: this host's exit code still tells
 
 
 def join_running_job(cfg: DictConfig, run_dir: Path) -> None:
@@ -131,10 +156,17 @@ def join_running_job(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def _require_secret(cfg: DictConfig) -> None:
+    refusal = _missing_secret(cfg)
+    if refusal is not None:
+        raise ConfigError(refusal)
+
+
+def _missing_secret(cfg: DictConfig) -> Optional[str]:
     if auth.job_secret(cfg.launcher.secret_file) is None:
-        raise ConfigError(f"launcher.mode=per_host signs the controller's commands with the job's secret, which every "
-                          f"host must hold: set {auth.SECRET_ENV} on every host, or launcher.secret_file to a file "
-                          "the job distributes (python -c 'import secrets; print(secrets.token_hex(32))').")
+        return (f"launcher.mode=per_host signs the controller's commands with the job's secret, which every host must "
+                f"hold: set {auth.SECRET_ENV} on every host, or launcher.secret_file to a file the job distributes "
+                "(python -c 'import secrets; print(secrets.token_hex(32))').")
+    return None
 
 
 def _run_controller(cfg: DictConfig, run_dir: Path, env: HostEnv, launcher: TCPStore) -> dict:

@@ -35,7 +35,8 @@ class RecordedFleet:
         self.spawned: list[tuple[int, int, str, int]] = []  # (wid, node, role, logical rank)
         self.signals: list[tuple[int, int]] = []  # (wid, signal)
         self.lost: set[int] = set()
-        self.completed = None
+        self.fenced: dict[int, tuple[str, int]] = {}  # node -> (reason, gen)
+        self.status: str | None = None
 
     def spawn(self, target, args: tuple, wid: int, node: int) -> None:
         spec = args[0]
@@ -52,8 +53,11 @@ class RecordedFleet:
         now = time.monotonic()
         return {n: float("-inf") if n in self.lost else now for n in range(self.nodes)}
 
-    def shutdown(self, completed: bool) -> None:
-        self.completed = completed
+    def fence(self, node: int, reason: str, gen: int) -> None:
+        self.fenced[node] = (reason, gen)
+
+    def shutdown(self, status: str) -> None:
+        self.status = status
 
 
 def _start(tmp_path: Path, *overrides: str, base: list[str] = BASE) -> tuple[Controller, RecordedFleet]:

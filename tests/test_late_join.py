@@ -78,7 +78,7 @@ class Node0:
     def shutdown(self) -> None:
         if not self.shut:
             self.shut = True
-            self.fleet.shutdown(completed=False)
+            self.fleet.shutdown("failed")
 
 
 @pytest.fixture(scope="module")

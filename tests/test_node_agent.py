@@ -46,7 +46,7 @@ def fleet(tmp_path):
     fleet = AgentFleet(cfg, tmp_path, store, ("127.0.0.1", store.port), queue, FORKSERVER_PRELOAD, None, nodes=2)
     started = {a.proc.pid for a in fleet.agents}
     yield fleet, store, queue
-    fleet.shutdown(completed=False)
+    fleet.shutdown("failed")
     workers = {pid for a in fleet.agents for pid in a.workers.values()}
     deadline = time.monotonic() + 10
     while (left := _alive(started | workers) | ({p.pid for p in psutil.Process().children(recursive=True)} - before)) \

@@ -87,6 +87,13 @@ class HeartbeatConfig:
     early decision compares workers' heartbeat times across hosts)."""
 
 
+def controller_lost_after_s(interval_s: float, misses: int) -> float:
+    """How long a node agent or a worker that cannot reach the controller goes on before it stops its processes and
+    exits non-zero: four times the controller's own silence rule (``interval_s × misses``), at least 5 s. The one
+    place this bound is computed (``runner.contact``)."""
+    return max(5.0, 4 * interval_s * misses)
+
+
 @dataclass
 class FaultConfig:
     """Which fault to inject, where and when (``recipes/fault/*.yaml``)."""
