@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -81,27 +82,19 @@ def control_key(job_id: str) -> str:
 
 def run_host(cfg: DictConfig, run_dir: Path, kind: str) -> Optional[dict]:
     """Node 0: the controller's summary. Any other host: None once its agent ended well (else SystemExit)."""
+    _require_secret(cfg)
     env = host_env(kind)
     topo = Topology.from_cfg(cfg)
-    refusal = _missing_secret(cfg)
-    if refusal is None and env.hosts != topo.total_nodes:
-        refusal = (f"{kind} started {env.hosts} hosts but the config asks for {topo.total_nodes} "
-                   f"(parallel.nodes={topo.nodes} and {topo.spare_nodes} spare host(s) for "
-                   f"parallel.spares={topo.spares}): make them equal (torchrun --nnodes={topo.total_nodes}).")
-    timeout = timedelta(seconds=cfg.launcher.start_timeout_s)
-    launcher = TCPStore(env.addr, env.port, is_master=env.node == 0 and not env.launcher_store, timeout=timeout,
-                        wait_for_workers=False)
+    if env.hosts != topo.total_nodes:
+        raise ConfigError(f"{kind} started {env.hosts} hosts but the config asks for {topo.total_nodes} "
+                          f"(parallel.nodes={topo.nodes} and {topo.spare_nodes} spare host(s) for "
+                          f"parallel.spares={topo.spares}): make them equal (torchrun --nnodes={topo.total_nodes}).")
+    launcher = _launcher_store(env, cfg.launcher.start_timeout_s)
     if env.node == 0:
-        if refusal is not None:  # the other hosts read it instead of the control address, and leave at once
-            launcher.set(control_key(env.job_id), REFUSED + refusal)
-            raise ConfigError(refusal)
         return _run_controller(cfg, run_dir, env, launcher)
     address = launcher.get(control_key(env.job_id)).decode()  # waits up to launcher.start_timeout_s
     if address.startswith(REFUSED):
         raise ConfigError(f"node 0 refused to start: {address[len(REFUSED):]}")
-    if refusal is not None:  # node 0's controller fails at once naming this host and why
-        _tell_controller(address, env.node, refusal)
-        raise ConfigError(refusal)
     spawned.die_with_parent()
     secret = auth.job_secret(cfg.launcher.secret_file, pop_env=True)  # no worker inherits it
     assert secret is not None  # checked above
@@ -113,18 +106,45 @@ def run_host(cfg: DictConfig, run_dir: Path, kind: str) -> Optional[dict]:
     return None
 
 
-def _tell_controller(address: str, node: int, refusal: str) -> None:
-    """This host will not start: say why where the controller awaits its agent (``agent/<node>/refused``), and stay
-    until it has read it (at most ``REFUSAL_READ_TIMEOUT_S``), so that node 0 fails now, naming this host."""
-    from runner.agents.node_agent import REFUSAL_READ_TIMEOUT_S
+def _launcher_store(env: HostEnv, timeout_s: float) -> TCPStore:
+    """The launcher's store (torchrun's, or under SLURM the one node 0 hosts)."""
+    return TCPStore(env.addr, env.port, is_master=env.node == 0 and not env.launcher_store,
+                    timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
-    host, port = address.rsplit(":", 1)
+
+def report_refusal(cfg: DictConfig, reason: str) -> None:
+    """A host of a ``launcher.mode=per_host`` job refused to start (its config, its layout, its secret): say why where
+    the other hosts look, so that the job fails now naming it instead of waiting out ``launcher.start_timeout_s``.
+    Node 0 publishes the reason instead of the control-plane address (every other host reads it and exits 2; it
+    stays until they did, at most ``REFUSAL_READ_TIMEOUT_S``); another host writes it where the controller awaits its
+    agent (``agent/<node>/refused``), and stays until the controller read it (node 0's run then fails at once with
+    the reason in summary.json). Nothing when this process is no host of such a job."""
+    from runner.agents.node_agent import REFUSAL_READ_TIMEOUT_S
+    from runner.launcher import external_launcher
+
+    kind = external_launcher() if cfg.launcher.kind == "auto" else cfg.launcher.kind
+    if kind not in ("torchrun", "slurm") or cfg.launcher.mode != "per_host" or cfg.launcher.join:
+        return
     try:
+        env = host_env(kind)
+        launcher = _launcher_store(env, cfg.launcher.start_timeout_s)
+        read = control_key(env.job_id) + "/refusal_read"
+        if env.node == 0:
+            launcher.set(control_key(env.job_id), REFUSED + reason)
+            deadline = time.monotonic() + REFUSAL_READ_TIMEOUT_S
+            while launcher.add(read, 0) < env.hosts - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)  # under SLURM the store is this process's: the others read it before it goes
+            return
+        address = launcher.get(control_key(env.job_id)).decode()  # waits up to launcher.start_timeout_s
+        if address.startswith(REFUSED):  # node 0 refused too: nobody awaits this host
+            launcher.add(read, 1)
+            return
+        host, port = address.rsplit(":", 1)
         store = protocol.connect(host, int(port), REFUSAL_READ_TIMEOUT_S)
-        store.set(protocol.agent_key(node, "refused"), refusal)
-        store.wait([protocol.agent_key(node, "refusal_read")], timedelta(seconds=REFUSAL_READ_TIMEOUT_S))
-    except DistError:
-        pass  # the controller ended, or did not read it in time: this host's exit code still tells
+        store.set(protocol.agent_key(env.node, "refused"), reason)
+        store.wait([protocol.agent_key(env.node, "refusal_read")], timedelta(seconds=REFUSAL_READ_TIMEOUT_S))
+    except (DistError, ConfigError, KeyError, ValueError):
+        pass  # no launcher store to reach, or nobody read it in time: this host's exit code still tells
 
 
 def join_running_job(cfg: DictConfig, run_dir: Path) -> None:
@@ -156,17 +176,10 @@ def join_running_job(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def _require_secret(cfg: DictConfig) -> None:
-    refusal = _missing_secret(cfg)
-    if refusal is not None:
-        raise ConfigError(refusal)
-
-
-def _missing_secret(cfg: DictConfig) -> Optional[str]:
     if auth.job_secret(cfg.launcher.secret_file) is None:
-        return (f"launcher.mode=per_host signs the controller's commands with the job's secret, which every host must "
-                f"hold: set {auth.SECRET_ENV} on every host, or launcher.secret_file to a file the job distributes "
-                "(python -c 'import secrets; print(secrets.token_hex(32))').")
-    return None
+        raise ConfigError(f"launcher.mode=per_host signs the controller's commands with the job's secret, which every "
+                          f"host must hold: set {auth.SECRET_ENV} on every host, or launcher.secret_file to a file "
+                          "the job distributes (python -c 'import secrets; print(secrets.token_hex(32))').")
 
 
 def _run_controller(cfg: DictConfig, run_dir: Path, env: HostEnv, launcher: TCPStore) -> dict:

@@ -27,7 +27,7 @@ from runner.config.validate import validate
 from runner.control.controller import FORKSERVER_PRELOAD
 from runner.events import EventLog, read_jsonl
 from runner.local_hosts import BASE, events, max_step, wait_for
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, read_summary, run_cli
 from tests.test_config import _compose
 from tests.test_torchrun_per_host import (
     SECRET,
@@ -198,7 +198,7 @@ def test_a_host_that_joins_later_takes_a_lost_hosts_ranks(make_job, tmp_path):
     assert [e["gen"] for e in events(job.run_dir, "generation")] == [0]  # the join changed no generation
     rest = job.lose_host([*trees, late], 1)
     wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=rest)
-    s = json.loads((job.run_dir / "summary.json").read_text())
+    s = read_summary(job.run_dir)
     assert s["status"] == "completed", job.output()
     (rec,) = s["recoveries"]
     assert (rec["fault"], rec["action"], rec["victims"], rec["rpo_steps"]) == ("node_loss", "swap_spare", [2, 3], 0)

@@ -99,21 +99,25 @@ class Controller:
             except KeyboardInterrupt:
                 self._fail("interrupted by the user (Ctrl-C)")
             finally:
-                self.record.done = self.members.done_records()
-                if self.record.status == "completed" and stop.stopped_early(self.record.done,
-                                                                            self.cfg.trainer.max_steps):
-                    self.record.status = "stopped"  # at the step SIGINT/SIGTERM asked for, with a checkpoint
-                self.record.judge_end()  # the one verdict: every host's exit code, run_end and summary.json
-                self.fleet.shutdown(self.record.status)
-                for action in self.actions.values():
-                    action.on_end(self.ctx)
-                self.events.emit("run_end", status=self.record.status, error=self.record.error)
+                self.end(stop)
             if stop.requested is not None:
                 print(stop.last_line(self.run_dir), flush=True)
             summary = write_summary(self.cfg, self.run_dir, self.record)
             return summary
         finally:  # the experiment logger is finished in every ending, with the summary when there is one
             self.run_logger.finish(summary)
+
+    def end(self, stop: StopOnSignal) -> None:
+        """The run's one verdict, then everyone is told: every host's agent (its exit code), the actions, run_end.
+        summary.json is written from the same record."""
+        self.record.done = self.members.done_records()
+        if self.record.status == "completed" and stop.stopped_early(self.record.done, self.cfg.trainer.max_steps):
+            self.record.status = "stopped"  # at the step SIGINT/SIGTERM asked for, with a checkpoint
+        self.record.judge_end()
+        self.fleet.shutdown(self.record.status)
+        for action in self.actions.values():
+            action.on_end(self.ctx)
+        self.events.emit("run_end", status=self.record.status, error=self.record.error)
 
     def _refused(self, reason: str) -> dict:
         """The job could not start (a host's agent refused, or never registered): it fails at once, naming the host
