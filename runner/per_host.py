@@ -100,7 +100,7 @@ def run_host(cfg: DictConfig, run_dir: Path, kind: str) -> Optional[dict]:
     assert secret is not None  # checked above
     config = _agent_config(cfg, run_dir)
     _joined(run_dir, env.node, address, "agent")
-    code = _run_agent(run_dir, env.node, address, secret, config)
+    code = _run_agent(run_dir, env.node, address, secret, config, torchrun=os.getppid() if kind == "torchrun" else None)
     if code:
         raise SystemExit(code)
     return None
@@ -208,14 +208,16 @@ def _agent_config(cfg: DictConfig, run_dir: Path) -> bytes:
     return agent_config(cfg, preload, persist)
 
 
-def _run_agent(run_dir: Path, node: int, address: str, secret: bytes, config: bytes) -> int:
-    """This host's node agent, in this process (it dies with its launcher), with its own config file."""
+def _run_agent(run_dir: Path, node: int, address: str, secret: bytes, config: bytes,
+               torchrun: Optional[int] = None) -> int:
+    """This host's node agent, in this process (it dies with its launcher), with its own config file; ``torchrun``:
+    the pid of the torchrun that started this process, which the agent ends when it lost the controller."""
     from runner.agents.node_agent import NodeAgent, _gpus
 
     config_file = run_dir / f"agent_config.node{node}.json"
     config_file.write_bytes(config)
     host, port = address.rsplit(":", 1)
-    return NodeAgent(node, (host, int(port)), secret, run_dir, _gpus(None), config_file).run()
+    return NodeAgent(node, (host, int(port)), secret, run_dir, _gpus(None), config_file, torchrun).run()
 
 
 def _joined(run_dir: Path, node: int, address: str, role: str) -> None:

@@ -107,17 +107,17 @@ def test_when_the_controllers_host_is_cut_off_silently_every_other_host_exits_no
                      timeout_s=max(1.0, 30 - (time.monotonic() - cut)))
             took = time.monotonic() - cut
             assert all(tree.returncode != 0 for tree in others), job.output()
-            lost = {e["rank"]: e for e in events(job.run_dir, "controller_lost") if e["rank"].startswith("agent-")}
-            assert sorted(lost) == ["agent-1", "agent-2"], job.output()
-            assert all(e["exit_code"] == 3 for e in lost.values())
+            lost = {str(e["rank"]): e for e in events(job.run_dir, "controller_lost")}  # agents' and workers'
+            assert {"agent-1", "agent-2"} <= set(lost), job.output()
+            assert lost["agent-1"]["exit_code"] == lost["agent-2"]["exit_code"] == 3
             print(f"host 0 cut off: hosts 1 and 2 ended after {took:.1f}s")
         finally:
             job.close()
 
 
-def _start_trees(job: Job, hosts: netns.Hosts) -> list:
+def _start_trees(job: Job, hosts: netns.Hosts, rdzv_conf: str = "") -> list:
     """The three hosts' torchrun trees, each in its namespace, once training runs and each node is the tree
-    started on the host of its index."""
+    started on the host of its index; ``rdzv_conf``: more of torchrun's rendezvous settings (``,key=value``)."""
     head = hosts.address(0)
     port = free_port()
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{port}", f"--rdzv-id={job.token[:8]}"]
@@ -127,7 +127,7 @@ def _start_trees(job: Job, hosts: netns.Hosts) -> list:
     for i in range(3):
         # host 0 hosts torchrun's rendezvous store and, started first, gets node rank 0 (ranks follow pids)
         # (the hosts share one host name: --local-addr is what torchrun hands out as MASTER_ADDR)
-        conf = [f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={hosts.address(i)}"]
+        conf = [f"--rdzv-conf=is_host={int(i == 0)}{rdzv_conf}", f"--local-addr={hosts.address(i)}"]
         trees.append(job.torchrun(3, 1, rdzv + conf, 0, *overrides, extra_env=env, prefix=tuple(hosts.exec_prefix(i))))
         if i == 0:
             wait_for("the rendezvous store", lambda: _listens(trees[0].pid, port), procs=trees, timeout_s=60)

@@ -3,7 +3,9 @@
 The fleet tests run the controller's side (``AgentFleet``) in this process against real agent
 processes, with a real TCPStore: an agent's pid is not ours, a killed agent takes its workers with it,
 commands that do not carry the job's MAC are refused and logged, a config file that differs from
-the signed digest keeps an agent from starting, and nothing is left once the fleet shut down. The
+the signed digest keeps an agent from starting, a fenced agent heard again halts with the reason, an agent
+exits with the run's code, one whose store stops answering (SIGSTOP) stops its workers and exits within the
+bound, and nothing is left once the fleet shut down. The
 fork server tests start children from a host fork server forked from this process: their exits read
 as multiprocessing's did. The last test loses a node in a real run and recovers on the spare node.
 """
@@ -32,6 +34,7 @@ from runner.agents.fork_server import ForkServer
 from runner.agents.node_agent import EXIT_CONTROLLER_LOST, EXIT_FENCED
 from runner.config.schema import controller_lost_after_s
 from runner.control.controller import FORKSERVER_PRELOAD
+from runner.control.records import EXIT_RUN_FAILED
 from runner.events import read_jsonl
 from runner.worker import WorkerSpec, main
 from tests.conftest import run_cli
@@ -258,6 +261,12 @@ def test_a_fenced_agent_heard_again_kills_its_workers_and_exits_with_the_reason(
     assert "declared lost" in fenced["reason"]
     with pytest.raises(Empty):
         queue.get(timeout=0.5)  # a lost host's exits are no news
+
+
+def test_every_agent_exits_with_the_code_of_the_runs_end(fleet):
+    fleet, _, _ = fleet
+    fleet.shutdown("failed")  # a failed run: every host's launcher sees it fail, not only node 0's
+    assert [a.proc.wait(timeout=60) for a in fleet.agents] == [EXIT_RUN_FAILED, EXIT_RUN_FAILED]
 
 
 def test_an_unsigned_fence_is_refused_and_logged(fleet, tmp_path):

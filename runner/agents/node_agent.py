@@ -59,6 +59,7 @@ EXIT_REFUSED = 2  # the agent would not start (its config, the job's secret)
 EXIT_CONTROLLER_LOST = 3  # the controller's store went away or stopped answering
 EXIT_FENCED = 4  # the controller declared this host lost
 HALT_GRACE_S = 2.0  # a halting agent's workers, killed, are awaited this long each
+TORCHRUN_GRACE_S = 3.0  # a torchrun told to end (SIGTERM) is SIGKILLed after this
 
 
 class WorkerWatch:
@@ -136,8 +137,9 @@ class NodeAgent:
     """Node ``node``'s agent: verifies its config, registers, then serves the controller's commands."""
 
     def __init__(self, node: int, address: tuple[str, int], secret: bytes, run_dir: Path,
-                 gpus: Optional[list[int]], config_file: Optional[Path] = None) -> None:
+                 gpus: Optional[list[int]], config_file: Optional[Path] = None, torchrun: Optional[int] = None) -> None:
         self.node, self.address, self.secret, self.run_dir = node, address, secret, run_dir
+        self.torchrun = torchrun  # the pid of the torchrun that started this host's process, if one did
         self.gpus = gpus
         self.config_file = config_file or run_dir / protocol.AGENT_CONFIG_FILE  # per_host: this host's own copy
         self.events = EventLog(run_dir / "events.jsonl", rank=lambda: f"agent-{node}", step=lambda: -1)
@@ -293,7 +295,22 @@ class NodeAgent:
         self.events.emit(kind, node=self.node, reason=reason, exit_code=code, **details)
         print(f"node agent {self.node}: {reason}; stopping its workers", file=sys.stderr, flush=True)
         self._shutdown(completed=False, persist=code != EXIT_FENCED)
+        if code == EXIT_CONTROLLER_LOST and self.torchrun is not None:
+            self._end_torchrun(self.torchrun)
         os._exit(code)
+
+    @staticmethod
+    def _end_torchrun(pid: int) -> None:
+        """The torchrun that started this host's process would outlive the job: its own store calls to the
+        rendezvous store, on node 0's host too, block as ours did when that host went silent, so it never sees this
+        process exit. SIGTERM, then SIGKILL after ``TORCHRUN_GRACE_S`` (its handler runs only between those calls);
+        this process dies with it (parent-death signal), or by the SIGTERM torchrun sends its workers."""
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + TORCHRUN_GRACE_S
+        while os.getppid() == pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.getppid() == pid:
+            os.kill(pid, signal.SIGKILL)
 
     def _shutdown(self, completed: bool, persist: bool = True) -> None:
         """Every worker ends (killed at once unless the run completed); the persister finishes what its
