@@ -25,6 +25,7 @@ from runner.agents.joins import TICKETS, HostJoins, request_key
 from runner.config import ConfigError
 from runner.config.validate import validate
 from runner.control.controller import FORKSERVER_PRELOAD
+from runner.control.records import exit_code
 from runner.events import EventLog, read_jsonl
 from runner.local_hosts import BASE, events, max_step, wait_for
 from tests.conftest import ROOT, read_summary, run_cli
@@ -76,6 +77,7 @@ class Node0:
         return [e for e in read_jsonl(self.run_dir / "events.jsonl") if e["kind"] == kind]
 
     def shutdown(self) -> None:
+        """The job ends (as failed: it never trained)."""
         if not self.shut:
             self.shut = True
             self.fleet.shutdown("failed")
@@ -167,8 +169,8 @@ def test_a_granted_host_is_adopted_into_the_fleet_and_shut_down_with_it(node0):
         (host,) = node0.events("host_joined")
         assert (host["node"], host["pid"], host["role"]) == (node, agent.pid, "late_spare")
         assert node in node0.fleet.node_beats()
-        node0.shutdown()  # the adopted agent is shut down with the others
-        assert agent.wait(timeout=60) == 0
+        node0.shutdown()  # the adopted agent is shut down with the others, and exits with the job's code
+        assert agent.wait(timeout=60) == exit_code("failed")
     finally:
         if agent.poll() is None:
             agent.kill()
