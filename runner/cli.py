@@ -64,9 +64,10 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         summary = launch(cfg, run_dir)
     except ConfigError as err:
         print(f"[runner] {err}", file=sys.stderr, flush=True)
-        from runner.per_host import report_refusal  # the other hosts of a per_host job learn why, and end now
+        if cfg.launcher.mode == "per_host" and not cfg.launcher.join:  # the other hosts learn why, and end now
+            from runner.per_host import report_refusal  # (torch: only on a host of such a job)
 
-        report_refusal(cfg, str(err))
+            report_refusal(cfg, str(err))
         return EXIT_CONFIG
     if summary is None:  # a rank other than 0 of a torchrun/SLURM job: rank 0 reports
         return 0

@@ -118,12 +118,13 @@ def report_refusal(cfg: DictConfig, reason: str) -> None:
     Node 0 publishes the reason instead of the control-plane address (every other host reads it and exits 2; it
     stays until they did, at most ``REFUSAL_READ_TIMEOUT_S``); another host writes it where the controller awaits its
     agent (``agent/<node>/refused``), and stays until the controller read it (node 0's run then fails at once with
-    the reason in summary.json). Nothing when this process is no host of such a job."""
+    the reason in summary.json). Nothing outside torchrun and SLURM. The caller checked the mode (not a joining
+    host: nobody awaits that one)."""
     from runner.agents.node_agent import REFUSAL_READ_TIMEOUT_S
     from runner.launcher import external_launcher
 
     kind = external_launcher() if cfg.launcher.kind == "auto" else cfg.launcher.kind
-    if kind not in ("torchrun", "slurm") or cfg.launcher.mode != "per_host" or cfg.launcher.join:
+    if kind not in ("torchrun", "slurm"):
         return
     try:
         env = host_env(kind)
