@@ -6,8 +6,11 @@ in flight (where a hang is stuck: ``runner.control.diagnosis``). The thread also
 so a planned change (a repaired rank rejoining) is noticed at the next step at no cost to it, and
 whether the controller asked the run to stop (``protocol.STOP``). The
 controller declares a worker dead after ``misses`` silent intervals (SIGSTOP, a wedged process)
-and hung when the step stops advancing while heartbeats still arrive. If the store itself is gone
-(the controller died), the worker exits: no orphan keeps running.
+and hung when the step stops advancing while heartbeats still arrive. If the controller cannot be reached
+for ``runner.config.schema.controller_lost_after_s`` (it died, or its host went silent and the store calls
+block), the worker exits (``EXIT_CONTROLLER_LOST``): no orphan keeps running (``runner.contact``). A worker the
+controller wrote off (``protocol.worker_fence_key``) exits at its next beat (``EXIT_FENCED``): a worker heard
+again after its host's link healed never acts in the job again.
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ import time
 from lightning.pytorch.callbacks import Callback
 
 from runner import protocol
+from runner.contact import ControllerContact
+from runner.events import EventLog
 from runner.status import WorkerStatus
+
+EXIT_CONTROLLER_LOST = 70  # the controller could not be reached for controller_lost_after_s
+EXIT_FENCED = 71  # the controller wrote this worker off
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -32,18 +40,20 @@ def rss_bytes() -> int:
 
 class Heartbeat(Callback):
     def __init__(self, host: str, port: int, namespace: str, status: WorkerStatus, interval_s: float,
-                 orphan_after_s: float, comm=None) -> None:
+                 lost_after_s: float, events: EventLog, comm=None) -> None:
         """``comm``: whose generation and collectives in flight each beat reports (where a hang is stuck)."""
         self.host, self.port, self.namespace, self.status = host, port, namespace, status
-        self.comm = comm
-        self.interval_s, self.orphan_after_s = interval_s, orphan_after_s
+        self.interval_s, self.events, self.comm = interval_s, events, comm
+        self.contact = ControllerContact(lost_after_s, self._controller_lost, name="controller-contact")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
+        self.contact.start()
         self._thread.start()
 
     def stop(self) -> None:
+        self.contact.stop()
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5 * self.interval_s + 1)
@@ -56,9 +66,8 @@ class Heartbeat(Callback):
 
     def _run(self) -> None:
         store = protocol.connect(self.host, self.port, max(2.0, 2 * self.interval_s), self.namespace)
-        key = f"hb/{self.status.wid}"
+        key, fence = f"hb/{self.status.wid}", protocol.worker_fence_key(self.status.wid)
         seq = 0
-        last_ok = time.monotonic()
         while not self._stop.is_set():
             seq += 1
             payload = {"seq": seq, "step": self.status.step, "phase": self.status.phase, "rss": rss_bytes(),
@@ -68,14 +77,27 @@ class Heartbeat(Callback):
             if self.comm is not None:  # read only: the count of launched collectives not waited for yet
                 payload["gen"] = self.comm.gen
                 payload["in_flight"] = len(getattr(self.comm, "_in_flight", ()))
+            self.contact.asking()
             try:
                 store.set(key, json.dumps(payload))
                 if self.status.latest_gen >= 0 or store.check(["gen"]):  # planned membership changes reach
                     self.status.latest_gen = int(store.get("gen"))  # the trainer without a per-step cost
                 if not self.status.stop_requested and store.check([protocol.STOP]):
                     self.status.stop_requested = True
-                last_ok = time.monotonic()
+                if store.check([fence]):
+                    self._fenced(protocol.get_json(store, fence))
+                self.contact.answered()
             except Exception:
-                if time.monotonic() - last_ok > self.orphan_after_s:
-                    os._exit(70)  # the controller is gone: do not linger as an orphan
+                pass  # not answered: the contact's watchdog ends the worker once that lasts
             self._stop.wait(self.interval_s)
+
+    def _fenced(self, record: dict) -> None:
+        """Written off by the controller (its host was declared lost, or it was replaced): leave at once."""
+        self.events.emit("worker_fenced", wid=self.status.wid, gen=record.get("gen"), reason=record.get("reason"))
+        os._exit(EXIT_FENCED)
+
+    def _controller_lost(self, silent_s: float) -> None:
+        """The controller did not answer for the bound: do not linger as an orphan."""
+        self.events.emit("controller_lost", wid=self.status.wid, silent_s=round(silent_s, 3),
+                         bound_s=self.contact.after_s)
+        os._exit(EXIT_CONTROLLER_LOST)

@@ -24,13 +24,12 @@ from omegaconf import DictConfig
 from runner.config import ConfigError, register_all
 from runner.config.registry import CONF_DIR, user_config_dirs
 from runner.config.validate import validate
+from runner.control.records import EXIT_RUN_FAILED, EXIT_STOPPED, exit_code
 from runner.objective import final_metric
 from runner.plan import apply_smoke, make_plan, memory_problem, needs_gpus, scaled
 
 EXIT_CONFIG = 2
 EXIT_NEEDS_GPUS = 3
-EXIT_RUN_FAILED = 1
-EXIT_STOPPED = 75  # SIGINT/SIGTERM/SIGUSR2: checkpointed and stopped (EX_TEMPFAIL: requeue and resume)
 OUTCOMES = {EXIT_RUN_FAILED: "failed", EXIT_CONFIG: "was refused (bad config)",
             EXIT_NEEDS_GPUS: "did not train (it needs GPUs this host lacks)",
             EXIT_STOPPED: "was stopped (SIGINT/SIGTERM/SIGUSR2)"}
@@ -83,11 +82,15 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
         summary = launch(cfg, run_dir)
     except ConfigError as err:
         print(f"[runner] {err}", file=sys.stderr, flush=True)
+        if cfg.launcher.mode == "per_host" and not cfg.launcher.join:  # the other hosts learn why, and end now
+            from runner.per_host import report_refusal  # (torch: only on a host of such a job)
+
+            report_refusal(cfg, str(err))
         return EXIT_CONFIG
     if summary is None:  # a rank other than 0 of a torchrun/SLURM job: rank 0 reports
         return 0
     print(render_summary(summary, run_dir), flush=True)
-    return {"completed": 0, "stopped": EXIT_STOPPED}.get(summary["status"], EXIT_RUN_FAILED)
+    return exit_code(summary["status"])
 
 
 def render_summary(s: dict, run_dir: Path) -> str:

@@ -98,7 +98,10 @@ class ExternalFleet:
     def node_beats(self) -> dict[int, float]:
         return {}  # no node agents of ours: workers' heartbeats are the evidence
 
-    def shutdown(self, completed: bool) -> None:
+    def fence(self, node: int, reason: str, gen: int) -> None:
+        """No agents here: the launcher owns the hosts' processes (a lost node ends the attempt)."""
+
+    def shutdown(self, status: str) -> None:
         """The launcher reaps its processes."""
 
 

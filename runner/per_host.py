@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -71,6 +72,9 @@ def host_env(kind: str) -> HostEnv:
                    e.get("SLURM_JOB_ID", "job"))
 
 
+REFUSED = "refused: "  # node 0 would not start: what it publishes instead of the control address
+
+
 def control_key(job_id: str) -> str:
     """Where node 0 publishes ``HOST:PORT`` of the control-plane store, in the launcher's store."""
     return f"resilient-runner/{job_id}/per_host/control"
@@ -85,21 +89,63 @@ def run_host(cfg: DictConfig, run_dir: Path, kind: str) -> Optional[dict]:
         raise ConfigError(f"{kind} started {env.hosts} hosts but the config asks for {topo.total_nodes} "
                           f"(parallel.nodes={topo.nodes} and {topo.spare_nodes} spare host(s) for "
                           f"parallel.spares={topo.spares}): make them equal (torchrun --nnodes={topo.total_nodes}).")
-    timeout = timedelta(seconds=cfg.launcher.start_timeout_s)
-    launcher = TCPStore(env.addr, env.port, is_master=env.node == 0 and not env.launcher_store, timeout=timeout,
-                        wait_for_workers=False)
+    launcher = _launcher_store(env, cfg.launcher.start_timeout_s)
     if env.node == 0:
         return _run_controller(cfg, run_dir, env, launcher)
     address = launcher.get(control_key(env.job_id)).decode()  # waits up to launcher.start_timeout_s
+    if address.startswith(REFUSED):
+        raise ConfigError(f"node 0 refused to start: {address[len(REFUSED):]}")
     spawned.die_with_parent()
     secret = auth.job_secret(cfg.launcher.secret_file, pop_env=True)  # no worker inherits it
     assert secret is not None  # checked above
     config = _agent_config(cfg, run_dir)
     _joined(run_dir, env.node, address, "agent")
-    code = _run_agent(run_dir, env.node, address, secret, config)
+    code = _run_agent(run_dir, env.node, address, secret, config, torchrun=os.getppid() if kind == "torchrun" else None)
     if code:
         raise SystemExit(code)
     return None
+
+
+def _launcher_store(env: HostEnv, timeout_s: float) -> TCPStore:
+    """The launcher's store (torchrun's, or under SLURM the one node 0 hosts)."""
+    return TCPStore(env.addr, env.port, is_master=env.node == 0 and not env.launcher_store,
+                    timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def report_refusal(cfg: DictConfig, reason: str) -> None:
+    """A host of a ``launcher.mode=per_host`` job refused to start (its config, its layout, its secret): say why where
+    the other hosts look, so that the job fails now naming it instead of waiting out ``launcher.start_timeout_s``.
+    Node 0 publishes the reason instead of the control-plane address (every other host reads it and exits 2; it
+    stays until they did, at most ``REFUSAL_READ_TIMEOUT_S``); another host writes it where the controller awaits its
+    agent (``agent/<node>/refused``), and stays until the controller read it (node 0's run then fails at once with
+    the reason in summary.json). Nothing outside torchrun and SLURM. The caller checked the mode (not a joining
+    host: nobody awaits that one)."""
+    from runner.agents.node_agent import REFUSAL_READ_TIMEOUT_S
+    from runner.launcher import external_launcher
+
+    kind = external_launcher() if cfg.launcher.kind == "auto" else cfg.launcher.kind
+    if kind not in ("torchrun", "slurm"):
+        return
+    try:
+        env = host_env(kind)
+        launcher = _launcher_store(env, cfg.launcher.start_timeout_s)
+        read = control_key(env.job_id) + "/refusal_read"
+        if env.node == 0:
+            launcher.set(control_key(env.job_id), REFUSED + reason)
+            deadline = time.monotonic() + REFUSAL_READ_TIMEOUT_S
+            while launcher.add(read, 0) < env.hosts - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)  # under SLURM the store is this process's: the others read it before it goes
+            return
+        address = launcher.get(control_key(env.job_id)).decode()  # waits up to launcher.start_timeout_s
+        if address.startswith(REFUSED):  # node 0 refused too: nobody awaits this host
+            launcher.add(read, 1)
+            return
+        host, port = address.rsplit(":", 1)
+        store = protocol.connect(host, int(port), REFUSAL_READ_TIMEOUT_S)
+        store.set(protocol.agent_key(env.node, "refused"), reason)
+        store.wait([protocol.agent_key(env.node, "refusal_read")], timedelta(seconds=REFUSAL_READ_TIMEOUT_S))
+    except (DistError, ConfigError, KeyError, ValueError):
+        pass  # no launcher store to reach, or nobody read it in time: this host's exit code still tells
 
 
 def join_running_job(cfg: DictConfig, run_dir: Path) -> None:
@@ -163,14 +209,16 @@ def _agent_config(cfg: DictConfig, run_dir: Path) -> bytes:
     return agent_config(cfg, preload, persist)
 
 
-def _run_agent(run_dir: Path, node: int, address: str, secret: bytes, config: bytes) -> int:
-    """This host's node agent, in this process (it dies with its launcher), with its own config file."""
+def _run_agent(run_dir: Path, node: int, address: str, secret: bytes, config: bytes,
+               torchrun: Optional[int] = None) -> int:
+    """This host's node agent, in this process (it dies with its launcher), with its own config file; ``torchrun``:
+    the pid of the torchrun that started this process, which the agent ends when it lost the controller."""
     from runner.agents.node_agent import NodeAgent, _gpus
 
     config_file = run_dir / f"agent_config.node{node}.json"
     config_file.write_bytes(config)
     host, port = address.rsplit(":", 1)
-    return NodeAgent(node, (host, int(port)), secret, run_dir, _gpus(None), config_file).run()
+    return NodeAgent(node, (host, int(port)), secret, run_dir, _gpus(None), config_file, torchrun).run()
 
 
 def _joined(run_dir: Path, node: int, address: str, role: str) -> None:

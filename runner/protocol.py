@@ -8,6 +8,8 @@ Node agents (runner.agents; one process per host, reached only through the store
   agent/<n>/ack/<i>   the agent carried out command i (a spawn's: the worker's pid)
   agent/<n>/exits, agent/<n>/exit/<k>  counter and the k-th worker exit the agent saw (JSON: wid, code, t);
                       the controller ends the list with {"end": true} once the agent is gone
+  fenced/node/<n>     node n was declared lost (signed JSON: node, reason, gen): once lost, a host stays lost; its
+                      agent, heard again (a link healed, a process resumed), kills its workers and exits non-zero
 
 Keys (all under the job's store, or a namespace of it under torchrun):
   gen                 latest generation number (decimal string), written after gen/<g>
@@ -22,6 +24,7 @@ Keys (all under the job's store, or a namespace of it under torchrun):
   fault/hit/<i>       fault i's victim reached its trigger point (JSON)
   fault/released/<i>  the controller carried fault i out
   done/<wid>          a worker finished training (JSON: step, checksum, logical rank); counter done_count
+  fenced/worker/<wid> worker wid was written off (JSON: wid, logical, gen, reason): heard again, it exits at once
   abort               the run is over (controller to all): the reason
   stop                checkpoint at the next committed step and stop (controller to all, on SIGINT/SIGTERM)
 """
@@ -42,6 +45,16 @@ STOP = "stop"
 
 def cut_off_key(gen: int) -> str:
     return f"cut_off/{gen}"
+
+
+def node_fence_key(node: int) -> str:
+    """Node ``node`` was declared lost: its agent must not act again (signed by the controller)."""
+    return f"fenced/node/{node}"
+
+
+def worker_fence_key(wid: int) -> str:
+    """Worker ``wid`` was written off: it must not act again."""
+    return f"fenced/worker/{wid}"
 
 
 @dataclass

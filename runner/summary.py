@@ -25,9 +25,7 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     done = record.done
     checksums = sorted({d["checksum"] for d in done.values()})
-    status, error = record.status, record.error
-    if status == "completed" and len(checksums) != 1:
-        status, error = "failed", f"replicas ended with different parameters: {len(checksums)} distinct checksums"
+    status, error = record.status, record.error  # judged once, before run_end (RunRecord.judge_end)
     wall = time.time() - (record.attempts[0].t_start if record.attempts else record.t_start)
     recoveries = _launcher_restarts(record.attempts, metrics)
     recoveries += [recovery_entry(r, events, metrics) for r in record.recoveries if r.action]

@@ -33,6 +33,7 @@ from runner.callbacks.metrics import CommitMetrics
 from runner.callbacks.progress import StepProgressBar
 from runner.checksum import param_checksum
 from runner.comm import Comm, RunAborted, RunFailedError
+from runner.config.schema import controller_lost_after_s
 from runner.config.validate import all_faults, dp_size, ft_names, world_size
 from runner.data import BatchSource, HeldOutSplit, MemmapTokens, SyntheticTokens
 from runner.events import EventLog, JsonLines
@@ -126,7 +127,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                       step=lambda: status.step)
     stack_dumps.arm(run_dir, spec.wid)  # where everyone was, should a rank hang (runner.control.diagnosis)
     heartbeat = Heartbeat(spec.host, spec.port, spec.namespace, status, cfg.heartbeat.interval_s,
-                          orphan_after_s=max(5.0, cfg.heartbeat.interval_s * cfg.heartbeat.misses * 4), comm=comm)
+                          controller_lost_after_s(cfg.heartbeat.interval_s, cfg.heartbeat.misses), events, comm=comm)
     heartbeat.start()
     events.emit("worker_started", wid=spec.wid, node=spec.node, role=spec.role, pid=os.getpid())
     # Workers never decide a run's fate: even without fault tolerance a failed collective is reported

@@ -22,6 +22,19 @@ RECOVERY_TRAIL = ("fault_injected", "collective_failed", "replication_failed", "
                   "symptom_reported", "fault_detected", "worker_killed", "recovery_decided", "generation")
 
 
+def read_summary(run_dir: Path) -> dict:
+    """summary.json, checked against events.jsonl: the run's last ``run_end`` says the status summary.json says (the
+    run has one verdict). Every test that reads a summary reads it through here."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    ends = [e for e in (json.loads(line) for line in lines if line.strip()) if e["kind"] == "run_end"]
+    assert ends, f"summary.json says {summary['status']!r} but events.jsonl has no run_end"
+    assert ends[-1]["status"] == summary["status"], (f"run_end says {ends[-1]['status']!r} "
+                                                     f"({ends[-1].get('error')}) but summary.json says "
+                                                     f"{summary['status']!r} ({summary.get('error')})")
+    return summary
+
+
 class Run:
     def __init__(self, proc: subprocess.CompletedProcess, run_dir: Path) -> None:
         self.proc, self.dir = proc, run_dir
@@ -32,7 +45,7 @@ class Run:
     def summary(self) -> dict:
         path = self.dir / "summary.json"
         assert path.exists(), f"no summary.json; output tail:\n{self.output[-3000:]}"
-        return json.loads(path.read_text())
+        return read_summary(self.dir)
 
     def events(self, kind: str | None = None) -> list[dict]:
         lines = (self.dir / "events.jsonl").read_text().splitlines()

@@ -17,7 +17,9 @@ from torch.distributed import HashStore
 
 from runner import protocol
 from runner.control.controller import Controller
+from runner.control.stop import StopOnSignal
 from runner.protocol import Layout
+from runner.summary import write_summary
 from runner.topology import Topology
 from tests.test_config import _compose
 
@@ -35,7 +37,8 @@ class RecordedFleet:
         self.spawned: list[tuple[int, int, str, int]] = []  # (wid, node, role, logical rank)
         self.signals: list[tuple[int, int]] = []  # (wid, signal)
         self.lost: set[int] = set()
-        self.completed = None
+        self.fenced: dict[int, tuple[str, int]] = {}  # node -> (reason, gen)
+        self.status: str | None = None
 
     def spawn(self, target, args: tuple, wid: int, node: int) -> None:
         spec = args[0]
@@ -52,8 +55,11 @@ class RecordedFleet:
         now = time.monotonic()
         return {n: float("-inf") if n in self.lost else now for n in range(self.nodes)}
 
-    def shutdown(self, completed: bool) -> None:
-        self.completed = completed
+    def fence(self, node: int, reason: str, gen: int) -> None:
+        self.fenced[node] = (reason, gen)
+
+    def shutdown(self, status: str) -> None:
+        self.status = status
 
 
 def _start(tmp_path: Path, *overrides: str, base: list[str] = BASE) -> tuple[Controller, RecordedFleet]:
@@ -272,3 +278,50 @@ def test_no_action_left_fails_the_run_with_the_reason(tmp_path):
     _round(ctl)
     assert ctl.record.status == "failed" and "restart budget spent" in ctl.record.error
     assert ctl.store.get("abort").decode() == ctl.record.error and len(fleet.spawned) == 4
+
+
+def test_a_lost_node_and_its_workers_are_fenced(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=deadpool", "parallel.spares=2")
+    for wid in (4, 5):
+        ctl.store.set(f"ready/{wid}", "1")
+    _round(ctl, heartbeats=True)
+    fleet.lose_node(1)
+    _round(ctl, heartbeats=True)
+    _round(ctl)
+    reason, gen = fleet.fenced[1]
+    assert list(fleet.fenced) == [1] and gen == 0 and "node 1 went silent" in reason
+    for wid, logical in ((2, 2), (3, 3)):  # written off before the generation that replaced them
+        record = protocol.get_json(ctl.store, protocol.worker_fence_key(wid))
+        assert (record["wid"], record["logical"], record["gen"]) == (wid, logical, 0)
+    assert not any(ctl.store.check([protocol.worker_fence_key(wid)]) for wid in (0, 1, 4, 5))
+
+
+def test_a_crash_that_became_a_node_loss_is_recorded_as_a_node_loss(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=[flashrecovery,deadpool]", "parallel.spares=2")
+    for wid in (4, 5):
+        ctl.store.set(f"ready/{wid}", "1")
+    _round(ctl, heartbeats=True)
+    ctl.queue.put(("exit", 2, -9, time.time()))
+    _round(ctl)
+    fleet.lose_node(1)  # before the crash's recovery completed: its host goes too
+    _round(ctl, heartbeats=True)
+    _round(ctl)
+    decided = [(d["recovery"], d["fault"]) for d in _events(tmp_path, "recovery_decided")]
+    assert decided == [(0, "process_crash"), (0, "node_loss")]
+    [rec] = ctl.record.recoveries
+    assert (rec.fault, rec.action) == ("node_loss", "swap_spare")
+
+
+def test_a_run_whose_replicas_differ_fails_everywhere_with_one_verdict(tmp_path):
+    ctl, fleet = _start(tmp_path, "ft=flashrecovery")
+    _finish(ctl, [0, 1, 2])
+    protocol.set_json(ctl.store, "done/3", {"checksum": "d", "global_step": 8, "computed_ranks": [3]})
+    ctl.store.add("done_count", 1)
+    _round(ctl)
+    assert ctl.record.status == "completed"  # every rank finished; their parameters are compared at the end
+    ctl.end(StopOnSignal(ctl.store, ctl.events))
+    assert fleet.status == "failed"  # every host's agent exits non-zero
+    [end] = _events(tmp_path, "run_end")
+    summary = write_summary(ctl.cfg, tmp_path, ctl.record)
+    assert end["status"] == summary["status"] == "failed"
+    assert end["error"] == summary["error"] == "replicas ended with different parameters: 2 distinct checksums"

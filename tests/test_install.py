@@ -3,7 +3,6 @@ own recipes in their ``recipes/`` folder (``hydra.searchpath`` or ``--config-dir
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -13,7 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Run, assert_nothing_left, run_cli
+from conftest import ROOT, Run, assert_nothing_left, read_summary, run_cli
 
 from runner.config.registry import user_config_dirs
 
@@ -77,7 +76,7 @@ def test_the_wheel_trains_gpt_tiny_from_another_directory(site, tmp_path):
     proc = from_wheel(site, tmp_path, "-m", "runner", "+recipe=gpt_tiny", "trainer.max_steps=3", "logger=none",
                       "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = read_summary(tmp_path / "run")
     assert (summary["status"], summary["global_step"]) == ("completed", 3)
 
 
@@ -88,7 +87,7 @@ def test_a_users_recipe_in_their_recipes_folder_runs_through_hydra_searchpath(si
     proc = from_wheel(site, tmp_path, "-m", "runner", "+recipe=my_gpt", "hydra.searchpath=[file://.]", "logger=none",
                       "trainer.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = read_summary(tmp_path / "run")
     assert (summary["status"], summary["global_step"]) == ("completed", 3)
     assert summary["run_name"].startswith("my_gpt-")
 

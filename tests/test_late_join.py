@@ -25,9 +25,10 @@ from runner.agents.joins import TICKETS, HostJoins, request_key
 from runner.config import ConfigError
 from runner.config.validate import validate
 from runner.control.controller import FORKSERVER_PRELOAD
+from runner.control.records import exit_code
 from runner.events import EventLog, read_jsonl
 from runner.local_hosts import BASE, events, max_step, wait_for
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, read_summary, run_cli
 from tests.test_config import _compose
 from tests.test_torchrun_per_host import (
     SECRET,
@@ -76,9 +77,10 @@ class Node0:
         return [e for e in read_jsonl(self.run_dir / "events.jsonl") if e["kind"] == kind]
 
     def shutdown(self) -> None:
+        """The job ends (as failed: it never trained)."""
         if not self.shut:
             self.shut = True
-            self.fleet.shutdown(completed=False)
+            self.fleet.shutdown("failed")
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +169,8 @@ def test_a_granted_host_is_adopted_into_the_fleet_and_shut_down_with_it(node0):
         (host,) = node0.events("host_joined")
         assert (host["node"], host["pid"], host["role"]) == (node, agent.pid, "late_spare")
         assert node in node0.fleet.node_beats()
-        node0.shutdown()  # the adopted agent is shut down with the others
-        assert agent.wait(timeout=60) == 0
+        node0.shutdown()  # the adopted agent is shut down with the others, and exits with the job's code
+        assert agent.wait(timeout=60) == exit_code("failed")
     finally:
         if agent.poll() is None:
             agent.kill()
@@ -198,7 +200,7 @@ def test_a_host_that_joins_later_takes_a_lost_hosts_ranks(make_job, tmp_path):
     assert [e["gen"] for e in events(job.run_dir, "generation")] == [0]  # the join changed no generation
     rest = job.lose_host([*trees, late], 1)
     wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=rest)
-    s = json.loads((job.run_dir / "summary.json").read_text())
+    s = read_summary(job.run_dir)
     assert s["status"] == "completed", job.output()
     (rec,) = s["recoveries"]
     assert (rec["fault"], rec["action"], rec["victims"], rec["rpo_steps"]) == ("node_loss", "swap_spare", [2, 3], 0)

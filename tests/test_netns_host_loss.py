@@ -6,7 +6,6 @@ host takes over as when a host is killed."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import signal
 import time
@@ -19,10 +18,11 @@ from torch.distributed import TCPStore
 
 from runner import protocol
 from runner.comm import CollectiveFailure, Comm
-from runner.local_hosts import Job, events, free_port, max_step, wait_for
+from runner.local_hosts import Job, events, free_port, max_step, processes_of, wait_for
 from runner.protocol import Layout
 from tests import netns
 from tests import test_torchrun_per_host as per_host
+from tests.conftest import read_summary
 
 LAYOUT, SECRET = per_host.LAYOUT, per_host.SECRET
 # the fixtures: the same layout's fault-free run under launcher=local, and its checksum
@@ -87,7 +87,37 @@ def test_a_host_cut_off_silently_is_detected_by_heartbeat_and_replaced_by_the_sp
             job.close()  # SIGKILL ends the frozen tree too
 
 
-def _run(job: Job, hosts: netns.Hosts, checksum: str) -> None:
+@pytest.mark.slow
+@pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason()))
+def test_when_the_controllers_host_is_cut_off_silently_every_other_host_exits_non_zero_within_30s(make_job):
+    """Host 0 (the controller, the control-plane store, torchrun's rendezvous store) loses its link, its processes
+    running on: the other hosts' store calls neither answer nor fail, yet their agents and workers stop within the
+    bound (``controller_lost_after_s``) and every process of their trees is gone within 30 s, with a non-zero code."""
+    job = make_job()
+    with netns.Hosts(3) as hosts:
+        try:
+            trees = _start_trees(job, hosts)
+            host0 = _tree_pids(trees[0].pid)
+            hosts.cut_off(0)
+            cut = time.monotonic()
+            others = trees[1:]
+            for tree in others:
+                tree.wait(timeout=max(1.0, 30 - (time.monotonic() - cut)))
+            wait_for("hosts 1 and 2's processes to end", lambda: not processes_of(job.token) - host0,
+                     timeout_s=max(1.0, 30 - (time.monotonic() - cut)))
+            took = time.monotonic() - cut
+            assert all(tree.returncode != 0 for tree in others), job.output()
+            lost = {str(e["rank"]): e for e in events(job.run_dir, "controller_lost")}  # agents' and workers'
+            assert {"agent-1", "agent-2"} <= set(lost), job.output()
+            assert lost["agent-1"]["exit_code"] == lost["agent-2"]["exit_code"] == 3
+            print(f"host 0 cut off: hosts 1 and 2 ended after {took:.1f}s")
+        finally:
+            job.close()
+
+
+def _start_trees(job: Job, hosts: netns.Hosts, rdzv_conf: str = "") -> list:
+    """The three hosts' torchrun trees, each in its namespace, once training runs and each node is the tree
+    started on the host of its index; ``rdzv_conf``: more of torchrun's rendezvous settings (``,key=value``)."""
     head = hosts.address(0)
     port = free_port()
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{port}", f"--rdzv-id={job.token[:8]}"]
@@ -97,7 +127,7 @@ def _run(job: Job, hosts: netns.Hosts, checksum: str) -> None:
     for i in range(3):
         # host 0 hosts torchrun's rendezvous store and, started first, gets node rank 0 (ranks follow pids)
         # (the hosts share one host name: --local-addr is what torchrun hands out as MASTER_ADDR)
-        conf = [f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={hosts.address(i)}"]
+        conf = [f"--rdzv-conf=is_host={int(i == 0)}{rdzv_conf}", f"--local-addr={hosts.address(i)}"]
         trees.append(job.torchrun(3, 1, rdzv + conf, 0, *overrides, extra_env=env, prefix=tuple(hosts.exec_prefix(i))))
         if i == 0:
             wait_for("the rendezvous store", lambda: _listens(trees[0].pid, port), procs=trees, timeout_s=60)
@@ -106,7 +136,11 @@ def _run(job: Job, hosts: netns.Hosts, checksum: str) -> None:
     assert sorted(joined) == [0, 1, 2]
     for node, tree in enumerate(trees):
         assert joined[node] in _tree_pids(tree.pid), f"node {node} is not the tree started on host {node}"
+    return trees
 
+
+def _run(job: Job, hosts: netns.Hosts, checksum: str) -> None:
+    trees = _start_trees(job, hosts)
     frozen = [psutil.Process(p) for p in _tree_pids(trees[1].pid)]
     for p in frozen:
         p.send_signal(signal.SIGSTOP)
@@ -115,7 +149,7 @@ def _run(job: Job, hosts: netns.Hosts, checksum: str) -> None:
 
     survivors = [trees[0], trees[2]]
     wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=survivors)
-    s = json.loads((job.run_dir / "summary.json").read_text())
+    s = read_summary(job.run_dir)
     assert s["status"] == "completed", job.output()
     (rec,) = s["recoveries"]
     assert (rec["fault"], rec["action"], rec["victims"]) == ("node_loss", "swap_spare", [2, 3])

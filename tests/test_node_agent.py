@@ -3,7 +3,9 @@
 The fleet tests run the controller's side (``AgentFleet``) in this process against real agent
 processes, with a real TCPStore: an agent's pid is not ours, a killed agent takes its workers with it,
 commands that do not carry the job's MAC are refused and logged, a config file that differs from
-the signed digest keeps an agent from starting, and nothing is left once the fleet shut down. The
+the signed digest keeps an agent from starting, a fenced agent heard again halts with the reason, an agent
+exits with the run's code, one whose store stops answering (SIGSTOP) stops its workers and exits within the
+bound, and nothing is left once the fleet shut down. The
 fork server tests start children from a host fork server forked from this process: their exits read
 as multiprocessing's did. The last test loses a node in a real run and recovers on the spare node.
 """
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from multiprocessing import Pipe
 from queue import Empty, Queue
 
@@ -25,9 +28,13 @@ import pytest
 
 from runner import protocol
 from runner.agents import auth
-from runner.agents.fleet import AgentFleet
+from runner.agents.fleet import AgentFleet, agent_config
 from runner.agents.fork_server import ForkServer
+from runner.agents.node_agent import EXIT_CONTROLLER_LOST, EXIT_FENCED
+from runner.callbacks.heartbeat import EXIT_FENCED as EXIT_WORKER_FENCED
+from runner.config.schema import controller_lost_after_s
 from runner.control.controller import FORKSERVER_PRELOAD
+from runner.control.records import EXIT_RUN_FAILED
 from runner.events import read_jsonl
 from runner.worker import WorkerSpec, main
 from tests.conftest import run_cli
@@ -46,7 +53,7 @@ def fleet(tmp_path):
     fleet = AgentFleet(cfg, tmp_path, store, ("127.0.0.1", store.port), queue, FORKSERVER_PRELOAD, None, nodes=2)
     started = {a.proc.pid for a in fleet.agents}
     yield fleet, store, queue
-    fleet.shutdown(completed=False)
+    fleet.shutdown("failed")
     workers = {pid for a in fleet.agents for pid in a.workers.values()}
     deadline = time.monotonic() + 10
     while (left := _alive(started | workers) | ({p.pid for p in psutil.Process().children(recursive=True)} - before)) \
@@ -235,3 +242,97 @@ def test_a_fork_servers_child_gets_its_connections_and_dies_with_the_server(fork
     while _alive({sleeper.pid}) and time.monotonic() < deadline:
         time.sleep(0.01)  # the kernel signals the orphan as the server's exit completes
     assert not _alive({sleeper.pid})
+
+
+def test_a_fenced_agent_heard_again_kills_its_workers_and_exits_with_the_reason(fleet, tmp_path):
+    fleet, store, queue = fleet
+    _spawn(fleet, store, tmp_path, 0, 1)
+    worker, agent = fleet.agents[1].workers[0], fleet.agents[1].proc
+    os.kill(agent.pid, signal.SIGSTOP)  # silent, as behind a link that is down
+    beat = fleet.node_beats()[1]
+    fleet.fence(1, "node 1 went silent and was declared lost", gen=3)
+    assert not fleet.agents[1].alive()
+    os.kill(agent.pid, signal.SIGCONT)  # the link heals: it beats again, and reads its fence
+    assert agent.wait(timeout=30) == EXIT_FENCED
+    assert fleet.node_beats()[1] > beat and not fleet.agents[1].alive()  # heard again, and still lost
+    assert not _alive({worker})
+    [fenced] = _events_of(tmp_path, "agent_fenced")
+    assert (fenced["node"], fenced["gen"], fenced["exit_code"]) == (1, 3, EXIT_FENCED)
+    assert "declared lost" in fenced["reason"]
+    with pytest.raises(Empty):
+        queue.get(timeout=0.5)  # a lost host's exits are no news
+
+
+def test_every_agent_exits_with_the_code_of_the_runs_end(fleet):
+    fleet, _, _ = fleet
+    fleet.shutdown("failed")  # a failed run: every host's launcher sees it fail, not only node 0's
+    assert [a.proc.wait(timeout=60) for a in fleet.agents] == [EXIT_RUN_FAILED, EXIT_RUN_FAILED]
+
+
+def test_an_unsigned_fence_is_refused_and_logged(fleet, tmp_path):
+    fleet, store, _ = fleet
+    store.set(protocol.node_fence_key(0), json.dumps({"node": 0, "reason": "forged", "gen": 0}))
+    deadline = time.monotonic() + 30
+    while not _events_of(tmp_path, "command_refused") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [refused] = _events_of(tmp_path, "command_refused")
+    assert refused["reason"] == "a fence without a valid MAC" and fleet.agents[0].proc.poll() is None
+
+
+def test_a_written_off_worker_heard_again_exits(fleet, tmp_path):
+    fleet, store, queue = fleet
+    _spawn(fleet, store, tmp_path, 0, 0)
+    protocol.set_json(store, protocol.worker_fence_key(0), {"wid": 0, "logical": 0, "gen": 2, "reason": "replaced"})
+    kind, wid, code, _ = queue.get(timeout=30)
+    assert (kind, wid, code) == ("exit", 0, EXIT_WORKER_FENCED)
+    [fenced] = _events_of(tmp_path, "worker_fenced")
+    assert (fenced["wid"], fenced["gen"], fenced["reason"]) == (0, 2, "replaced")
+
+
+STORE_HOST = """
+import sys, time
+from runner import protocol
+store = protocol.host_store("127.0.0.1", 60)
+print(store.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_agent_whose_controller_stops_answering_stops_its_workers_and_exits(tmp_path):
+    """The store's process stopped (SIGSTOP: its connections stay open, nothing answers, as behind a silent host):
+    the agent and its worker exit non-zero within the bound, although every store call they make blocks."""
+    cfg = _compose(*BASE)
+    holder = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    agent = None
+    try:
+        port = int(holder.stdout.readline())
+        store = protocol.connect("127.0.0.1", port, 60)
+        secret = auth.new_secret().encode()
+        raw = agent_config(cfg, FORKSERVER_PRELOAD, None)
+        (tmp_path / protocol.AGENT_CONFIG_FILE).write_bytes(raw)
+        store.set(protocol.AGENT_CONFIG, auth.sign(secret, {"sha256": auth.digest(raw)}))
+        agent = subprocess.Popen([sys.executable, "-m", "runner.agents", "--store", f"127.0.0.1:{port}", "--node", "0",
+                                  "--run-dir", str(tmp_path)], env={**os.environ, auth.SECRET_ENV: secret.decode()})
+        spec = {"run_dir": str(tmp_path), "wid": 0, "node": 0, "local_rank": 0, "logical_rank": 0, "role": "initial",
+                "first_gen": 0, "host": "127.0.0.1", "port": port, "namespace": ""}
+        spawn = {"op": "spawn", "spec": spec, "node": 0, "seq": 1}
+        store.set(protocol.agent_key(0, "cmd", 1), auth.sign(secret, spawn))
+        store.wait([protocol.agent_key(0, "ack", 1)], timedelta(seconds=120))
+        worker = int(store.get(protocol.agent_key(0, "ack", 1)))
+        store.wait(["hb/0"], timedelta(seconds=60))  # the worker beats: its own watch runs too
+        os.kill(holder.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert agent.wait(timeout=60) == EXIT_CONTROLLER_LOST
+        took = time.monotonic() - stopped
+        bound = controller_lost_after_s(cfg.heartbeat.interval_s, cfg.heartbeat.misses)
+        assert bound <= took < bound + 15, took  # the bound, then the workers' kill and the host's shutdown
+        assert not _alive({worker})
+        [lost] = [e for e in _events_of(tmp_path, "controller_lost") if e["rank"] == "agent-0"]
+        assert lost["exit_code"] == EXIT_CONTROLLER_LOST and "did not answer" in lost["reason"]
+    finally:
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.kill()
+        holder.wait()

@@ -31,7 +31,7 @@ from runner.local_hosts import (
 )
 from runner.recovery.flash_names import flash_job_id
 from runner.summary import recovery_entry
-from tests.conftest import TP2_DP2, TP2PP2, TP2PP2_STEPS, Run  # and the fixture tp2pp2, tp2pp2's fault-free run
+from tests.conftest import TP2_DP2, TP2PP2, TP2PP2_STEPS, Run, read_summary  # and the fixture tp2pp2, its run
 from tests.test_flashrecovery import HSDP
 from tests.test_ndb import ZERO_NDB, assert_exact_zero1_takeover, exact_zero1_takeover
 from tests.test_pp_training import PP2, pp2  # noqa: F401  (pp2: the fixture, pp=2 dp=2's fault-free run)
@@ -139,7 +139,7 @@ def assert_trees_end(job: Job, timeout_s: float = 30.0) -> None:
 
 
 def summary(job: Job) -> dict:
-    return json.loads((job.run_dir / "summary.json").read_text())
+    return read_summary(job.run_dir)
 
 
 # -- configuration ------------------------------------------------------------------------------------
@@ -504,6 +504,34 @@ def test_a_host_whose_command_line_differs_is_refused(make_job):
     (refused,) = events(job.run_dir, "agent_refused")
     assert refused["node"] == 1 and "differs from the config the controller signed" in refused["reason"]
     assert "the node agent of host 1 refused to start" in job.output()
+    s = summary(job)  # the refusal is the run's verdict: summary.json and run_end say so
+    assert s["status"] == "failed" and "host 1 refused to start" in s["error"] and "differs" in s["error"]
+    (end,) = events(job.run_dir, "run_end")
+    assert time.time() - end["t"] < 10, "the other hosts took longer than 10 s to exit after the refusal"
+    assert_trees_end(job)
+
+
+@pytest.mark.slow
+def test_a_host_with_another_layout_is_refused_at_once(make_job):
+    """One host asks for parallel.nodes=3 while torchrun started two (its config refused: the global batch does not
+    divide over 3 ranks): whichever node it is, the job fails at once naming the reason (not after
+    launcher.start_timeout_s), and every host exits non-zero."""
+    job = make_job()
+    rdzv = c10d_rendezvous()
+    layout = ["launcher.mode=per_host", "parallel.procs_per_node=1", "ft=[flashrecovery]",
+              "launcher.start_timeout_s=300"]
+    started = time.monotonic()
+    for nodes in (2, 3):
+        job.torchrun(2, 1, rdzv, 0, *layout, f"parallel.nodes={nodes}", extra_env=SECRET)
+    assert all(rc != 0 for rc in job.wait()), job.output()
+    assert time.monotonic() - started < 200, "the hosts waited out launcher.start_timeout_s"
+    why = "trainer.global_batch_size=8 must be divisible by the data-parallel size 3"
+    assert why in job.output()
+    if (job.run_dir / "summary.json").exists():  # node 1 refused: node 0's controller failed at once, naming it
+        s = summary(job)
+        assert s["status"] == "failed" and "host 1 refused to start" in s["error"] and why in s["error"]
+    else:  # node 0 refused: it published why instead of the control address, and node 1 left reading it
+        assert "node 0 refused to start" in job.output()
     assert_trees_end(job)
 
 

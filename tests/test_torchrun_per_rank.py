@@ -19,7 +19,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from runner.config import ConfigError
 from runner.local_hosts import BASE, Job, c10d_rendezvous, events, free_port, max_step, wait_for
-from tests.conftest import ONE_BY_TWO, Run, assert_nothing_left
+from tests.conftest import ONE_BY_TWO, Run, assert_nothing_left, read_summary
 
 REFERENCE = ONE_BY_TWO[1:]  # the shared fault-free run's LR and length (its recipe is BASE's)
 
@@ -189,7 +189,7 @@ def test_a_torchrun_restart_resumes_from_the_snapshots_and_keeps_the_disk_checkp
 @pytest.mark.slow
 def test_the_summary_accounts_for_the_failed_attempt(two_host_restart):
     run_dir, _, t_kill = two_host_restart
-    s = json.loads((run_dir / "summary.json").read_text())
+    s = read_summary(run_dir)
     assert s["status"] == "completed" and s["global_step"] == 24
     assert [a["status"] for a in s["attempts"]] == ["failed", "completed"], s["attempts"]
     failed = s["attempts"][0]
@@ -209,7 +209,7 @@ def test_kill_rank_kills_a_rank_of_rank_0s_host_and_the_restart_completes(make_j
     job.torchrun(1, 2, ["--standalone"], 1, *REFERENCE, "fault=kill_rank", "fault.rank=1",
                  "fault.step=5")
     assert job.wait() == [0], job.output()
-    s = json.loads((job.run_dir / "summary.json").read_text())
+    s = read_summary(job.run_dir)
     injected = events(job.run_dir, "fault_injected")
     assert [e["victims"] for e in injected] == [[1]]  # carried out once per job, not again in the restart
     assert [a["status"] for a in s["attempts"]] == ["failed", "completed"]
@@ -273,7 +273,7 @@ def test_under_slurm_two_hosts_complete_with_the_fault_free_checksum(make_job, f
                   {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": str(rank),
                    "SLURM_JOB_ID": "4242", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert job.wait() == [0, 0], job.output()
-    s = json.loads((job.run_dir / "summary.json").read_text())
+    s = read_summary(job.run_dir)
     assert s["status"] == "completed" and s["world_size"] == 2 and s["param_checksum"] == fault_free
     assert [e["node"] for e in sorted(events(job.run_dir, "attempt_joined"), key=lambda e: e["rank"])] == [0, 1]
     assert_nothing_left(job.token, Run(subprocess.CompletedProcess([], 0, "", ""), job.run_dir))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from runner.config.registry import recipe_names
-from tests.conftest import TWO_BY_TWO, run_cli
+from tests.conftest import TWO_BY_TWO, read_summary, run_cli
 
 SUMMARY_KEYS = {"status", "recipe", "ft", "world_size", "global_step", "initial_loss", "final_loss", "tokens_per_s",
                 "steps_per_s", "mfu", "wall_s", "param_checksum", "recoveries", "samples_committed", "samples_lost",
@@ -137,23 +137,21 @@ def _torchrun(tmp_path, *overrides: str):
 
 @pytest.mark.slow  # CI time: a variant of what the default tier covers
 def test_under_torchrun_each_process_is_one_rank_with_the_same_result(tmp_path):
-    import json
 
     local = run_cli("+recipe=gpt_tiny", "trainer.max_steps=16", run_dir=tmp_path / "local")
     proc = _torchrun(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "tr" / "summary.json").read_text())
+    summary = read_summary(tmp_path / "tr")
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert summary["param_checksum"] == local.summary["param_checksum"]
 
 
 @pytest.mark.slow
 def test_under_torchrun_a_transient_error_is_retried_in_place(tmp_path):
-    import json
 
     proc = _torchrun(tmp_path, "ft=[flashrecovery]", "fault=transient", "fault.rank=1", "fault.step=5")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "tr" / "summary.json").read_text())
+    summary = read_summary(tmp_path / "tr")
     assert summary["status"] == "completed" and summary["samples_lost"] == 0
     assert [r["action"] for r in summary["recoveries"]] == ["retry"]
 

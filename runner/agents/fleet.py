@@ -45,6 +45,7 @@ from runner.agents.fork_server import ForkedProcess, ForkServer
 from runner.agents.node_agent import await_key
 from runner.config import ConfigError
 from runner.config.validate import all_faults
+from runner.control.records import exit_code
 from runner.recovery.flash_ckpt.persister import NodePersist
 
 ACK_SLICE = timedelta(seconds=1)  # how long an ack is awaited before looking whether the agent still lives
@@ -218,11 +219,25 @@ class AgentFleet:
             agent.silent = now - agent.last_beat > agent.silence_s
         return {a.node: a.last_beat for a in agents}
 
-    def shutdown(self, completed: bool) -> None:
-        """Every agent ends its workers (killed at once unless the run completed) and exits; a remote agent
-        is awaited until it acknowledged (it then has reported its workers' exits)."""
-        sent = {agent.node: self._send(agent, {"op": "shutdown", "completed": completed})
-                for agent in self.agents if agent.alive()}
+    def fence(self, node: int, reason: str, gen: int) -> None:
+        """The controller declared node ``node`` lost: it stays lost (``alive`` is False from now on, however its
+        beat comes back), nothing is sent to it any more, and its agent, once heard again, reads the signed fence
+        and halts (``runner.agents.node_agent``). A host comes back only by joining anew (``runner.agents.joins``)."""
+        agent = self.agents[node]
+        with agent.lock:
+            if agent.lost:
+                return  # lost already (its agent killed here, or fenced before)
+            agent.lost = True
+        self.store.set(protocol.node_fence_key(node),
+                       auth.sign(self.secret, {"node": node, "reason": reason, "gen": gen}))
+        self._end_exits(agent)
+
+    def shutdown(self, status: str) -> None:
+        """Every agent ends its workers (killed at once unless the run completed) and exits with the code of the
+        run's ``status`` (``records.exit_code``); a remote agent is awaited until it acknowledged (it then has
+        reported its workers' exits)."""
+        body = {"op": "shutdown", "completed": status in ("completed", "stopped"), "exit_code": exit_code(status)}
+        sent = {agent.node: self._send(agent, body) for agent in self.agents if agent.alive()}
         for agent in self.agents:
             if agent.proc is None:
                 if agent.node in sent:

@@ -8,7 +8,12 @@ signal one; shut down), each verified against the job's secret
 carried out. Every worker exit is reported the moment it happens. It owns its host's flash-checkpoint
 persister. It dies with its launcher, and its fork server and every process that forks die with it
 (``runner.agents.spawned``), so killing an agent is a real host loss. When the controller's store goes
-away, it kills its workers and exits non-zero.
+away, or does not answer for ``runner.config.schema.controller_lost_after_s`` (its host went silent: the store
+calls block, ``runner.contact``), it kills its workers and exits non-zero (``EXIT_CONTROLLER_LOST``). Once the
+controller declared its host lost it stays lost: the agent reads the signed fence (``protocol.node_fence_key``)
+with its next beat when it is heard again, kills its workers and exits non-zero (``EXIT_FENCED``); the host may
+come back only as a new host joining the job (``runner.agents.joins``). Its exit code says how the job ended:
+the shutdown command carries the host's code (``runner.control.records.exit_code``).
 
 The agent imports the worker's modules itself (the preload list of its config file) and, before its
 threads start, forks the host's fork server from itself (``runner.agents.fork_server``): a worker
@@ -35,19 +40,26 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 from torch.distributed import DistError, DistStoreError
 
 from runner import protocol
 from runner.agents import auth, spawned
 from runner.agents.fork_server import ForkedProcess, ForkServer
+from runner.config.schema import controller_lost_after_s
+from runner.contact import ControllerContact
 from runner.events import EventLog
 from runner.recovery.flash_ckpt.persister import NodePersist, NodePersisterHandle, start_node_persister
 
 CONNECT_TIMEOUT_S = 60.0
 REFUSAL_READ_TIMEOUT_S = 30.0
 WAIT_SLICE = timedelta(hours=1)  # a blocking wait for the next command or exit, renewed while nothing comes
+EXIT_REFUSED = 2  # the agent would not start (its config, the job's secret)
+EXIT_CONTROLLER_LOST = 3  # the controller's store went away or stopped answering
+EXIT_FENCED = 4  # the controller declared this host lost
+HALT_GRACE_S = 2.0  # a halting agent's workers, killed, are awaited this long each
+TORCHRUN_GRACE_S = 3.0  # a torchrun told to end (SIGTERM) is SIGKILLed after this
 
 
 class WorkerWatch:
@@ -125,8 +137,9 @@ class NodeAgent:
     """Node ``node``'s agent: verifies its config, registers, then serves the controller's commands."""
 
     def __init__(self, node: int, address: tuple[str, int], secret: bytes, run_dir: Path,
-                 gpus: Optional[list[int]], config_file: Optional[Path] = None) -> None:
+                 gpus: Optional[list[int]], config_file: Optional[Path] = None, torchrun: Optional[int] = None) -> None:
         self.node, self.address, self.secret, self.run_dir = node, address, secret, run_dir
+        self.torchrun = torchrun  # the pid of the torchrun that started this host's process, if one did
         self.gpus = gpus
         self.config_file = config_file or run_dir / protocol.AGENT_CONFIG_FILE  # per_host: this host's own copy
         self.events = EventLog(run_dir / "events.jsonl", rank=lambda: f"agent-{node}", step=lambda: -1)
@@ -136,6 +149,8 @@ class NodeAgent:
         self.fork_server: Optional[ForkServer] = None
         self.exits = 0
         self._stop_beat = threading.Event()
+        self._halting = threading.Lock()  # one halt (the watchdog's, the fence's or a lost store's); never released
+        self._fence_refused = False
 
     def _await_refusal_read(self) -> None:
         """Stay until the controller has read the refusal (it acknowledges, or ends and its store closes):
@@ -153,22 +168,22 @@ class NodeAgent:
             self.store.set(protocol.agent_key(self.node, "refused"), refusal)
             print(f"node agent {self.node}: {refusal}", file=sys.stderr)
             self._await_refusal_read()
-            return 2
+            return EXIT_REFUSED
         self.store.set(protocol.agent_key(self.node, "hb"), repr(time.time()))  # exists before anyone reads it
         protocol.set_json(self.store, protocol.agent_key(self.node),
                           {"node": self.node, "pid": os.getpid(), "host": socket.gethostname()})
-        beat = threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True)
-        beat.start()
         self.reports = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
         self.watch = WorkerWatch(self._report_exit)
+        self.contact = ControllerContact(self.lost_after_s, self._controller_silent, name="controller-contact")
+        beat = threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True)
+        beat.start()
+        self.contact.start()
         try:
             return self._serve()
         except DistError as e:  # the controller's store is gone: nobody is left to tell what to do
-            print(f"node agent {self.node}: lost the controller ({str(e).splitlines()[0]}); stopping its workers",
-                  file=sys.stderr)
-            self._shutdown(completed=False)
-            return 3
+            self._halt(EXIT_CONTROLLER_LOST, "controller_lost", f"lost the controller ({str(e).splitlines()[0]})")
         finally:  # never left inside a store call at exit (a daemon thread in C++ then aborts the process)
+            self.contact.stop()
             self._stop_beat.set()
             beat.join(timeout=self.interval_s)
 
@@ -186,6 +201,7 @@ class NodeAgent:
         agent_cfg = json.loads(raw)
         self.cfg_dict = agent_cfg["config"]
         self.interval_s = float(self.cfg_dict["heartbeat"]["interval_s"])
+        self.lost_after_s = controller_lost_after_s(self.interval_s, int(self.cfg_dict["heartbeat"]["misses"]))
         for module in agent_cfg["preload"]:
             importlib.import_module(module)
         self.fork_server = ForkServer.fork()  # from the main thread, which lives as long as the agent
@@ -214,7 +230,7 @@ class NodeAgent:
             if body["op"] == "shutdown":
                 self._shutdown(body["completed"])
                 self.store.set(protocol.agent_key(self.node, "ack", seq), "0")  # its workers' exits are reported
-                return 0
+                return int(body["exit_code"])  # the job's end, as this host's launcher is to see it
             ack = self._spawn(body["spec"]) if body["op"] == "spawn" else self._signal(body["wid"], body["sig"])
             self.store.set(protocol.agent_key(self.node, "ack", seq), str(ack))
 
@@ -241,18 +257,65 @@ class NodeAgent:
             pass  # the controller is gone: nobody to report to
 
     def _beat(self) -> None:
+        """Beat every half interval, and read whether the controller fenced this host: one round trip, which
+        also tells the contact's watchdog that the controller answers."""
         beats = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
-        key = protocol.agent_key(self.node, "hb")
+        key, fence = protocol.agent_key(self.node, "hb"), protocol.node_fence_key(self.node)
         try:
             while not self._stop_beat.wait(self.interval_s / 2):  # a beat seen at most half an interval old
+                self.contact.asking()
                 beats.set(key, repr(time.time()))  # when: a beat seen late still proves life only until then
+                if beats.check([fence]):
+                    self._read_fence(beats.get(fence))
+                self.contact.answered()
         except DistError:
             return  # the controller is gone; the command loop notices too
 
-    def _shutdown(self, completed: bool) -> None:
+    def _read_fence(self, raw: bytes) -> None:
+        """The controller declared this host lost: halt. A fence without the job's MAC is logged once and ignored
+        (the store has no authentication; only the controller may stop a host)."""
+        record = auth.verify(self.secret, raw)
+        if record is not None and record.get("node") == self.node:
+            self._halt(EXIT_FENCED, "agent_fenced", f"fenced by the controller: {record.get('reason')}",
+                       gen=record.get("gen"))
+        elif not self._fence_refused:
+            self._fence_refused = True
+            self.events.emit("command_refused", node=self.node, seq=None, reason="a fence without a valid MAC")
+
+    def _controller_silent(self, silent_s: float) -> None:
+        self._halt(EXIT_CONTROLLER_LOST, "controller_lost",
+                   f"the controller did not answer for {silent_s:.1f}s (bound {self.lost_after_s:g}s)")
+
+    def _halt(self, code: int, kind: str, reason: str, **details) -> NoReturn:
+        """Stop this host's part of the job and end the process with ``code``, from whichever thread saw why (the
+        others may be blocked in store calls to a silent controller): every worker killed at once; the persister
+        finishes the breakpoint persists their exits started (a relaunch resumes from them) unless the host was
+        fenced (its state is no longer the job's)."""
+        self._halting.acquire()  # a second caller waits here until the first one's os._exit
+        self.events.emit(kind, node=self.node, reason=reason, exit_code=code, **details)
+        print(f"node agent {self.node}: {reason}; stopping its workers", file=sys.stderr, flush=True)
+        self._shutdown(completed=False, persist=code != EXIT_FENCED)
+        if code == EXIT_CONTROLLER_LOST and self.torchrun is not None:
+            self._end_torchrun(self.torchrun)
+        os._exit(code)
+
+    @staticmethod
+    def _end_torchrun(pid: int) -> None:
+        """The torchrun that started this host's process would outlive the job: its own store calls to the
+        rendezvous store, on node 0's host too, block as ours did when that host went silent, so it never sees this
+        process exit. SIGTERM, then SIGKILL after ``TORCHRUN_GRACE_S`` (its handler runs only between those calls);
+        this process dies with it (parent-death signal), or by the SIGTERM torchrun sends its workers."""
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + TORCHRUN_GRACE_S
+        while os.getppid() == pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if os.getppid() == pid:
+            os.kill(pid, signal.SIGKILL)
+
+    def _shutdown(self, completed: bool, persist: bool = True) -> None:
         """Every worker ends (killed at once unless the run completed); the persister finishes what its
-        trainers' exits started; every exit is reported."""
-        grace = time.monotonic() + (5.0 if completed else 2.0)
+        trainers' exits started (unless ``persist`` is off: it is killed); every exit is reported."""
+        grace = time.monotonic() + (5.0 if completed else HALT_GRACE_S)
         if not completed:
             for wid in self.watch.pids():
                 self.watch.signal(wid, signal.SIGKILL)
@@ -264,7 +327,10 @@ class NodeAgent:
                 self.watch.signal(wid, signal.SIGKILL)
                 proc.join(timeout=5)
         if self.persister is not None:
-            self.persister.stop()
+            if persist:
+                self.persister.stop()
+            else:
+                self.persister.kill()
         self.watch.stop()
         if self.fork_server is not None:
             self.fork_server.close()

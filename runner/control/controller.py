@@ -86,7 +86,10 @@ class Controller:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> dict:
-        self.start()
+        try:
+            self.start()
+        except RuntimeError as err:  # a host refused at start-up (its secret, its config, its layout)
+            return self._refused(str(err))
         self.run_logger.start()
         summary: Optional[dict] = None
         stop = StopOnSignal(self.store, self.events)
@@ -98,20 +101,33 @@ class Controller:
             except KeyboardInterrupt:
                 self._fail("interrupted by the user (Ctrl-C)")
             finally:
-                if self.record.status == "completed" and stop.stopped_early(self.members.done_records(),
-                                                                            self.cfg.trainer.max_steps):
-                    self.record.status = "stopped"  # at the step SIGINT/SIGTERM asked for, with a checkpoint
-                self.fleet.shutdown(completed=self.record.status in ("completed", "stopped"))
-                for action in self.actions.values():
-                    action.on_end(self.ctx)
-                self.events.emit("run_end", status=self.record.status, error=self.record.error)
-            self.record.done = self.members.done_records()
+                self.end(stop)
             if stop.requested is not None:
                 print(stop.last_line(self.run_dir), flush=True)
             summary = write_summary(self.cfg, self.run_dir, self.record)
             return summary
         finally:  # the experiment logger is finished in every ending, with the summary when there is one
             self.run_logger.finish(summary)
+
+    def end(self, stop: StopOnSignal) -> None:
+        """The run's one verdict, then everyone is told: every host's agent (its exit code), the actions, run_end.
+        summary.json is written from the same record."""
+        self.record.done = self.members.done_records()
+        if self.record.status == "completed" and stop.stopped_early(self.record.done, self.cfg.trainer.max_steps):
+            self.record.status = "stopped"  # at the step SIGINT/SIGTERM asked for, with a checkpoint
+        self.record.judge_end()
+        self.fleet.shutdown(self.record.status)
+        for action in self.actions.values():
+            action.on_end(self.ctx)
+        self.events.emit("run_end", status=self.record.status, error=self.record.error)
+
+    def _refused(self, reason: str) -> dict:
+        """The job could not start (a host's agent refused, or never registered): it fails at once, naming the host
+        and the reason, in events.jsonl and summary.json; the hosts that did start see the store close and exit."""
+        self.record.status, self.record.error = "failed", reason
+        self.events.emit("run_failed", error=reason)
+        self.events.emit("run_end", status=self.record.status, error=self.record.error)
+        return write_summary(self.cfg, self.run_dir, self.record)
 
     def start(self) -> None:
         """Host the store and start the fleet unless the job brought them; build the parts."""

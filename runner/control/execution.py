@@ -51,16 +51,20 @@ class Executor:
         detector.nodes_lost |= set(lost_nodes)
         if lost_nodes:  # a host cut off silently neither answers nor resets its connections: survivors stop waiting
             self.ctx.store.set(protocol.cut_off_key(members.gen), f"node(s) {lost_nodes} went silent")
+        for node in lost_nodes:  # once lost, a host stays lost: heard again, it is told so and halts
+            self.ctx.fleet.fence(node, f"node {node} went silent and was declared lost in recovery {rec.id}",
+                                 members.gen)
         for action in self.actions.values():
             action.on_nodes_lost(self.ctx, lost_nodes)
         lost_ranks = [w.logical for w in members.live() if w.node in lost_nodes]
         if not dead and not lost_ranks and not hung and lost_nodes:
             self.incidents.not_needed(f"node(s) {lost_nodes} held no rank")
+            members.fence_written_off()  # its spares, say: no generation follows
             return
         decision = self.judge(dead, lost_nodes, hung)
         if any(s["kind"] == "unreachable" for s in rec.symptoms):
             decision.fault = "partition"
-        rec.fault = rec.fault or decision.fault
+        rec.fault = decision.fault  # a recovery decided again (a crash that became a node loss): the newest class
         # every rank the fault killed, also those whose exit had not arrived when the decide window closed
         rec.victims = sorted(set(rec.victims) | set(decision.victims) | self.incidents.take_injected())
         rec.action, rec.reason, rec.decide_reason = decision.action, decision.reason, decide_reason

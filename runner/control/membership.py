@@ -34,6 +34,7 @@ class Membership:
         self.layouts: dict[int, Layout] = {}
         self.published_at: dict[int, float] = {}
         self._done_seen = 0
+        self._fenced: set[int] = set()  # workers told they were written off (protocol.worker_fence_key)
 
     # -- processes ------------------------------------------------------------------------------
     def spawn(self, lrank: int, node: int, local: int, role: str, first_gen: int) -> Worker:
@@ -71,6 +72,17 @@ class Membership:
         deadline = time.monotonic() + timeout_s
         while agents and time.monotonic() < deadline and not all(agents[w.node].exit_reported(w.wid) for w in workers):
             time.sleep(0.005)
+
+    def fence_written_off(self) -> None:
+        """Tell every worker written off since the last call so, in the store: one heard again (its host's link
+        healed, a stopped process resumed) reads it with its next heartbeat and exits, never acting in the job
+        again (``runner.callbacks.heartbeat``)."""
+        for w in self.workers.values():
+            if w.dead and w.wid not in self._fenced:
+                self._fenced.add(w.wid)
+                protocol.set_json(self.store, protocol.worker_fence_key(w.wid), {
+                    "wid": w.wid, "logical": w.logical, "gen": self.gen,
+                    "reason": f"worker {w.wid} (logical rank {w.logical}) was written off after generation {self.gen}"})
 
     def starting(self) -> bool:
         """Some worker holding a logical rank has not said it is ready yet (a replacement starting)."""
@@ -117,6 +129,7 @@ class Membership:
     def publish(self, recovery: Optional[int] = None) -> Layout:
         """Publish the next generation: every ready assigned worker whose rank no neighbour covers (a repaired
         rank's process joins only when its takeover ends); the rest of the logical ranks pending."""
+        self.fence_written_off()  # before the generation that replaces them
         self.gen += 1
         members = sorted((w for w in self.live() if w.ready and w.logical not in self.covered_by),
                          key=lambda w: w.logical)

@@ -9,6 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+EXIT_RUN_FAILED = 1
+EXIT_STOPPED = 75  # SIGINT/SIGTERM/SIGUSR2: checkpointed and stopped (EX_TEMPFAIL: requeue and resume)
+
+
+def exit_code(status: str) -> int:
+    """The exit code of every host's process for a run that ended with ``status``: 0 completed, 75 stopped, 1 failed
+    (node 0's launching process and every other host's agent say the same)."""
+    return {"completed": 0, "stopped": EXIT_STOPPED}.get(status, EXIT_RUN_FAILED)
+
 
 @dataclass
 class Worker:
@@ -82,3 +91,11 @@ class RunRecord:
     recoveries: list[Recovery] = field(default_factory=list)
     done: dict[int, dict] = field(default_factory=dict)  # wid -> its done record, for each rank's last worker
     attempts: list[Attempt] = field(default_factory=list)  # torchrun/SLURM: the job's earlier attempts, oldest first
+
+    def judge_end(self) -> None:
+        """The run's final verdict, decided once, before anything reports it: a completed run whose replicas ended
+        with different parameters failed."""
+        checksums = {d["checksum"] for d in self.done.values()}
+        if self.status == "completed" and len(checksums) != 1:
+            self.status = "failed"
+            self.error = f"replicas ended with different parameters: {len(checksums)} distinct checksums"
