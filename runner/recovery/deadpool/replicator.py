@@ -142,7 +142,8 @@ class ShardReplicator:
             raise RuntimeError("a replication is still in flight; wait() for it before the next update")
         me = comm.logical_rank
         pg_of = {lr: i for i, lr in enumerate(comm.layout.logical)}
-        self._partner_groups = self._groups(self.partner(me))
+        if not self._partner_groups:  # a process's logical rank, and so its partner, stays
+            self._partner_groups = self._groups(self.partner(me))
         job = self._exchange if self.mode == "copy" else self._replay_step
         self._job = self._pool.submit(job, comm.side_pg, comm.gen, pg_of[self.holder(me)], pg_of[self.partner(me)],
                                       gen, self._epoch)

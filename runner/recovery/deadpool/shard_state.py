@@ -136,7 +136,7 @@ class LiveShard:
         for group, hyper in zip(opt.param_groups, record.hyper):
             group.update(hyper)
         for p, g in zip(self.params, record.grads):
-            p.grad = g.to(p.dtype, copy=True)  # a 16-bit gradient widened for an fp32 master, as the update does
+            p.grad = g.to(p.dtype)  # a 16-bit gradient widened for an fp32 master, as the update does
         type(opt).step(opt)
         for p in self.params:
             p.grad = None
