@@ -4,10 +4,13 @@ Two comparisons, each against a baseline measured in the same rounds:
 - ft=[flashrecovery] against ft=[] (replicated optimizer state, one node): heartbeats and the
   controller run in both (they are how a run without fault tolerance still fails fast instead of
   hanging); what ft adds is the recovery machinery, which must cost nothing while no fault happens.
-- ft=[deadpool] against ft=[], both with parallel.zero=1 on 2 nodes: DeadPool adds the per-step
-  replication of every optimizer shard to a neighbour, which must hide under the next step's compute
-  (the one idle hot spare it needs is started too).
-Targets: both ratios >= 0.99.
+- ft=[deadpool] against ft=[], both with parallel.zero=1 on 2 nodes, once per replication mode
+  (ft.deadpool.replication): replay (the default), where each holder applies its partner's update to
+  its replica itself and no shard bytes go over the network per step, and copy, where every rank
+  sends its whole shard to its holder after every update. Either must hide under the next step's
+  compute (the one idle hot spare DeadPool needs is started too). Each mode's bytes sent per rank and
+  step are printed beside it: once seeded, and averaged over the run (the seeds and digests included).
+Targets: the ratios of ft=[flashrecovery] and DeadPool's replay >= 0.99.
 A third ratio is the control: ``zero=1 ft=[]`` run again after the others in each round, over
 its first run. Its work is identical, so how far it lands from 1.000 is the resolution of this
 run's ratios on this host.
@@ -33,7 +36,7 @@ bias: the same work ran 3% slower third than first in one run) favours a run in 
 pair as much as it hurts it in the other. A ratio is taken per pair of rounds (the geometric mean of
 its two rounds' candidate / baseline) and the median over pairs is reported. Single rounds spread by
 about +-5% here (also for ft=[flashrecovery], whose fault-free work is the same as ft=[]'s), so the
-default is 200 steps (gpt_tiny), 30 (realistic) and 6 rounds (~30 minutes on the shared 2-core
+default is 200 steps (gpt_tiny), 30 (realistic) and 6 rounds (~40 minutes on the shared 2-core
 host: a realistic step takes 1-3 s there); --realistic-only skips the gpt_tiny runs.
 
     python bench/overhead.py [--ranks 4] [--steps 200] [--realistic-steps 30] [--rounds 6] [--realistic-only]
@@ -56,23 +59,28 @@ def layouts(ranks: int) -> dict[str, list[str]]:
     one_node = ["parallel.nodes=1", f"parallel.procs_per_node={ranks}"]
     two_nodes = ["parallel.nodes=2", f"parallel.procs_per_node={ranks // 2}", "parallel.zero=1"]
     realistic = [*two_nodes, *REALISTIC, f"trainer.global_batch_size={REALISTIC_SAMPLES_PER_RANK * ranks}"]
+    deadpool = ["ft=[deadpool]", "parallel.spares=1"]
     return {
         "ft=[]": [*one_node, "ft=[]"],
         "ft=[flashrecovery]": [*one_node, "ft=[flashrecovery]"],
         "zero=1 ft=[]": [*two_nodes, "ft=[]"],
-        "zero=1 ft=[deadpool]": [*two_nodes, "ft=[deadpool]", "parallel.spares=1"],
+        "zero=1 ft=[deadpool] replay": [*two_nodes, *deadpool, "ft.deadpool.replication=replay"],
+        "zero=1 ft=[deadpool] copy": [*two_nodes, *deadpool, "ft.deadpool.replication=copy"],
         "zero=1 ft=[] again": [*two_nodes, "ft=[]"],
         "realistic zero=1 ft=[]": [*realistic, "ft=[]"],
-        "realistic zero=1 ft=[deadpool]": [*realistic, "ft=[deadpool]", "parallel.spares=1"],
+        "realistic zero=1 ft=[deadpool] replay": [*realistic, *deadpool, "ft.deadpool.replication=replay"],
+        "realistic zero=1 ft=[deadpool] copy": [*realistic, *deadpool, "ft.deadpool.replication=copy"],
         "realistic zero=1 ft=[] again": [*realistic, "ft=[]"],
     }
 
 
 COMPARISONS = (
     ("ft=[flashrecovery]", "ft=[]", "target >= 0.99"),
-    ("zero=1 ft=[deadpool]", "zero=1 ft=[]", "target >= 0.99"),
+    ("zero=1 ft=[deadpool] replay", "zero=1 ft=[]", "target >= 0.99"),
+    ("zero=1 ft=[deadpool] copy", "zero=1 ft=[]", "the per-step copy, for comparison"),
     ("zero=1 ft=[] again", "zero=1 ft=[]", "control: the same work, ideally 1.000"),
-    ("realistic zero=1 ft=[deadpool]", "realistic zero=1 ft=[]", "target >= 0.99"),
+    ("realistic zero=1 ft=[deadpool] replay", "realistic zero=1 ft=[]", "target >= 0.99"),
+    ("realistic zero=1 ft=[deadpool] copy", "realistic zero=1 ft=[]", "the per-step copy, for comparison"),
     ("realistic zero=1 ft=[] again", "realistic zero=1 ft=[]", "control: the same work, ideally 1.000"),
 )
 
@@ -102,7 +110,7 @@ def main() -> None:
     comparisons = [c for c in COMPARISONS if c[0] in runs]
     results: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, list[float]] = {name: [] for name in runs}
-    shard_mb: dict[str, float] = {}
+    sent: dict[str, tuple[float, float]] = {}  # bytes per rank and step: once seeded, and over the run
     for round_index in range(args.rounds):
         ordered = list(runs.items())
         for name, overrides in ordered if round_index % 2 == 0 else reversed(ordered):
@@ -111,15 +119,20 @@ def main() -> None:
             results[name].append(rate)
             cpu[name].append(cpu_per_step)
             if "deadpool" in name:
-                shard_mb[name] = summary.get("replication_bytes_per_step", 0) / summary["world_size"] / 2**20
+                ranks_steps = summary["world_size"] * steps
+                sent[name] = (summary["replication_bytes_per_step"] / summary["world_size"],
+                              summary["replication_bytes_sent"] / ranks_steps)
     tiny = "" if args.realistic_only else f"steps {SKIP}..{args.steps} (gpt_tiny, ~128 tokens per rank and step) and "
     print(f"{args.ranks} ranks, {tiny}steps {SKIP}..{args.realistic_steps} (realistic: {' '.join(REALISTIC)}, "
           f"{REALISTIC_SAMPLES_PER_RANK * 512} tokens per rank and step), rounds: {args.rounds}, every other one "
           "in reverse order")
     for name, values in results.items():
-        shard = f"   shard replicated {shard_mb[name]:.2f} MiB per rank and step" if name in shard_mb else ""
-        print(f"  {name:32s} steps/s {median_spread(values)}{shard}")
-        print(f"  {'':32s} CPU s per step, all processes of the run, {median_spread(cpu[name])}")
+        print(f"  {name:38s} steps/s {median_spread(values)}")
+        print(f"  {'':38s} CPU s per step, all processes of the run, {median_spread(cpu[name])}")
+        if name in sent:
+            steady, average = sent[name]
+            print(f"  {'':38s} replication bytes sent per rank and step: {steady:,.0f} once seeded, "
+                  f"{average:,.0f} over the run (seeds and digests included)")
     for candidate, base, target in comparisons:
         ratios = pair_ratios(results[candidate], results[base])
         print(f"  ratio {candidate} / {base}: {statistics.median(ratios):.3f} "

@@ -111,12 +111,14 @@ def _mfu(cfg, tokens_per_s: float, ranks: int) -> float:
 
 
 def _replication(done: dict) -> dict:
-    """DeadPool with ZeRO-1: shard bytes copied to neighbours per step (all ranks) and the host memory
-    the replication holds on the busiest rank (send buffer, two replica slots, replay records)."""
+    """DeadPool with ZeRO-1: shard bytes sent to neighbours per step once replicas are seeded (all ranks; 0 when the
+    holders replay the updates), everything the replication sent over the run (seeds, copies, digests) and the host
+    memory the replication holds on the busiest rank (send buffer, replica slots or the replayed replica, records)."""
     reps = [d["replication"] for d in done.values() if "replication" in d]
     if not reps:
         return {}
     return {"replication_bytes_per_step": sum(r["bytes_per_step"] for r in reps),
+            "replication_bytes_sent": sum(r.get("bytes_sent", 0) for r in reps),
             "replication_buffer_bytes_max": max(r["buffer_bytes"] for r in reps)}
 
 

@@ -31,6 +31,23 @@ def test_node_loss_is_replaced_by_warm_spares_exactly(two_by_two, run_dir):
     assert {e["node"] for e in run.events("spare_assigned")} == {2}  # spares live on a node of their own
 
 
+@pytest.mark.parametrize("mode", ["replay", pytest.param("copy", marks=pytest.mark.slow)])
+def test_zero1_host_loss_then_a_worker_kill_take_their_shards_from_the_replicas_exactly(two_by_two, run_dir, mode):
+    # node 1 is lost at step 12: the spares take ranks 2 and 3 with the shards rank 0 and 1 held; at step 20 rank 0
+    # is killed and restarted in place with the shard rank 2, now on the spare host, holds since the first recovery
+    run = run_cli(*FOUR, "parallel.zero=1", f"ft.deadpool.replication={mode}", "fault=kill_node", "fault.node=1",
+                  "fault.step=12", "+fault.extra=[{kind: kill_rank, rank: 0, step: 20}]", run_dir=run_dir)
+    s = assert_exact(run, two_by_two.summary)  # ZeRO-1 makes the very updates the replicated optimizer does
+    assert [(r["action"], r["victims"]) for r in s["recoveries"]] == [("swap_spare", [2, 3]), ("restart_rank", [0])]
+    restored = sorted((e["rank"], e["holder"]) for e in run.events("shard_restored"))
+    assert restored == [(0, 2), (2, 0), (3, 1)]
+    assert not run.events("replication_failed") and not run.events("replica_drift")
+    if mode == "replay":  # seeds only: at the start and after each recovery, nothing per step
+        assert s["replication_bytes_per_step"] == 0 and 0 < s["replication_bytes_sent"]
+    else:
+        assert s["replication_bytes_per_step"] > 0
+
+
 @pytest.mark.slow
 def test_no_spare_left_fails_clearly(run_dir):
     run = run_cli(*SIX[:3], "parallel.spares=1", "ft=[deadpool]", "trainer.global_batch_size=12",
@@ -79,19 +96,27 @@ def assert_exact(run, fault_free) -> dict:
     return s
 
 
+MODES = ["replay", "copy"]  # ft.deadpool.replication
+
+
 @pytest.mark.slow
-def test_zero1_with_replication_trains_exactly_like_replicated_state(fault_free, run_dir):
-    run = run_cli(*ZERO, run_dir=run_dir)
+@pytest.mark.parametrize("mode", MODES)
+def test_zero1_with_replication_trains_exactly_like_replicated_state(fault_free, run_dir, mode):
+    verify = ["ft.deadpool.verify_every_n_steps=7"] if mode == "replay" else []  # 4 verifications in 30 steps
+    run = run_cli(*ZERO, f"ft.deadpool.replication={mode}", *verify, run_dir=run_dir)
     s = run.summary
     assert s["status"] == "completed", run.output[-3000:]
     assert s["param_checksum"] == fault_free["param_checksum"]  # same update math, shard by shard
-    assert s["replication_bytes_per_step"] > 0 and s["replication_buffer_bytes_max"] > 0
-    assert not run.events("replication_failed")
+    assert s["replication_buffer_bytes_max"] > 0 and s["replication_bytes_sent"] > 0
+    assert (s["replication_bytes_per_step"] > 0) == (mode == "copy")  # replay: the holders replay every update
+    assert not run.events("replication_failed") and not run.events("replica_drift")
 
 
 @pytest.mark.slow
-def test_zero1_node_loss_spares_get_their_shards_from_the_neighbour_replicas(fault_free, run_dir):
-    run = run_cli(*ZERO, "fault=kill_node", "fault.node=1", "fault.step=20", run_dir=run_dir)
+@pytest.mark.parametrize("mode", MODES)
+def test_zero1_node_loss_spares_get_their_shards_from_the_neighbour_replicas(fault_free, run_dir, mode):
+    run = run_cli(*ZERO, f"ft.deadpool.replication={mode}", "fault=kill_node", "fault.node=1", "fault.step=20",
+                  run_dir=run_dir)
     assert_exact(run, fault_free)
     rec = run.only_recovery()
     assert (rec["action"], rec["victims"]) == ("swap_spare", [2, 3]) and rec["rpo_steps"] <= 1
@@ -102,8 +127,8 @@ def test_zero1_node_loss_spares_get_their_shards_from_the_neighbour_replicas(fau
 
 @pytest.mark.slow
 def test_zero1_kill_during_an_in_flight_replication_replays_the_previous_generation(fault_free, run_dir):
-    run = run_cli(*ZERO, "fault=kill_rank", "fault.rank=2", "fault.step=20", "fault.during=replication",
-                  run_dir=run_dir)
+    run = run_cli(*ZERO, "ft.deadpool.replication=copy", "fault=kill_rank", "fault.rank=2", "fault.step=20",
+                  "fault.during=replication", run_dir=run_dir)
     assert_exact(run, fault_free)
     (restored,) = run.events("shard_restored")
     # the copy of update 21 was cut half-way: update 20's replica plus a replay of update 21
@@ -111,9 +136,10 @@ def test_zero1_kill_during_an_in_flight_replication_replays_the_previous_generat
 
 
 @pytest.mark.slow
-def test_zero1_laggard_finishes_its_update_from_the_peers_gradients(fault_free, run_dir):
-    run = run_cli(*ZERO, "fault=transient", "fault.rank=1", "fault.step=12", "fault.during=after_reduce",
-                  run_dir=run_dir)
+@pytest.mark.parametrize("mode", MODES)
+def test_zero1_laggard_finishes_its_update_from_the_peers_gradients(fault_free, run_dir, mode):
+    run = run_cli(*ZERO, f"ft.deadpool.replication={mode}", "fault=transient", "fault.rank=1", "fault.step=12",
+                  "fault.during=after_reduce", run_dir=run_dir)
     s = assert_exact(run, fault_free)
     (finished,) = run.events("shard_update_finished")
     assert (finished["rank"], finished["step"]) == (1, 13)

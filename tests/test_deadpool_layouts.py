@@ -100,7 +100,8 @@ def test_zero1_node_loss_shards_come_from_the_holder_at_the_same_coordinate(layo
 def test_tp2_zero1_kill_during_replication_replays_the_shard_of_its_dp_coordinate(tp2_zero, run_dir):  # noqa: F811
     # rank 3 is (dp 1, tp 1): its holder, rank 1, replays update 7 on the shard of DP coordinate 1 of TP slice 1
     run = run_cli(*TP2, "parallel.zero=1", CONSTANT_LR, f"trainer.max_steps={STEPS}", "ft=[deadpool]",
-                  "fault=kill_rank", "fault.rank=3", "fault.step=6", "fault.during=replication", run_dir=run_dir)
+                  "fault=kill_rank", "fault.rank=3", "fault.step=6", "fault.during=replication",
+                  "ft.deadpool.replication=copy", run_dir=run_dir)
     assert_exact(run, tp2_zero.summary)
     (restored,) = run.events("shard_restored")
     assert (restored["rank"], restored["holder"], restored["replayed_updates"]) == (3, 1, 1)

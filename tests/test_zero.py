@@ -170,6 +170,8 @@ def test_replication_failing_twice_in_one_healthy_group_fails_the_run():
     outcomes = []
 
     class Replicator:
+        drifts: list[int] = []  # replay's verifications: none here
+
         def wait(self):
             if outcomes.pop(0) == "fail":
                 raise CollectiveFailure("shard replication failed: connection reset")
@@ -189,3 +191,26 @@ def test_replication_failing_twice_in_one_healthy_group_fails_the_run():
         replication.wait_previous()
     assert emitted == [("replication_failed", 3), ("replication_failed", 3),
                        ("replication_failed", 4), ("replication_failed", 4)]
+
+
+def test_a_drifted_replica_found_by_a_verification_is_logged_once():
+    """Replay: the drifts a verification found (and reseeded) become replica_drift events after the wait, once each."""
+    from types import SimpleNamespace
+
+    from runner.recovery.deadpool.replication import ShardReplication
+
+    class Replicator:
+        drifts = [50]
+
+        def wait(self):
+            pass
+
+        def partner(self, logical_rank):
+            return logical_rank - 2
+
+    emitted = []
+    events = SimpleNamespace(emit=lambda kind, **fields: emitted.append((kind, fields)))
+    replication = ShardReplication(Replicator(), SimpleNamespace(gen=3, logical_rank=2), events)
+    replication.wait_previous()
+    replication.wait_previous()
+    assert [(kind, f["step"], f["owner"], f["holder"]) for kind, f in emitted] == [("replica_drift", 50, 0, 2)]

@@ -298,7 +298,7 @@ def test_master_weights_node_loss_spare_host_gets_the_fp32_shards_exactly(tp2_ma
 def test_master_weights_kill_during_replication_replays_the_update_on_the_fp32_masters(tp2_master, run_dir, ft):
     # rank 3's copy of update 7 was in flight: its holder, rank 1, replays that update on the fp32 masters
     run = run_cli(*TP2, *MASTER, CONSTANT_LR, f"trainer.max_steps={STEPS}", ft, "fault=kill_rank", "fault.rank=3",
-                  "fault.step=6", "fault.during=replication", run_dir=run_dir)
+                  "fault.step=6", "fault.during=replication", "ft.deadpool.replication=copy", run_dir=run_dir)
     assert_exact(run, tp2_master.summary)
     (restored,) = run.events("shard_restored")
     assert (restored["rank"], restored["holder"], restored["replayed_updates"]) == (3, 1, 1)

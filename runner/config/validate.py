@@ -360,6 +360,8 @@ def _ft_problems(cfg: DictConfig) -> list[str]:
             out.append(f"ft.{name}: {str(err).splitlines()[0].rstrip('.')}; see docs/configuration.md for its keys.")
         if name == "flash_ckpt":
             out += _flash_ckpt_problems(cfg.ft.flash_ckpt)
+        if name == "deadpool":
+            out += _deadpool_replication_problems(cfg)
         if name == "ndb" and cfg.model._target_:
             out.append("ft=ndb approximates the built-in GPT's attention and FFN branches; it cannot drive "
                        f"model._target_={cfg.model._target_}: use ft=flashrecovery for your own module.")
@@ -376,6 +378,23 @@ def _chaos_problems(f: DictConfig, where: str) -> list[str]:
     if f.mtbf_s <= 0 or f.max_faults < 1 or f.until_s <= 0:
         out.append(f"fault.mtbf_s ({f.mtbf_s}) and fault.until_s ({f.until_s}) must be > 0 and fault.max_faults "
                    f"({f.max_faults}) >= 1.")
+    return out
+
+
+def _deadpool_replication_problems(cfg: DictConfig) -> list[str]:
+    """ft.deadpool.replication and verify_every_n_steps: how ZeRO-1 shards are replicated, so parallel.zero=1 only."""
+    dp, out = cfg.ft.deadpool, []
+    every = dp.get("verify_every_n_steps", 1)
+    if not isinstance(every, int) or every < 1:
+        out.append(f"ft.deadpool.verify_every_n_steps={every} must be >= 1 (the replicas kept by replay are compared "
+                   "with their owners' shards every that many updates).")
+    changed = [k for k in _changed(dp, DeadPoolConfig) if k in ("replication", "verify_every_n_steps")]
+    if changed and cfg.parallel.zero != 1:
+        out.append(f"ft.deadpool.{changed[0]}={_show(dp[changed[0]])} is about the replicas of ZeRO-1 optimizer "
+                   f"shards, but parallel.zero={cfg.parallel.zero} shards nothing: set parallel.zero=1, or drop it.")
+    elif "verify_every_n_steps" in changed and dp.get("replication") == "copy":
+        out.append(f"ft.deadpool.verify_every_n_steps={every} verifies replicas kept by replay, but "
+                   "ft.deadpool.replication=copy sends the whole shard every step: drop it, or use replication=replay.")
     return out
 
 
@@ -425,6 +444,10 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
                                             or "deadpool" not in ft_names(cfg)):
             out.append(f"{where}: during=replication kills a rank while its ZeRO-1 shard is being copied: it needs "
                        "kind=kill_rank, a fault.step, parallel.zero=1 and ft=deadpool.")
+        elif one.during == "replication" and cfg.ft.deadpool.get("replication") != "copy":
+            out.append(f"{where}: during=replication kills a rank while its ZeRO-1 shard's copy after an update is in "
+                       "flight, but ft.deadpool.replication=replay copies no shard after an update (its holder replays "
+                       "the update): add ft.deadpool.replication=copy.")
         if one.kind == "chaos":
             out += _chaos_problems(one, where)
         elif (one.kind not in ("none", "slow_rank") and one.during in ("step", "after_reduce") and one.step < 0

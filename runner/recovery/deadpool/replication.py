@@ -1,7 +1,8 @@
-"""DeadPool's update hook under ZeRO-1: every update's shard is copied to its holder (``ShardReplicator``).
+"""DeadPool's update hook under ZeRO-1: every update's shard is replicated to its holder (``ShardReplicator``: the
+holder replays the update onto its replica, or the owner copies the shard, ``ft.deadpool.replication``).
 
-Before an update the previous copy must be complete and what a replay of the update needs is kept;
-after it the new shard's copy starts, and overlaps the next step. While NDB covers a failed rank nothing is copied.
+Before an update the previous replication must be complete and what a replay of the update needs is kept;
+after it the new replication starts, and overlaps the next step. While NDB covers a failed rank nothing is replicated.
 """
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ class ShardReplication:
             self._failed_in = self.comm.gen
         else:
             self._failed_in = None
+            self._report_drifts()
+
+    def _report_drifts(self) -> None:
+        """Replay: each replica this rank held that differed from its owner's shard at a verification (and was
+        reseeded by a full copy)."""
+        replicator = self.replicator
+        for step in replicator.drifts:
+            self.events.emit("replica_drift", gen=self.comm.gen, step=step,
+                             owner=replicator.partner(self.comm.logical_rank), holder=self.comm.logical_rank,
+                             reason="the replica kept by replaying its owner's updates differed from the owner's shard "
+                                    "at a verification; reseeded with a full copy")
+        replicator.drifts.clear()
 
     def close(self) -> None:
         self.replicator.close()

@@ -8,7 +8,9 @@ replacement needs them, possibly replaying the updates it missed (``replay``).
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,23 +116,75 @@ class UpdateRecord:
     hyper: list[dict[str, Any]]
 
 
+class LiveShard:
+    """A copy of a shard that updates itself: the tensors its owner's optimizer steps and a fresh optimizer of the
+    owner's kind (``optimizer_like``: the very same update math) over them, with the shard's state. ``apply`` makes
+    the update an ``UpdateRecord`` describes, as the owner made it; a replay (``replay``) and DeadPool's replica kept
+    current by replaying every update (``ft.deadpool.replication=replay``) are both this."""
+
+    def __init__(self, template: torch.optim.Optimizer, shard: ShardState, groups: list[int]) -> None:
+        """``groups[pos]``: the optimizer group of the shard's parameter at ``pos`` (positions are group-major)."""
+        self.params = [torch.nn.Parameter(t.clone()) for t in shard.params]
+        self.optimizer = optimizer_like(template, self.params, groups, shard.state)
+        self.gen = shard.gen
+        self.base_gen = shard.base_gen
+
+    def apply(self, record: UpdateRecord) -> None:
+        if record.gen != self.gen + 1:
+            raise ValueError(f"replay gap: shard at update {self.gen}, next record produces {record.gen}")
+        opt = self.optimizer
+        for group, hyper in zip(opt.param_groups, record.hyper):
+            group.update(hyper)
+        for p, g in zip(self.params, record.grads):
+            p.grad = g.to(p.dtype)  # a 16-bit gradient widened for an fp32 master, as the update does
+        type(opt).step(opt)
+        for p in self.params:
+            p.grad = None
+        self.gen = record.gen
+
+    def state(self, base_gen: int | None = None) -> ShardState:
+        """A snapshot (fresh tensors); ``base_gen``: the replica it counts as rebuilt from (default: its own)."""
+        opt = self.optimizer
+        state = {pos: {k: v.clone() if isinstance(v, Tensor) else v for k, v in opt.state[p].items()}
+                 for pos, p in enumerate(self.params) if opt.state[p]}
+        return ShardState(self.gen, [p.detach().clone() for p in self.params], state,
+                          self.base_gen if base_gen is None else base_gen)
+
+    def digest(self) -> bytes:
+        return digest(self.params, self.optimizer)
+
+    def nbytes(self) -> int:
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+        tensors = [*self.params, *state]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def replay(template: torch.optim.Optimizer, shard: ShardState, groups: list[int],
            records: list[UpdateRecord]) -> ShardState:
     """Apply ``records`` to ``shard`` with a fresh optimizer of the template's kind: the very same update math.
 
     ``groups[pos]`` is the optimizer group of the shard's parameter at ``pos`` (positions are group-major).
     """
-    params = [torch.nn.Parameter(t.clone()) for t in shard.params]
-    opt = optimizer_like(template, params, groups, shard.state)
-    gen = shard.gen
+    live = LiveShard(template, shard, groups)
     for record in records:
-        if record.gen != gen + 1:
-            raise ValueError(f"replay gap: shard at update {gen}, next record produces {record.gen}")
-        for group, hyper in zip(opt.param_groups, record.hyper):
-            group.update(hyper)
-        for p, g in zip(params, record.grads):
-            p.grad = g.to(p.dtype, copy=True)  # a 16-bit gradient widened for an fp32 master, as the update does
-        type(opt).step(opt)
-        gen = record.gen
-    state = {pos: opt.state[p] for pos, p in enumerate(params) if opt.state[p]}
-    return ShardState(gen, [p.detach() for p in params], state, shard.base_gen)
+        live.apply(record)
+    return live.state()
+
+
+DIGEST_BYTES = 32
+
+
+def digest(params: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> bytes:
+    """SHA-256 of a shard's bytes (``params`` and their state in ``optimizer``, keys in order): an owner's shard and a
+    replica of it have the same digest exactly when they are bit-identical."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(_raw(p))
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            h.update(key.encode())
+            h.update(_raw(value) if isinstance(value, Tensor) else repr(value).encode())
+    return h.digest()
+
+
+def _raw(t: Tensor) -> bytes:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()

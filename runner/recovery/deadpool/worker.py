@@ -1,6 +1,6 @@
-"""DeadPool's worker side: under ZeRO-1, every update's shard is replicated to a neighbour on another node
-(over a side group of its own), and the worker reports what that costs. Spares need nothing here:
-they join as any replacement does."""
+"""DeadPool's worker side: under ZeRO-1, every update's shard is replicated to a neighbour on another node (the
+neighbour replays the update, or the owner copies the shard, over a side group of its own), and the worker reports
+what that costs. Spares need nothing here: they join as any replacement does."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ class DeadPoolWorker:
         return WorkerHooks(shard_replication=self._replicate, side_group=True, final_record=self._final_record)
 
     def _replicate(self, zero: ZeroOne) -> ShardReplication:
-        comm = self.ctx.comm
-        replicator = ShardReplicator(zero, Topology.from_cfg(self.ctx.cfg), comm.collective_timeout.total_seconds())
+        comm, cfg = self.ctx.comm, self.ctx.cfg.ft.deadpool
+        replicator = ShardReplicator(zero, Topology.from_cfg(self.ctx.cfg), comm.collective_timeout.total_seconds(),
+                                     mode=cfg.replication, verify_every_n_steps=cfg.verify_every_n_steps)
         self._replication = ShardReplication(replicator, comm, self.ctx.events)
         return self._replication
 
@@ -33,4 +34,5 @@ class DeadPoolWorker:
         if self._replication is None:
             return {}
         replicator = self._replication.replicator
-        return {"replication": {"bytes_per_step": replicator.bytes_per_step, "buffer_bytes": replicator.memory_bytes()}}
+        return {"replication": {"bytes_per_step": replicator.bytes_per_step, "bytes_sent": replicator.bytes_sent,
+                                "buffer_bytes": replicator.memory_bytes()}}
