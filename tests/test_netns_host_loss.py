@@ -36,40 +36,51 @@ TIMEOUTS = SimpleNamespace(collective_timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous
 PAIR = Layout(gen=0, members=[0, 1], logical=[0, 1], dp=2)
 
 
-def _silent_member(port: int, resume) -> None:
+def _silent_member(port: int, resume, late) -> None:
     """The second member, in a process of its own (a group's constructor holds the GIL while it waits for its
-    peers, so two members in one process's threads can deadlock): joins, stays silent until told, then joins
-    the collective the first one gave up on."""
+    peers, so two members in one process's threads can deadlock): joins, takes part in one collective (its
+    connections are up, as in training), stays silent until told, then joins the collective the first one gave up
+    on, as a host whose link came back does. ``late``: whether that collective reached the first member (it
+    completed) or found its connections closed (it failed)."""
     silent = Comm(TCPStore("127.0.0.1", port, is_master=False), 1, "gloo", torch.device("cpu"), TIMEOUTS)
     silent.join(PAIR)
+    silent.allreduce([torch.ones(4)])
     if resume.wait(60):
-        silent.allreduce([torch.ones(4)])
+        try:
+            silent.allreduce([torch.full((4,), 100.0)])
+            late.value = 1
+        except CollectiveFailure:
+            late.value = 0
     silent.abort()
 
 
-def test_a_collective_waiting_on_a_peer_cut_off_is_given_up_once_the_controller_says_so():
-    """Two gloo members; the second never joins the collective (silent, its connection open). Once the
-    generation is marked cut off, the first stops waiting at once, far from the collective timeout."""
+def test_a_collective_given_up_on_a_peer_cut_off_is_fenced_its_late_data_reaching_nothing():
+    """Two gloo members; the second goes silent (its connections open) in a collective. Once the generation is
+    marked cut off, the first stops waiting at once, far from the collective timeout, and its abort closes the
+    generation's connections and waits for the given-up collective to end: when the peer comes back and sends, as
+    after a partition healed, nothing reaches the tensor, which the next generation's step already uses again."""
     store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     ctx = multiprocessing.get_context("spawn")
-    resume = ctx.Event()
-    peer = ctx.Process(target=_silent_member, args=(store.port, resume))
+    resume, late = ctx.Event(), ctx.Value("i", -1)
+    peer = ctx.Process(target=_silent_member, args=(store.port, resume, late))
     peer.start()
     try:
         live = Comm(store, 0, "gloo", torch.device("cpu"), TIMEOUTS)
         live.join(PAIR)
+        live.allreduce([torch.ones(4)])
         store.set(protocol.cut_off_key(0), "node(s) [1] went silent")
+        bucket = torch.ones(4)
         t0 = time.monotonic()
         with pytest.raises(CollectiveFailure, match=r"gen 0: node\(s\) \[1\] went silent"):
-            live.allreduce([torch.ones(4)])
-        assert time.monotonic() - t0 < 2.0 and live.pg is None  # given up on, its group aborted
-        (retired,) = live._retired  # kept: gloo's destructor would wait for the stuck collective
-        resume.set()  # the peer comes back: the abandoned collective completes, and its group can go
-        retired[-1][0].wait()
+            live.allreduce([bucket])
+        assert time.monotonic() - t0 < 2.0 and live.pg is None  # given up on, its group aborted and fenced
+        assert live._stuck == []
+        bucket.fill_(7.0)  # the next generation's step writes into the same bucket
+        resume.set()  # the peer comes back and sends its part of the given-up collective
         peer.join(60)
-        assert peer.exitcode == 0
+        assert torch.equal(bucket, torch.full((4,), 7.0))  # nothing of it reached the bucket
+        assert peer.exitcode == 0 and late.value == 0  # its collective found the connections closed
         live.abort()
-        assert live._retired == []
     finally:
         if peer.is_alive():
             peer.kill()
