@@ -17,6 +17,7 @@ replacement rank joins them like any other member.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +34,8 @@ from runner.topology import Topology
 
 _CUT_OFF_POLL = timedelta(seconds=0.1)  # how often a long wait asks whether its peers were cut off
 _WAIT_MARGIN = timedelta(seconds=5)  # a launched op fails by itself at the collective timeout; waits allow this more
-_FENCE_WAIT_S = 2.0  # how long given-up work may take to fail once its connections are closed (milliseconds, seen)
+_FENCE_WAIT_S = 2.0  # how long given-up work may take to fail once its connections are closed
+EXIT_UNFENCED = 5  # a worker's exit: work of a dropped generation it gave up on would not end (``Comm._fence``)
 
 
 class CollectiveFailure(RuntimeError):
@@ -68,7 +70,6 @@ class Comm:
         self._sends: list = []  # work objects of launched pipeline sends not waited for yet
         self._failure: str | None = None  # why a launch failed, raised by the next wait_all
         self._stuck: list = []  # gloo work given up on (a peer cut off): fenced by the next abort
-        self._unfenced: list = []  # groups whose given-up work would not end: held, never destroyed (it would wait)
         self._sockets = store_counts.SocketsOpened()  # the generation's connections, when counting is on
         # NCCL's abort() ends in-flight work itself, and its waits are not sliced
         self._cut_off_check = None if backend == "nccl" else self._cut_off
@@ -284,8 +285,9 @@ class Comm:
         kept open, its connections would resume when a partition heals, and the stuck collective would write its
         peers' late data into tensors the next generation uses (a gradient bucket, a parameter). Every one of
         its groups, the side group included, is closed now, on this thread: a closed pair fails the work posted
-        on it, and the work is waited for (``_FENCE_WAIT_S``) before anything else runs. Work that still has not
-        ended could still write into its tensors: the run cannot stay exact, and fails with the reason."""
+        on it, and the work is waited for (``_FENCE_WAIT_S``) before anything else runs. A worker whose given-up
+        work still runs then cannot keep its memory out of the old generation's reach: it stops at once
+        (``EXIT_UNFENCED``, no report, no destructor), and the controller replaces it as after a crash."""
         stuck, self._stuck = self._stuck, []
         for group in groups:
             _close_connections(group)
@@ -294,10 +296,10 @@ class Comm:
             time.sleep(0.001)
         running = sum(not w.is_completed() for w in stuck)
         if running:
-            self._unfenced += groups  # gloo's destructor would wait for the work; the worker's exit runs none
-            raise RunFailedError(f"{running} collective(s) of gen {self.gen}, given up on, still ran "
-                                 f"{_FENCE_WAIT_S:.0f}s after their connections were closed: they could "
-                                 "still write into this worker's tensors")
+            print(f"worker {self.wid}: {running} collective(s) of gen {self.gen}, given up on, still ran "
+                  f"{_FENCE_WAIT_S:.0f}s after their connections were closed: stopping, as they could still "
+                  "write into this worker's tensors", file=sys.stderr, flush=True)
+            os._exit(EXIT_UNFENCED)
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
     # Collectives are launched, then waited for together. After an error every launched one is

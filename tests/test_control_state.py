@@ -173,8 +173,8 @@ def test_a_lost_node_goes_to_warm_spares(tmp_path):
 
 def test_a_lost_nodes_workers_heard_again_after_a_heal_count_for_nothing(tmp_path):
     """The link of node 1 comes back after its loss was decided and the spares took its ranks: its agent beats
-    again, and its workers, still running, report the failure of the dropped generation, beat, write ready and
-    done records and exit. None of it is news, and none of it counts for the ranks the spares now hold: the run
+    again, and its workers, still running, report the failure of the dropped generation (one of them a fatal
+    error), beat, write ready and done records and exit. None of it is news, and none of it counts for the ranks the spares now hold: the run
     completes only when the spares finished, with their done records."""
     ctl, fleet = _start(tmp_path, "ft=deadpool", "parallel.spares=2")
     for wid in (4, 5):
@@ -189,6 +189,7 @@ def test_a_lost_nodes_workers_heard_again_after_a_heal_count_for_nothing(tmp_pat
     for wid in (2, 3):
         protocol.report(ctl.store, {"wid": wid, "gen": 0, "reason": "gen 0: node(s) [1] went silent"})
         ctl.store.set(f"ready/{wid}", "1")
+    protocol.report(ctl.store, {"wid": 3, "fatal": True, "reason": "recovery impossible"})  # no run failure either
     _beat(ctl, [0, 1, 2, 3, 4, 5], seq=1, step=5)
     _finish(ctl, [0, 1, 2, 3])
     ctl.queue.put(("exit", 2, 0, time.time()))

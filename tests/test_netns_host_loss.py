@@ -99,24 +99,7 @@ def test_a_host_cut_off_silently_is_detected_by_heartbeat_and_replaced_by_the_sp
 
 
 def _run(job: Job, hosts: netns.Hosts, checksum: str) -> None:
-    head = hosts.address(0)
-    port = free_port()
-    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{port}", f"--rdzv-id={job.token[:8]}"]
-    overrides = ["launcher.mode=per_host", *LAYOUT, f"launcher.control_host={head}"]
-    env = {**SECRET, "GLOO_SOCKET_IFNAME": hosts.IFNAME}  # gloo on the host's own link, not the hostname's address
-    trees = []
-    for i in range(3):
-        # host 0 hosts torchrun's rendezvous store and, started first, gets node rank 0 (ranks follow pids)
-        # (the hosts share one host name: --local-addr is what torchrun hands out as MASTER_ADDR)
-        conf = [f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={hosts.address(i)}"]
-        trees.append(job.torchrun(3, 1, rdzv + conf, 0, *overrides, extra_env=env, prefix=tuple(hosts.exec_prefix(i))))
-        if i == 0:
-            wait_for("the rendezvous store", lambda: _listens(trees[0].pid, port), procs=trees, timeout_s=60)
-    wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=trees)
-    joined = {e["node"]: e["pid"] for e in events(job.run_dir, "host_joined")}
-    assert sorted(joined) == [0, 1, 2]
-    for node, tree in enumerate(trees):
-        assert joined[node] in _tree_pids(tree.pid), f"node {node} is not the tree started on host {node}"
+    trees = start_hosts(job, hosts, *LAYOUT)
 
     frozen = [psutil.Process(p) for p in _tree_pids(trees[1].pid)]
     for p in frozen:
@@ -140,6 +123,30 @@ def _run(job: Job, hosts: netns.Hosts, checksum: str) -> None:
     # the survivors' collectives with the frozen host were aborted, not waited out to the collective timeout
     assert rec["rto_s"] < COLLECTIVE_TIMEOUT_S / 5, rec
     assert all(p.status() == psutil.STATUS_STOPPED for p in frozen)  # no process of host 1 ever ran again
+
+
+def start_hosts(job: Job, hosts: netns.Hosts, *layout: str) -> list:
+    """A per_host torchrun tree on each of the three hosts, training: host 0 (torchrun's rendezvous store and the
+    controller), host 1 (ranks 2 and 3), host 2 (the spare host)."""
+    head = hosts.address(0)
+    port = free_port()
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{port}", f"--rdzv-id={job.token[:8]}"]
+    overrides = ["launcher.mode=per_host", *layout, f"launcher.control_host={head}"]
+    env = {**SECRET, "GLOO_SOCKET_IFNAME": hosts.IFNAME}  # gloo on the host's own link, not the hostname's address
+    trees: list = []
+    for i in range(3):
+        # host 0 hosts torchrun's rendezvous store and, started first, gets node rank 0 (ranks follow pids)
+        # (the hosts share one host name: --local-addr is what torchrun hands out as MASTER_ADDR)
+        conf = [f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={hosts.address(i)}"]
+        trees.append(job.torchrun(3, 1, rdzv + conf, 0, *overrides, extra_env=env, prefix=tuple(hosts.exec_prefix(i))))
+        if i == 0:
+            wait_for("the rendezvous store", lambda: _listens(trees[0].pid, port), procs=trees, timeout_s=60)
+    wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=trees)
+    joined = {e["node"]: e["pid"] for e in events(job.run_dir, "host_joined")}
+    assert sorted(joined) == [0, 1, 2]
+    for node, tree in enumerate(trees):
+        assert joined[node] in _tree_pids(tree.pid), f"node {node} is not the tree started on host {node}"
+    return trees
 
 
 def _listens(pid: int, port: int) -> bool:

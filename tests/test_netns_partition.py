@@ -14,17 +14,16 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from runner.local_hosts import Job, events, free_port, max_step, wait_for
+from runner.local_hosts import Job, events, max_step, wait_for
 from tests import netns
 from tests import test_torchrun_per_host as per_host
 from tests.conftest import TWO_BY_TWO, Run, run_cli
-from tests.test_netns_host_loss import _listens, _tree_pids
+from tests.test_netns_host_loss import _tree_pids, start_hosts
+from tests.test_node_agent import _alive
 
-LAYOUT = [*per_host.LAYOUT]  # max_steps is set per case (a later override wins)
-SECRET = per_host.SECRET
+LAYOUT = [o for o in per_host.LAYOUT if not o.startswith("trainer.max_steps=")]  # the steps: per case
 RESUMED_TIMEOUT_S = 120.0  # TCP's retransmission back-off after a 30 s outage: the next try comes within ~60 s
 
 
@@ -48,7 +47,6 @@ def fault_free(tmp_path_factory):
 needs_netns = pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason()))
 
 
-# (outage, steps): the run goes on long after TCP's back-off resumed the old connections (asserted)
 @pytest.mark.slow  # minutes: two runs of 600 steps (the reference and the partitioned one)
 @needs_netns
 def test_a_partition_healed_after_3s_never_touches_the_training(make_job, fault_free):
@@ -57,7 +55,7 @@ def test_a_partition_healed_after_3s_never_touches_the_training(make_job, fault_
 
 @pytest.mark.slow
 @needs_netns
-@pytest.mark.parametrize(("outage_s", "steps"), [(0.05, 600), (30.0, 1500)])
+@pytest.mark.parametrize(("outage_s", "steps"), [(0.05, 600), (30.0, 1500)])  # training goes on past the back-off
 def test_a_partition_healed_at_once_or_late_never_touches_the_training(make_job, fault_free, outage_s, steps):
     _partition_and_heal(make_job(), fault_free(steps), outage_s)
 
@@ -73,7 +71,7 @@ def _partition_and_heal(job: Job, fault_free: Run, outage_s: float) -> None:
 
 def _run(job: Job, hosts: netns.Hosts, fault_free: Run, outage_s: float, cut_step: int) -> None:
     steps = len(_loss_curve(fault_free.dir))
-    trees = _start(job, hosts, steps)
+    trees = start_hosts(job, hosts, *LAYOUT, f"trainer.max_steps={steps}")
     wait_for(f"step {cut_step}", lambda: max_step(job.run_dir) >= cut_step, procs=trees)
     cut_pids = _tree_pids(trees[1].pid)
     hosts.partition(1)  # host 1's processes keep running: only its link is gone
@@ -105,39 +103,8 @@ def _run(job: Job, hosts: netns.Hosts, fault_free: Run, outage_s: float, cut_ste
     # the job ended with its summary: host 1's processes are all gone within 30 s of it (the fenced host's agent
     # kills its workers and exits)
     t_end = (job.run_dir / "summary.json").stat().st_mtime
-    wait_for("host 1's processes to end", lambda: not _running(cut_pids) or time.time() - t_end > 30)
-    assert not _running(cut_pids), f"host 1's processes still alive 30 s after the job's end {where}"
-
-
-def _running(pids: set[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def _start(job: Job, hosts: netns.Hosts, steps: int) -> list:
-    """Host 0 (torchrun's rendezvous store, the controller), host 1 (ranks 2, 3), host 2 (the spare host)."""
-    head = hosts.address(0)
-    port = free_port()
-    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{port}", f"--rdzv-id={job.token[:8]}"]
-    overrides = ["launcher.mode=per_host", *LAYOUT, f"trainer.max_steps={steps}", f"launcher.control_host={head}"]
-    env = {**SECRET, "GLOO_SOCKET_IFNAME": hosts.IFNAME}
-    trees: list = []
-    for i in range(3):
-        conf = [f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={hosts.address(i)}"]
-        trees.append(job.torchrun(3, 1, rdzv + conf, 0, *overrides, extra_env=env, prefix=tuple(hosts.exec_prefix(i))))
-        if i == 0:
-            wait_for("the rendezvous store", lambda: _listens(trees[0].pid, port), procs=trees, timeout_s=60)
-    wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=trees)
-    joined = {e["node"]: e["pid"] for e in events(job.run_dir, "host_joined")}
-    for node, tree in enumerate(trees):
-        assert joined[node] in _tree_pids(tree.pid), f"node {node} is not the tree started on host {node}"
-    return trees
+    wait_for("host 1's processes to end", lambda: not _alive(cut_pids) or time.time() - t_end > 30)
+    assert not _alive(cut_pids), f"host 1's processes still alive 30 s after the job's end {where}"
 
 
 def _unacknowledged(hosts: netns.Hosts) -> list[str]:
