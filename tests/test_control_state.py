@@ -174,8 +174,8 @@ def test_a_lost_node_goes_to_warm_spares(tmp_path):
 def test_a_lost_nodes_workers_heard_again_after_a_heal_count_for_nothing(tmp_path):
     """The link of node 1 comes back after its loss was decided and the spares took its ranks: its agent beats
     again, and its workers, still running, report the failure of the dropped generation (one of them a fatal
-    error), beat, write ready and done records and exit. None of it is news, and none of it counts for the ranks the spares now hold: the run
-    completes only when the spares finished, with their done records."""
+    error), beat, write ready and done records and exit. None of it is news, and none of it counts for the ranks
+    the spares now hold: the run completes only when the spares finished, with their done records."""
     ctl, fleet = _start(tmp_path, "ft=deadpool", "parallel.spares=2")
     for wid in (4, 5):
         ctl.store.set(f"ready/{wid}", "1")
