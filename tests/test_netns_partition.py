@@ -55,7 +55,7 @@ def test_a_partition_healed_after_3s_never_touches_the_training(make_job, fault_
 
 @pytest.mark.slow
 @needs_netns
-@pytest.mark.parametrize(("outage_s", "steps"), [(0.05, 600), (30.0, 1500)])  # training goes on past the back-off
+@pytest.mark.parametrize(("outage_s", "steps"), [(0.05, 600), (30.0, 2000)])  # training goes on past the back-off
 def test_a_partition_healed_at_once_or_late_never_touches_the_training(make_job, fault_free, outage_s, steps):
     _partition_and_heal(make_job(), fault_free(steps), outage_s)
 
