@@ -17,6 +17,7 @@ replacement rank joins them like any other member.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from runner.topology import Topology
 
 _CUT_OFF_POLL = timedelta(seconds=0.1)  # how often a long wait asks whether its peers were cut off
 _WAIT_MARGIN = timedelta(seconds=5)  # a launched op fails by itself at the collective timeout; waits allow this more
+_FENCE_WAIT_S = 2.0  # how long given-up work may take to fail once its connections are closed
+EXIT_UNFENCED = 5  # a worker's exit: work of a dropped generation it gave up on would not end (``Comm._fence``)
 
 
 class CollectiveFailure(RuntimeError):
@@ -66,8 +69,7 @@ class Comm:
         self._in_flight: list = []  # work objects of launched collectives not waited for yet
         self._sends: list = []  # work objects of launched pipeline sends not waited for yet
         self._failure: str | None = None  # why a launch failed, raised by the next wait_all
-        self._stuck: list = []  # gloo work given up on (a peer cut off): its group must outlive it
-        self._retired: list[tuple] = []  # (groups, stuck work): dropped once the work ends by itself
+        self._stuck: list = []  # gloo work given up on (a peer cut off): fenced by the next abort
         self._sockets = store_counts.SocketsOpened()  # the generation's connections, when counting is on
         # NCCL's abort() ends in-flight work itself, and its waits are not sliced
         self._cut_off_check = None if backend == "nccl" else self._cut_off
@@ -259,27 +261,45 @@ class Comm:
         milliseconds and no gloo destructor waits on a socket (``GlooGroup.close_connections``), on a thread of
         their own while this one goes on to the next generation (``_close_and_drop``). The side group
         is only let go of: an exchange still in flight on it ends with its peers, and the group closes its
-        connections when its last holder lets go (``GlooGroup.__del__``)."""
+        connections when its last holder lets go (``GlooGroup.__del__``). A generation with work given up on
+        is fenced first (``_fence``)."""
         if self.backend != "nccl":  # NCCL's abort() ends in-flight work itself
             self._drain()  # gloo: nothing may be in flight when the group goes (see the collectives below)
         self._in_flight, self._sends, self._failure = [], [], None
         groups = [self.pg, self.tp_pg, self.pp_pg, self.dp_pg, self.shard_pg]
+        side, self.side_pg = self.side_pg, None
         self.pg = self.tp_pg = self.pp_pg = self.dp_pg = self.shard_pg = None
-        self.side_pg = None  # an exchange still in flight holds it until it ends (its peers' groups close too)
         if self.backend == "nccl":
             for group in groups:
                 if group is not None:
                     group.abort()  # NCCL: abort the communicator instead of waiting for its timeout
-        if self._stuck:  # gloo's destructor would wait for the stuck work: keep its groups until it ends
-            self._retired.append((*groups, self._stuck))
-            self._stuck, groups = [], []
-        ended = [r for r in self._retired if all(w.is_completed() for w in r[-1])]
-        self._retired = [r for r in self._retired if not any(r is e for e in ended)]
-        groups += [group for retired in ended for group in retired[:-1]]
-        del ended
         groups[:] = [group for group in groups if group is not None]  # the list's holder is the only one left
+        if self._stuck:
+            self._fence(groups + [side])
+        del side
         if groups:
             _close_and_drop(groups)
+
+    def _fence(self, groups: list) -> None:
+        """Nothing of a generation whose work was given up on (a peer cut off) may reach this process again:
+        kept open, its connections would resume when a partition heals, and the stuck collective would write its
+        peers' late data into tensors the next generation uses (a gradient bucket, a parameter). Every one of
+        its groups, the side group included, is closed now, on this thread: a closed pair fails the work posted
+        on it, and the work is waited for (``_FENCE_WAIT_S``) before anything else runs. A worker whose given-up
+        work still runs then cannot keep its memory out of the old generation's reach: it stops at once
+        (``EXIT_UNFENCED``, no report, no destructor), and the controller replaces it as after a crash."""
+        stuck, self._stuck = self._stuck, []
+        for group in groups:
+            _close_connections(group)
+        deadline = time.monotonic() + _FENCE_WAIT_S
+        while not all(w.is_completed() for w in stuck) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        running = sum(not w.is_completed() for w in stuck)
+        if running:
+            print(f"worker {self.wid}: {running} collective(s) of gen {self.gen}, given up on, still ran "
+                  f"{_FENCE_WAIT_S:.0f}s after their connections were closed: stopping, as they could still "
+                  "write into this worker's tensors", file=sys.stderr, flush=True)
+            os._exit(EXIT_UNFENCED)
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
     # Collectives are launched, then waited for together. After an error every launched one is

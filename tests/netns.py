@@ -82,6 +82,18 @@ class Hosts:
         """Host ``i``'s link goes down: its packets go nowhere, and nothing tells its peers."""
         _ip("link", "set", self.veth(i), "down")
 
+    def partition(self, i: int) -> None:
+        """Both ends of host ``i``'s link go down (a cable pulled): nothing is reset, and its connections stay
+        open on either side, waiting for the link to come back."""
+        _ip("link", "set", self.veth(i), "down")
+        _ip("-n", self.ns(i), "link", "set", self.IFNAME, "down")
+
+    def heal(self, i: int) -> None:
+        """Host ``i``'s link comes back on both ends: TCP's retransmissions resume the connections of either
+        side that nobody closed meanwhile."""
+        _ip("-n", self.ns(i), "link", "set", self.IFNAME, "up")
+        _ip("link", "set", self.veth(i), "up")
+
     def close(self) -> None:
         for undo in reversed(self._made):
             subprocess.run(["ip", *undo], capture_output=True)  # a veth goes with its namespace too

@@ -177,6 +177,42 @@ def test_a_lost_node_goes_to_warm_spares(tmp_path):
     assert len(fleet.spawned) == 6  # the spares were already running
 
 
+def test_a_lost_nodes_workers_heard_again_after_a_heal_count_for_nothing(tmp_path):
+    """The link of node 1 comes back after its loss was decided and the spares took its ranks: its agent beats
+    again, and its workers, still running, report the failure of the dropped generation (one of them a fatal
+    error), beat, write ready and done records and exit. None of it is news, and none of it counts for the ranks
+    the spares now hold: the run completes only when the spares finished, with their done records."""
+    ctl, fleet = _start(tmp_path, "ft=deadpool", "parallel.spares=2")
+    for wid in (4, 5):
+        ctl.store.set(f"ready/{wid}", "1")
+    _round(ctl, heartbeats=True)
+    fleet.lose_node(1)
+    _round(ctl, heartbeats=True)
+    _round(ctl)
+    assert _layout(ctl, 1).members == [0, 1, 4, 5]
+
+    fleet.lost.discard(1)  # the partition heals
+    for wid in (2, 3):
+        protocol.report(ctl.store, {"wid": wid, "gen": 0, "reason": "gen 0: node(s) [1] went silent"})
+        ctl.store.set(f"ready/{wid}", "1")
+    protocol.report(ctl.store, {"wid": 3, "fatal": True, "reason": "recovery impossible"})  # no run failure either
+    _beat(ctl, [0, 1, 2, 3, 4, 5], seq=1, step=5)
+    _finish(ctl, [0, 1, 2, 3])
+    ctl.queue.put(("exit", 2, 0, time.time()))
+    ctl.queue.put(("exit", 3, 1, time.time()))
+    _round(ctl, heartbeats=True, ahead_s=0.1)
+    _round(ctl, heartbeats=True, ahead_s=0.2)
+    assert [e["symptom"] for e in _events(tmp_path, "fault_detected")] == ["node_silent"]  # nothing new
+    assert all(e["stale"] for e in _events(tmp_path, "symptom_reported"))
+    assert len(_events(tmp_path, "recovery_decided")) == 1 and ctl.incidents.active is None
+    assert ctl.record.status != "completed"  # ranks 2 and 3 are the spares': the old done records are no finish
+
+    _finish(ctl, [4, 5])
+    _round(ctl)
+    assert ctl.record.status == "completed"
+    assert sorted(ctl.members.done_records()) == [0, 1, 4, 5]
+
+
 def test_a_neighbour_takes_over_and_the_repaired_rank_rejoins(tmp_path):
     ctl, fleet = _start(tmp_path, "ft=ndb", "ft.ndb.repair_after_s=0")
     ctl.queue.put(("exit", 3, -9, time.time()))

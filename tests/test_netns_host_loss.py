@@ -36,40 +36,51 @@ TIMEOUTS = SimpleNamespace(collective_timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous
 PAIR = Layout(gen=0, members=[0, 1], logical=[0, 1], dp=2)
 
 
-def _silent_member(port: int, resume) -> None:
+def _silent_member(port: int, resume, late) -> None:
     """The second member, in a process of its own (a group's constructor holds the GIL while it waits for its
-    peers, so two members in one process's threads can deadlock): joins, stays silent until told, then joins
-    the collective the first one gave up on."""
+    peers, so two members in one process's threads can deadlock): joins, takes part in one collective (its
+    connections are up, as in training), stays silent until told, then joins the collective the first one gave up
+    on, as a host whose link came back does. ``late``: whether that collective reached the first member (it
+    completed) or found its connections closed (it failed)."""
     silent = Comm(TCPStore("127.0.0.1", port, is_master=False), 1, "gloo", torch.device("cpu"), TIMEOUTS)
     silent.join(PAIR)
+    silent.allreduce([torch.ones(4)])
     if resume.wait(60):
-        silent.allreduce([torch.ones(4)])
+        try:
+            silent.allreduce([torch.full((4,), 100.0)])
+            late.value = 1
+        except CollectiveFailure:
+            late.value = 0
     silent.abort()
 
 
-def test_a_collective_waiting_on_a_peer_cut_off_is_given_up_once_the_controller_says_so():
-    """Two gloo members; the second never joins the collective (silent, its connection open). Once the
-    generation is marked cut off, the first stops waiting at once, far from the collective timeout."""
+def test_a_collective_given_up_on_a_peer_cut_off_is_fenced_its_late_data_reaching_nothing():
+    """Two gloo members; the second goes silent (its connections open) in a collective. Once the generation is
+    marked cut off, the first stops waiting at once, far from the collective timeout, and its abort closes the
+    generation's connections and waits for the given-up collective to end: when the peer comes back and sends, as
+    after a partition healed, nothing reaches the tensor, which the next generation's step already uses again."""
     store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     ctx = multiprocessing.get_context("spawn")
-    resume = ctx.Event()
-    peer = ctx.Process(target=_silent_member, args=(store.port, resume))
+    resume, late = ctx.Event(), ctx.Value("i", -1)
+    peer = ctx.Process(target=_silent_member, args=(store.port, resume, late))
     peer.start()
     try:
         live = Comm(store, 0, "gloo", torch.device("cpu"), TIMEOUTS)
         live.join(PAIR)
+        live.allreduce([torch.ones(4)])
         store.set(protocol.cut_off_key(0), "node(s) [1] went silent")
+        bucket = torch.ones(4)
         t0 = time.monotonic()
         with pytest.raises(CollectiveFailure, match=r"gen 0: node\(s\) \[1\] went silent"):
-            live.allreduce([torch.ones(4)])
-        assert time.monotonic() - t0 < 2.0 and live.pg is None  # given up on, its group aborted
-        (retired,) = live._retired  # kept: gloo's destructor would wait for the stuck collective
-        resume.set()  # the peer comes back: the abandoned collective completes, and its group can go
-        retired[-1][0].wait()
+            live.allreduce([bucket])
+        assert time.monotonic() - t0 < 2.0 and live.pg is None  # given up on, its group aborted and fenced
+        assert live._stuck == []
+        bucket.fill_(7.0)  # the next generation's step writes into the same bucket
+        resume.set()  # the peer comes back and sends its part of the given-up collective
         peer.join(60)
-        assert peer.exitcode == 0
+        assert torch.equal(bucket, torch.full((4,), 7.0))  # nothing of it reached the bucket
+        assert peer.exitcode == 0 and late.value == 0  # its collective found the connections closed
         live.abort()
-        assert live._retired == []
     finally:
         if peer.is_alive():
             peer.kill()
@@ -96,7 +107,7 @@ def test_when_the_controllers_host_is_cut_off_silently_every_other_host_exits_no
     job = make_job()
     with netns.Hosts(3) as hosts:
         try:
-            trees = _start_trees(job, hosts)
+            trees = start_hosts(job, hosts, *LAYOUT)
             host0 = _tree_pids(trees[0].pid)
             hosts.cut_off(0)
             cut = time.monotonic()
@@ -115,32 +126,8 @@ def test_when_the_controllers_host_is_cut_off_silently_every_other_host_exits_no
             job.close()
 
 
-def _start_trees(job: Job, hosts: netns.Hosts, rdzv_conf: str = "") -> list:
-    """The three hosts' torchrun trees, each in its namespace, once training runs and each node is the tree
-    started on the host of its index; ``rdzv_conf``: more of torchrun's rendezvous settings (``,key=value``)."""
-    head = hosts.address(0)
-    port = free_port()
-    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{port}", f"--rdzv-id={job.token[:8]}"]
-    overrides = ["launcher.mode=per_host", *LAYOUT, f"launcher.control_host={head}"]
-    env = {**SECRET, "GLOO_SOCKET_IFNAME": hosts.IFNAME}  # gloo on the host's own link, not the hostname's address
-    trees = []
-    for i in range(3):
-        # host 0 hosts torchrun's rendezvous store and, started first, gets node rank 0 (ranks follow pids)
-        # (the hosts share one host name: --local-addr is what torchrun hands out as MASTER_ADDR)
-        conf = [f"--rdzv-conf=is_host={int(i == 0)}{rdzv_conf}", f"--local-addr={hosts.address(i)}"]
-        trees.append(job.torchrun(3, 1, rdzv + conf, 0, *overrides, extra_env=env, prefix=tuple(hosts.exec_prefix(i))))
-        if i == 0:
-            wait_for("the rendezvous store", lambda: _listens(trees[0].pid, port), procs=trees, timeout_s=60)
-    wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=trees)
-    joined = {e["node"]: e["pid"] for e in events(job.run_dir, "host_joined")}
-    assert sorted(joined) == [0, 1, 2]
-    for node, tree in enumerate(trees):
-        assert joined[node] in _tree_pids(tree.pid), f"node {node} is not the tree started on host {node}"
-    return trees
-
-
 def _run(job: Job, hosts: netns.Hosts, checksum: str) -> None:
-    trees = _start_trees(job, hosts)
+    trees = start_hosts(job, hosts, *LAYOUT)
     frozen = [psutil.Process(p) for p in _tree_pids(trees[1].pid)]
     for p in frozen:
         p.send_signal(signal.SIGSTOP)
@@ -163,6 +150,30 @@ def _run(job: Job, hosts: netns.Hosts, checksum: str) -> None:
     # the survivors' collectives with the frozen host were aborted, not waited out to the collective timeout
     assert rec["rto_s"] < COLLECTIVE_TIMEOUT_S / 5, rec
     assert all(p.status() == psutil.STATUS_STOPPED for p in frozen)  # no process of host 1 ever ran again
+
+
+def start_hosts(job: Job, hosts: netns.Hosts, *layout: str) -> list:
+    """A per_host torchrun tree on each of the three hosts, training: host 0 (torchrun's rendezvous store and the
+    controller), host 1 (ranks 2 and 3), host 2 (the spare host)."""
+    head = hosts.address(0)
+    port = free_port()
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{port}", f"--rdzv-id={job.token[:8]}"]
+    overrides = ["launcher.mode=per_host", *layout, f"launcher.control_host={head}"]
+    env = {**SECRET, "GLOO_SOCKET_IFNAME": hosts.IFNAME}  # gloo on the host's own link, not the hostname's address
+    trees: list = []
+    for i in range(3):
+        # host 0 hosts torchrun's rendezvous store and, started first, gets node rank 0 (ranks follow pids)
+        # (the hosts share one host name: --local-addr is what torchrun hands out as MASTER_ADDR)
+        conf = [f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={hosts.address(i)}"]
+        trees.append(job.torchrun(3, 1, rdzv + conf, 0, *overrides, extra_env=env, prefix=tuple(hosts.exec_prefix(i))))
+        if i == 0:
+            wait_for("the rendezvous store", lambda: _listens(trees[0].pid, port), procs=trees, timeout_s=60)
+    wait_for("training", lambda: max_step(job.run_dir) >= 3, procs=trees)
+    joined = {e["node"]: e["pid"] for e in events(job.run_dir, "host_joined")}
+    assert sorted(joined) == [0, 1, 2]
+    for node, tree in enumerate(trees):
+        assert joined[node] in _tree_pids(tree.pid), f"node {node} is not the tree started on host {node}"
+    return trees
 
 
 def _listens(pid: int, port: int) -> bool:

@@ -59,12 +59,13 @@ class Detector:
                 return  # written in a moment; read it next round
             self.reports_seen += 1
             rep = protocol.get_json(self.store, key)
-            if rep.get("fatal"):
+            # about a generation already replaced, or from a worker already written off (a restart of every
+            # rank kills the reporters before the next generation exists; a lost host's worker heard again after
+            # a partition healed, even one that failed: it is fenced): nothing new
+            stale = rep.get("gen", self.members.gen) < self.members.gen or self.members.workers[rep["wid"]].dead
+            if rep.get("fatal") and not self.members.workers[rep["wid"]].dead:
                 self.fail(f"worker {rep['wid']} failed: {rep['reason']}")
                 return
-            # about a generation already replaced, or from a worker already written off (a restart of every
-            # rank kills the reporters before the next generation exists): nothing new
-            stale = rep.get("gen", self.members.gen) < self.members.gen or self.members.workers[rep["wid"]].dead
             self.events.emit("symptom_reported", stale=stale, **short(rep))
             if not stale:
                 self.incidents.symptom("report", **rep)
