@@ -34,8 +34,8 @@ from runner.config.schema import (
 )
 from runner.topology import Topology, spare_count
 
-RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
-               "wipe_shm", "corrupt_snapshot")
+RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "param_bitflip", "slow_link", "partition",
+               "kill_all", "wipe_shm", "corrupt_snapshot")
 _TIMED = tuple(k for k in choices(FaultKind) or () if k not in ("none", "chaos"))  # injected at a step or time
 # fault keys -> the kinds that read them; any other kind ignores them
 _FAULT_KEY_USERS = {
@@ -417,6 +417,10 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
                                             or "deadpool" not in ft_names(cfg)):
             out.append(f"{where}: during=replication kills a rank while its ZeRO-1 shard is being copied: it needs "
                        "kind=kill_rank, a fault.step, parallel.zero=1 and ft=deadpool.")
+        if one.kind == "param_bitflip" and (cfg.parallel.zero or dp_size(cfg) < 2 or one.during != "step"):
+            out.append(f"{where}: param_bitflip makes one data-parallel replica's parameters differ from the others'; "
+                       f"it needs parallel.zero=0 (ZeRO-1's parameter sync overwrites or spreads the flipped element), "
+                       f"at least 2 replicas (this layout has {dp_size(cfg)}) and during=step.")
         if one.kind == "chaos":
             out += _chaos_problems(one, where)
         elif (one.kind not in ("none", "slow_rank") and one.during in ("step", "after_reduce") and one.step < 0
@@ -428,6 +432,9 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
     if cfg.trainer.sdc_factor < 0 or cfg.trainer.sdc_window < 1:
         out.append(f"trainer.sdc_factor ({cfg.trainer.sdc_factor}) must be >= 0 (0 = guard off) and "
                    f"trainer.sdc_window ({cfg.trainer.sdc_window}) >= 1.")
+    if cfg.trainer.replica_check_every_n_steps < 0:
+        out.append(f"trainer.replica_check_every_n_steps={cfg.trainer.replica_check_every_n_steps} must be >= 0 "
+                   "(0 = no replica check during training).")
     if cfg.trainer.max_steps < 1:
         out.append(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1.")
     if cfg.checkpoint.every_n_steps < 0:
