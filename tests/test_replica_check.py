@@ -87,6 +87,7 @@ def test_two_diverged_replicas_fail_the_run_within_n_steps_with_the_reason(run_d
     assert [e["status"] for e in run.events("run_end")] == ["failed"]
 
 
+@pytest.mark.slow
 def test_with_the_check_off_the_divergence_is_caught_only_at_the_end(run_dir):
     run = run_cli(*ONE_BY_TWO, "fault=param_bitflip", "fault.rank=1", "fault.step=3",
                   "trainer.replica_check_every_n_steps=0", run_dir=run_dir)
@@ -94,3 +95,15 @@ def test_with_the_check_off_the_divergence_is_caught_only_at_the_end(run_dir):
     assert s["status"] == "failed", run.output[-4000:]
     assert "replicas ended with different parameters" in s["error"]
     assert run.events("replica_diverged") == [] and s["global_step"] == 30
+
+
+def test_with_tensor_parallelism_the_slice_that_diverged_fails_the_run(run_dir):
+    """tp=2, 2 replicas: only the victim's slice (tp 1) differs, its DP group compares it (no collective of its own)
+    and, with no majority, fails the run; the other slice's group saw its replicas agree."""
+    run = run_cli("+recipe=gpt_tiny", "trainer.max_steps=12", "parallel.procs_per_node=4", "parallel.tp=2",
+                  "fault=param_bitflip", "fault.rank=1", "fault.step=3", "trainer.replica_check_every_n_steps=5",
+                  run_dir=run_dir)
+    s = run.summary
+    assert s["status"] == "failed" and "replicas diverged: at step 5" in s["error"], run.output[-4000:]
+    [event] = run.events("replica_diverged")
+    assert (event["step"], event["slice"], event["ranks"], event["action"]) == (5, [0, 1], [1, 3], "fail")
