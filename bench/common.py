@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -61,9 +62,10 @@ def median_spread(values: list[float]) -> str:
     return f"median {statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f}, n={len(values)})"
 
 
-def throughput_args(doc: str, steps: int = 80, rounds: int = 3, realistic_steps: int = 0) -> argparse.Namespace:
+def throughput_args(doc: str, steps: int = 80, rounds: int = 3, realistic_steps: int = 0,
+                    only: Sequence[tuple[str, str]] = ()) -> argparse.Namespace:
     """--ranks, --steps and --rounds of the interleaved steps/s comparisons (and --realistic-steps when a
-    bench has a second, heavier workload)."""
+    bench has a second, heavier workload; ``only``: (flag, help) of switches that run one comparison alone)."""
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=steps)
@@ -71,4 +73,6 @@ def throughput_args(doc: str, steps: int = 80, rounds: int = 3, realistic_steps:
     if realistic_steps:
         ap.add_argument("--realistic-steps", type=int, default=realistic_steps)
         ap.add_argument("--realistic-only", action="store_true", help="skip the light workload's runs")
+    for flag, text in only:
+        ap.add_argument(flag, action="store_true", help=text)
     return ap.parse_args()

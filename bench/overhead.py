@@ -1,6 +1,6 @@
 """Fault-free cost of fault tolerance: steps/s with and without it, interleaved, in one invocation.
 
-Two comparisons, each against a baseline measured in the same rounds:
+Three comparisons, each against a baseline measured in the same rounds:
 - ft=[flashrecovery] against ft=[] (replicated optimizer state, one node): heartbeats and the
   controller run in both (they are how a run without fault tolerance still fails fast instead of
   hanging); what ft adds is the recovery machinery, which must cost nothing while no fault happens.
@@ -10,7 +10,10 @@ Two comparisons, each against a baseline measured in the same rounds:
   sends its whole shard to its holder after every update. Either must hide under the next step's
   compute (the one idle hot spare DeadPool needs is started too). Each mode's bytes sent per rank and
   step are printed beside it: once seeded, and averaged over the run (the seeds and digests included).
-Targets: the ratios of ft=[flashrecovery] and DeadPool's replay >= 0.99.
+- the replica check (trainer.replica_check_every_n_steps) every step and every 10 steps (the default)
+  against the check off (``--replica-check-only`` runs these alone, one node, ft=[]): a fingerprint of
+  the parameters on a check step, slots in the last bucket of the all-reduce every step.
+Targets: the ratios of ft=[flashrecovery], DeadPool's replay and the replica check >= 0.99.
 A third ratio is the control: ``zero=1 ft=[]`` run again after the others in each round, over
 its first run. Its work is identical, so how far it lands from 1.000 is the resolution of this
 run's ratios on this host.
@@ -40,15 +43,20 @@ default is 200 steps (gpt_tiny), 30 (realistic) and 6 rounds (~40 minutes on the
 host: a realistic step takes 1-3 s there); --realistic-only skips the gpt_tiny runs.
 
     python bench/overhead.py [--ranks 4] [--steps 200] [--realistic-steps 30] [--rounds 6] [--realistic-only]
+                             [--replica-check-only]
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import time
 
+import torch
 from common import median_spread, run_cli, steady_steps_per_s, throughput_args
 from tree_cpu import TreeCPU
+
+from runner.replica_check import fingerprint
 
 SKIP = 10  # start-up and warm-up steps left out
 REALISTIC = ["model.d_model=256", "model.n_head=4", "model.n_layer=2", "model.seq_len=512"]
@@ -67,6 +75,10 @@ def layouts(ranks: int) -> dict[str, list[str]]:
         "zero=1 ft=[deadpool] replay": [*two_nodes, *deadpool, "ft.deadpool.replication=replay"],
         "zero=1 ft=[deadpool] copy": [*two_nodes, *deadpool, "ft.deadpool.replication=copy"],
         "zero=1 ft=[] again": [*two_nodes, "ft=[]"],
+        "check off": [*one_node, "ft=[]", "trainer.replica_check_every_n_steps=0"],
+        "check every step": [*one_node, "ft=[]", "trainer.replica_check_every_n_steps=1"],
+        "check every 10 steps": [*one_node, "ft=[]", "trainer.replica_check_every_n_steps=10"],
+        "check off again": [*one_node, "ft=[]", "trainer.replica_check_every_n_steps=0"],
         "realistic zero=1 ft=[]": [*realistic, "ft=[]"],
         "realistic zero=1 ft=[deadpool] replay": [*realistic, *deadpool, "ft.deadpool.replication=replay"],
         "realistic zero=1 ft=[deadpool] copy": [*realistic, *deadpool, "ft.deadpool.replication=copy"],
@@ -79,6 +91,9 @@ COMPARISONS = (
     ("zero=1 ft=[deadpool] replay", "zero=1 ft=[]", "target >= 0.99"),
     ("zero=1 ft=[deadpool] copy", "zero=1 ft=[]", "the per-step copy, for comparison"),
     ("zero=1 ft=[] again", "zero=1 ft=[]", "control: the same work, ideally 1.000"),
+    ("check every step", "check off", "target >= 0.99"),
+    ("check every 10 steps", "check off", "target >= 0.99"),
+    ("check off again", "check off", "control: the same work, ideally 1.000"),
     ("realistic zero=1 ft=[deadpool] replay", "realistic zero=1 ft=[]", "target >= 0.99"),
     ("realistic zero=1 ft=[deadpool] copy", "realistic zero=1 ft=[]", "the per-step copy, for comparison"),
     ("realistic zero=1 ft=[] again", "realistic zero=1 ft=[]", "control: the same work, ideally 1.000"),
@@ -102,11 +117,13 @@ def pair_ratios(candidate: list[float], base: list[float]) -> list[float]:
 
 
 def main() -> None:
-    args = throughput_args(__doc__, steps=200, rounds=6, realistic_steps=30)
+    args = throughput_args(__doc__, steps=200, rounds=6, realistic_steps=30,
+                           only=[("--replica-check-only", "run only the replica check's comparison")])
     if args.rounds % 2:
         raise SystemExit(f"--rounds {args.rounds}: give an even number (rounds run in pairs, one in each order)")
     runs = {name: overrides for name, overrides in layouts(args.ranks).items()
-            if name.startswith("realistic") or not args.realistic_only}
+            if (name.startswith("check") if args.replica_check_only else
+                name.startswith("realistic") or not args.realistic_only)}
     comparisons = [c for c in COMPARISONS if c[0] in runs]
     results: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, list[float]] = {name: [] for name in runs}
@@ -122,10 +139,13 @@ def main() -> None:
                 ranks_steps = summary["world_size"] * steps
                 sent[name] = (summary["replication_bytes_per_step"] / summary["world_size"],
                               summary["replication_bytes_sent"] / ranks_steps)
-    tiny = "" if args.realistic_only else f"steps {SKIP}..{args.steps} (gpt_tiny, ~128 tokens per rank and step) and "
-    print(f"{args.ranks} ranks, {tiny}steps {SKIP}..{args.realistic_steps} (realistic: {' '.join(REALISTIC)}, "
-          f"{REALISTIC_SAMPLES_PER_RANK * 512} tokens per rank and step), rounds: {args.rounds}, every other one "
-          "in reverse order")
+    if args.replica_check_only:
+        print(fingerprint_cost())
+    tiny = "" if args.realistic_only else f"steps {SKIP}..{args.steps} (gpt_tiny, ~128 tokens per rank and step)"
+    realistic = "" if args.replica_check_only else (
+        f"{' and ' if tiny else ''}steps {SKIP}..{args.realistic_steps} (realistic: {' '.join(REALISTIC)}, "
+        f"{REALISTIC_SAMPLES_PER_RANK * 512} tokens per rank and step)")
+    print(f"{args.ranks} ranks, {tiny}{realistic}, rounds: {args.rounds}, every other one in reverse order")
     for name, values in results.items():
         print(f"  {name:38s} steps/s {median_spread(values)}")
         print(f"  {'':38s} CPU s per step, all processes of the run, {median_spread(cpu[name])}")
@@ -140,6 +160,21 @@ def main() -> None:
         cpu_ratios = pair_ratios(cpu[base], cpu[candidate])
         print(f"    CPU per step {base} / {candidate}: {statistics.median(cpu_ratios):.3f} "
               f"(per pair of rounds {', '.join(f'{r:.3f}' for r in cpu_ratios)})")
+
+
+def fingerprint_cost() -> str:
+    """What one check step adds on a rank, in this process: the fingerprint of gpt_tiny's and of a 25 M-parameter
+    model's float32 parameters (median of 5)."""
+    out = []
+    for name, numel in (("gpt_tiny", 120_000), ("25M parameters", 25_000_000)):
+        params = [torch.randn(numel // 10) for _ in range(10)]
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fingerprint(params)
+            times.append(time.perf_counter() - t0)
+        out.append(f"{name} {statistics.median(times) * 1e3:.2f} ms")
+    return "fingerprint of the parameters (one rank, one check step): " + ", ".join(out)
 
 
 if __name__ == "__main__":

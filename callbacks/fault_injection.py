@@ -3,14 +3,16 @@
 Kills and stops are carried out by the controller (a process other than the victim), so a
 SIGKILL lands exactly at the announced step. Each fault fires once per job, claimed through an
 atomic counter in the store, so a replacement never inherits its predecessor's fate. Faults of
-the victim's own links or gradients (transient, slow_link, partition, bitflip) are armed here, the
-links' on the ``runner.faults.comm_faults.FaultInjectingComm`` a fault config gives the worker.
+the victim's own links, gradients or parameters (transient, slow_link, partition, bitflip, param_bitflip)
+are armed or done here, the links' on the ``runner.faults.comm_faults.FaultInjectingComm`` a fault config
+gives the worker.
 With fault=chaos the controller orders such a fault: it writes the order and signals this
 process, whose handler only raises a flag; the order is read at the next step start.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -59,7 +61,8 @@ class FaultTrigger(Callback):
             else:
                 self._arm_link_fault(order["index"], order["kind"], delay_s=0.0, duration_s=order["duration_s"])
         for i, fault in self.faults:
-            if not self._targets_me(fault) or fault.during not in ("step", "after_reduce") or fault.kind == "bitflip":
+            if (not self._targets_me(fault) or fault.during not in ("step", "after_reduce")
+                    or fault.kind in ("bitflip", "param_bitflip")):
                 continue
             if fault.kind == "slow_rank":
                 if step >= max(fault.step, 0):
@@ -106,6 +109,16 @@ class FaultTrigger(Callback):
                 return
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """param_bitflip: once step ``fault.step``'s update is in, flip one parameter bit on the victim alone, so its
+        replica silently differs from the others' (the replica check's fault)."""
+        step = trainer.global_step - 1  # the step just committed
+        for i, fault in self.faults:
+            if (fault.kind == "param_bitflip" and self._targets_me(fault) and self._due(fault, step)
+                    and self.comm.store.add(f"fault/claim/{i}", 1) == 1):
+                param = next(p for p in pl_module.parameters() if p.requires_grad and p.is_floating_point())
+                _flip_mantissa_bit(param.data)
+                self.events.emit("fault_injected", fault="param_bitflip", index=i, victims=[self.comm.logical_rank],
+                                 at_step=step)
         if self._copy_held is not None:
             fire, release = self._copy_held
             self._copy_held = None
@@ -160,6 +173,15 @@ class FaultTrigger(Callback):
         """The communicator's fault hooks: a worker with faults to inject is given a ``FaultInjectingComm``."""
         assert isinstance(self.comm, FaultInjectingComm)
         return self.comm
+
+
+def _flip_mantissa_bit(param: torch.Tensor) -> None:
+    """A mantissa bit of the first element, in place: the eighth below the top one (a relative change of 2**-8 in
+    float32, the lowest bit in bfloat16), too small for any loss or norm to notice and too large for the next
+    updates' rounding to erase, as a flip of the lowest bit can be."""
+    bit = max(round(-math.log2(torch.finfo(param.dtype).eps)) - 8, 0)
+    first = param.view(-1)[:1].view(torch.uint8)  # little-endian: bit k is in byte k // 8
+    first[bit // 8 : bit // 8 + 1].bitwise_xor_(1 << (bit % 8))
 
 
 def _flip_top_exponent_bit(grad: torch.Tensor) -> torch.Tensor:

@@ -52,8 +52,10 @@ from runner.parallel.pipeline import GPTStage, OneFOneB
 from runner.parallel.tensor import clip_grads_, grad_squares
 from runner.recovery.hooks import MicroBatchTakeover, UpdateReplication
 from runner.recovery.sdc import GradientGuard
+from runner.reducer import trainable_params
 from runner.status import WorkerStatus
 from runner.training.commit import OnCommit, Recover, StepCommit
+from runner.training.divergence import ReplicaDivergence
 from runner.training.packed import from_bytes, to_bytes
 from runner.training.state import ReplicaState
 from runner.training.transfer import TrainerState
@@ -97,6 +99,7 @@ class ResilientStrategy(ParallelStrategy):
         accumulate: int = 1,
         validation: StepValidation | None = None,
         pipeline_micro_batches: int = 1,
+        replica_check_every_n_steps: int = 0,
     ) -> None:
         super().__init__(
             accelerator=None,
@@ -133,10 +136,14 @@ class ResilientStrategy(ParallelStrategy):
         self._pipeline_batch: Any = None  # pp > 1: the step's batch, kept for the schedule
         self.update = CommittedUpdate(lambda: self._module.trainer.global_step)
         self.state = TrainerState(lambda: self._module, lambda: self.optimizers, self.update, guard)
+        check = ReplicaDivergence(comm, events, self.state, replica_check_every_n_steps,
+                                  lambda: trainable_params(self._module)[::-1],
+                                  lambda: comm.replica_size == 1 and self.update.zero is None)
         self.commit = StepCommit(comm, events, status, self.state, self.update, lambda: self._module,
                                  bucket_bytes=int(bucket_mb * 2**20), guard=guard, takeover=takeover,
                                  recover=recover, on_commit=on_commit,
-                                 agree=self._agree_on_step if comm.replica_size > 1 else None)
+                                 agree=self._agree_on_step if comm.replica_size > 1 else None,
+                                 replica_check=check if replica_check_every_n_steps > 0 else None)
         self._full_grad_norm = torch.zeros(())  # tp*pp > 1: the full model's gradient norm of the committed step
 
     # -- identity -------------------------------------------------------------------------------

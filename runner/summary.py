@@ -62,6 +62,8 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
         "takeovers": [{"wid": wid, **d["takeover"]} for wid, d in done.items() if "takeover" in d],
         **_replication(done),
         "sdc_recomputed_steps": [e["step"] for e in events if e["kind"] == "sdc_detected"],
+        "replica_divergences": [{k: e[k] for k in ("step", "ranks", "action") if k in e}
+                                for e in events if e["kind"] == "replica_diverged"],
         "steps_redone": len(metrics) - len(committed),
         **accounting,
     }

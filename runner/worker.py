@@ -166,6 +166,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         accumulate=cfg.trainer.accumulate_grad_batches,
         validation=StepValidation(cfg.trainer.val_check_interval, cfg.trainer.limit_val_batches),
         pipeline_micro_batches=cfg.trainer.micro_batches or topology.pp,
+        replica_check_every_n_steps=cfg.trainer.replica_check_every_n_steps,
     )
     checkpoint = LightningCheckpoint(run_dir, cfg.checkpoint.every_n_steps, cfg.seed, events)
     is_rank0 = spec.logical_rank == 0

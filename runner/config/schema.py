@@ -20,7 +20,8 @@ from runner.config.ft_schema import FT_SCHEMAS
 Backend = Annotated[str, Literal["auto", "gloo", "nccl"]]
 ZeroStage = Annotated[int, Literal[0, 1]]
 FaultKind = Annotated[str, Literal["none", "kill_rank", "kill_node", "hang_rank", "transient", "slow_rank", "bitflip",
-                                   "slow_link", "partition", "kill_all", "wipe_shm", "corrupt_snapshot", "chaos"]]
+                                   "param_bitflip", "slow_link", "partition", "kill_all", "wipe_shm",
+                                   "corrupt_snapshot", "chaos"]]
 ChaosKind = Annotated[str, Literal["transient", "kill_rank", "hang_rank", "kill_node", "bitflip", "partition",
                                    "kill_all"]]
 FaultMoment = Annotated[str, Literal["step", "recovery", "replication", "after_reduce"]]
@@ -294,6 +295,11 @@ class TrainerConfig:
     the median of recent accepted steps; 0 = off."""
     sdc_window: PositiveInt = 20
     """Accepted steps that median is taken over."""
+    replica_check_every_n_steps: NonNegativeInt = 10
+    """Replica check: every N committed steps, each data-parallel replica's parameter fingerprint rides in the step's
+    gradient all-reduce (no collective of its own); replicas that disagree are restored from the majority and the
+    step recomputed, or the run fails with replica_diverged when none can be trusted; 0 = off (divergence then
+    shows only in the final checksums). docs/recovery.md."""
     log_every_n_steps: PositiveInt = 1
     """Experiment-logger cadence (metrics.jsonl gets every committed step regardless)."""
     progress_bar: bool = True

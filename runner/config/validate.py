@@ -40,8 +40,8 @@ from runner.control.stragglers import config_problems as straggler_config_proble
 from runner.objective import LOGGED
 from runner.topology import Topology, spare_count
 
-RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "slow_link", "partition", "kill_all",
-               "wipe_shm", "corrupt_snapshot")
+RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "param_bitflip", "slow_link", "partition",
+               "kill_all", "wipe_shm", "corrupt_snapshot")
 _TIMED = tuple(k for k in choices(FaultKind) or () if k not in ("none", "chaos"))  # injected at a step or time
 # fault keys -> the kinds that read them; any other kind ignores them
 _FAULT_KEY_USERS = {
@@ -448,6 +448,10 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
             out.append(f"{where}: during=replication kills a rank while its ZeRO-1 shard's copy after an update is in "
                        "flight, but ft.deadpool.replication=replay copies no shard after an update (its holder replays "
                        "the update): add ft.deadpool.replication=copy.")
+        if one.kind == "param_bitflip" and (cfg.parallel.zero or dp_size(cfg) < 2 or one.during != "step"):
+            out.append(f"{where}: param_bitflip makes one data-parallel replica's parameters differ from the others'; "
+                       f"it needs parallel.zero=0 (ZeRO-1's parameter sync overwrites or spreads the flipped element), "
+                       f"at least 2 replicas (this layout has {dp_size(cfg)}) and during=step.")
         if one.kind == "chaos":
             out += _chaos_problems(one, where)
         elif (one.kind not in ("none", "slow_rank") and one.during in ("step", "after_reduce") and one.step < 0

@@ -6,8 +6,8 @@ one would, then releases it. Faults configured for the same step (and moment) ar
 carried out together once each victim announced (or ``TOGETHER_WITHIN_S`` after the first did), so
 that the controller decides on all their exits at once, however many milliseconds apart the victims
 reached the step. Faults that damage snapshot memory do so here too (``runner.faults.snapshot_memory``).
-Faults the worker carries out itself (transient, slow_rank, bitflip, slow_link, partition) need
-nothing here.
+Faults the worker carries out itself (transient, slow_rank, bitflip, param_bitflip, slow_link, partition)
+need nothing here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from runner.control.context import RunContext
 from runner.control.records import Worker
 from runner.faults import snapshot_memory
 
-WORKER_CARRIED = ("transient", "slow_rank", "bitflip", "slow_link", "partition", "chaos")
+WORKER_CARRIED = ("transient", "slow_rank", "bitflip", "param_bitflip", "slow_link", "partition", "chaos")
 TOGETHER_WITHIN_S = 2.0  # victims of one step's faults announce within milliseconds; this bounds a missing one
 
 

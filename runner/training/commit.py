@@ -4,9 +4,10 @@ Every attempt first lets a ``MicroBatchTakeover`` add the micro-batches of faile
 covers, then all-reduces the gradients with the step's accounting (``GradReducer``). A failed
 collective hands over to the run's recovery (regroup, reconcile, state to newcomers) and the very
 same step is retried; a reduction the corruption guard rejects is recomputed from the same batch and
-seed. Once committed, the sums become means in ``.grad``, and ``on_commit`` learns the step's
-accounting (one count per logical rank whose micro-batch went in, whether any member was asked to stop,
-the validation loss sum and batch count when the step carries a validation, the loss sum, misplaced
+seed, and so is one whose replica check (``runner.training.divergence``) restored a diverged replica.
+Once committed, the sums become means in ``.grad``, and ``on_commit`` learns the step's accounting
+(one count per logical rank whose micro-batch went in, whether any member was asked to stop, the
+validation loss sum and batch count when the step carries a validation, the loss sum, misplaced
 batches). The stop flag lets every member learn a stop at the same committed step (``stop_agreed``).
 """
 
@@ -27,6 +28,7 @@ from runner.recovery.hooks import MicroBatchTakeover
 from runner.recovery.sdc import GradientGuard
 from runner.reducer import GradReducer
 from runner.status import WorkerStatus
+from runner.training.divergence import ReplicaDivergence
 from runner.training.state import ReplicaState
 from runner.training.update import CommittedUpdate
 
@@ -41,14 +43,17 @@ class StepCommit:
                  update: CommittedUpdate, module: Callable[[], LightningModule], *, bucket_bytes: int,
                  guard: Optional[GradientGuard] = None, takeover: Optional[MicroBatchTakeover] = None,
                  recover: Optional[Recover] = None, on_commit: Optional[OnCommit] = None,
-                 agree: Optional[Callable[[], None]] = None) -> None:
-        """``agree``: with tp*pp > 1, a collective over the world group after the reduction (``commit``)."""
+                 agree: Optional[Callable[[], None]] = None,
+                 replica_check: Optional[ReplicaDivergence] = None) -> None:
+        """``agree``: with tp*pp > 1, a collective over the world group after the reduction (``commit``);
+        ``replica_check``: the replicas' fingerprints ride in the accounting every N steps."""
         self.comm, self.events, self.status = comm, events, status
         self.agree = agree
         self.state, self.update, self._module = state, update, module
         self.bucket_bytes = bucket_bytes
         self.guard, self.takeover = guard, takeover
         self.recover, self.on_commit = recover, on_commit
+        self.replica_check = replica_check
         self._reducer: Optional[GradReducer] = None  # built at the first step, once the module is set up
         self._batch_sample: Optional[Tensor] = None
         self._batch_loss: Optional[float] = None
@@ -136,6 +141,11 @@ class StepCommit:
                     self.takeover.take_over(step, wanted, source, self._grad_params())
                 self.status.phase = "reduce"
                 grads, extras = self.reducer.reduce()
+                if self.replica_check is not None and self.replica_check.inspect(step, extras[self._check_slots]):
+                    closure()  # a diverged replica was restored: every rank's gradients again, from agreeing state
+                    if self.takeover is not None:
+                        self.takeover.reset()
+                    continue
                 if self.guard is None or self._guard_accepts(grads):
                     if self.agree is not None:  # the DP groups reduce apart: every TP slice commits the step, or none
                         self._write_back()
@@ -210,9 +220,16 @@ class StepCommit:
 
     # -- the reduction and its accounting --------------------------------------------------------
     @property
+    def _check_slots(self) -> slice:
+        """The replica check's slots: after the stop flag, before the four sums."""
+        size = self.replica_check.size if self.replica_check is not None else 0
+        return slice(self.dp_size + 1, self.dp_size + 1 + size)
+
+    @property
     def _extras_size(self) -> int:
-        """The counts per logical rank, the stop flag, and the four sums from ``VAL_LOSS_SUM`` to the end."""
-        return self.dp_size + 1 - VAL_LOSS_SUM
+        """The counts per logical rank, the stop flag, the replica check's slots, and the four sums from
+        ``VAL_LOSS_SUM`` to the end."""
+        return self._check_slots.stop - VAL_LOSS_SUM
 
     @property
     def reducer(self) -> GradReducer:
@@ -222,11 +239,14 @@ class StepCommit:
         return self._reducer
 
     def _accounting(self) -> Tensor:
-        """One count per logical rank whose micro-batch went in, the stop flag (at ``dp_size``), then (from
-        ``VAL_LOSS_SUM`` on) the validation loss sum and batches, the loss sum, misplaced batches."""
+        """One count per logical rank whose micro-batch went in, the stop flag (at ``dp_size``), the replica check's
+        slots, then (from ``VAL_LOSS_SUM`` on) the validation loss sum and batches, the loss sum, misplaced
+        batches."""
         step = self._module().trainer.global_step
         extras = torch.zeros(self._extras_size, dtype=torch.float64)
         extras[self.dp_size] = float(self.status.stop_requested)
+        if self.replica_check is not None:
+            extras[self._check_slots] = self.replica_check.slots(step)
         sample_step, sample_rank = (step, self.comm.dp_rank)
         if self._batch_sample is not None:
             sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())

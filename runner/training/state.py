@@ -51,6 +51,10 @@ class ReplicaState(Protocol):
     def adopt_committed_state(self, ckpt: dict) -> None:
         """A lagging survivor takes a peer's post-step state and skips its own update."""
 
+    def adopt_replica_state(self, ckpt: dict) -> None:
+        """A replica found diverged takes a majority member's state in place of its own; its update of the
+        step still comes (the step is recomputed)."""
+
     def adopt_guard_history(self, state: Optional[dict]) -> None:
         """The corruption guard's history from a peer's ``state``, if it carries one."""
 

@@ -70,13 +70,16 @@ class TrainerState:
         return ckpt
 
     def adopt_committed_state(self, ckpt: dict) -> None:
+        self.adopt_replica_state(ckpt)
+        self.update.skip_own()
+
+    def adopt_replica_state(self, ckpt: dict) -> None:
         module = self._module()
         assert module is not None
         module.load_state_dict(ckpt["state_dict"])
         for opt, state in zip(self._optimizers(), ckpt["optimizer_states"]):
             opt.load_state_dict(state)
         self.adopt_guard_history(ckpt)
-        self.update.skip_own()
 
     def adopt_guard_history(self, state: Optional[dict]) -> None:
         if self.guard is not None and state and SDC_HISTORY in state:
