@@ -6,13 +6,13 @@
 For each N, node 0's side is the code a job runs, untouched: a process composes the config (``launcher.mode=
 per_host``, ``ft=[flashrecovery,deadpool]``, N training hosts of ``--ranks-per-host`` ranks and one spare host),
 hosts the store and runs ``runner.control.controller.Controller`` with every agent remote. ``--generators``
-processes stand in for the N + 1 hosts, without training: each host registers its agent, beats
-``agent/<n>/hb`` every half interval and serves its signed command queue (spawn: a simulated worker, acked
-with a made-up pid; signal; shutdown) on a thread of its own, as a node agent does; every simulated worker
-does what a worker's heartbeat thread does each ``heartbeat.interval_s`` (set ``hb/<wid>``, get ``gen``, check
-``stop``: three operations), its step advancing; a new replacement or spare writes ``ready/<wid>``; and each
-rank adopts every generation it is a member of (reads ``gen/<g>``, writes ``pg/<g>/arrived/<rank>``). Faults,
-one after the other, each once the job is steady:
+processes stand in for the N + 1 hosts, without training: each host registers its agent, beats ``agent/<n>/hb``
+every half interval (and reads its fence), and serves its signed command queue (spawn: a simulated worker, acked
+with a made-up pid; signal; shutdown) on a thread of its own, as a node agent does; every simulated worker does what
+a worker's heartbeat thread does each ``heartbeat.interval_s`` (set ``hb/<wid>``, get ``gen``, check ``stop`` and
+its fence: four operations), its step advancing; a new replacement or spare writes ``ready/<wid>``; and each rank
+adopts every generation it is a member of (reads ``gen/<g>``, writes ``pg/<g>/arrived/<rank>``). Faults, one after
+the other, each once the job is steady:
 
 - crash: a worker's exit is reported by its agent (``agent/<n>/exit/<k>``), as after a SIGKILL;
 - silent host: a host's agent and workers stop writing anything (a host cut off or powered down);
@@ -235,15 +235,18 @@ class Generator:
             t_next = time.monotonic() + self.interval_s / 2
             now = time.time()
             for host in self.hosts.values():
-                if not host.silent:
+                if not host.silent:  # its beat, and whether the controller fenced the host
                     store.set(protocol.agent_key(host.node, "hb"), str(now))
+                    store.check([protocol.node_fence_key(host.node)])
                     self.ops.add("agent_hb")
+                    self.ops.add("fenced", poll=True)
             self.stop.wait(max(0.0, t_next - time.monotonic()))
 
     def beat_workers(self) -> None:
         """Every worker every interval: what its heartbeat thread does (set ``hb/<wid>``, get ``gen``, check
-        ``stop``). One thread does every worker of this generator in turn: when a round takes longer than the
-        interval the beats fall behind, which ``Run.steady`` reports against the rate the protocol prescribes."""
+        ``stop`` and the worker's fence). One thread does every worker of this generator in turn: when a round
+        takes longer than the interval the beats fall behind, which ``Run.steady`` reports against the rate the
+        protocol prescribes."""
         from runner import protocol
 
         store = protocol.connect("127.0.0.1", self.port, 60)
@@ -258,8 +261,10 @@ class Generator:
                 store.set(f"hb/{w.wid}", json.dumps(payload))
                 store.get("gen")
                 store.check([protocol.STOP])
+                store.check([protocol.worker_fence_key(w.wid)])
                 self.ops.add("hb", 2)
                 self.ops.add("stop", poll=True)
+                self.ops.add("fenced", poll=True)
             self.stop.wait(max(0.0, t_next - time.monotonic()))
 
     def adopt(self) -> None:
@@ -417,8 +422,9 @@ class Run:
         c1, g1, ops1, t1 = self.cpu([self.controller]), self.cpu(self.gens), self.ops(), time.monotonic()
         span, spent = t1 - t0, ops1 - ops0
         interval = 0.1
-        prescribed = (3 * self.world + 2 * (self.hosts + 1)) / interval  # workers' 3 per beat, agents' 2 beats
-        achieved = (spent["op:hb"] + spent["poll:stop"] + spent["op:agent_hb"]) / span
+        # a worker's 4 operations per beat; an agent's 2 per beat, every half interval
+        prescribed = (4 * self.world + 4 * (self.hosts + 1)) / interval
+        achieved = (spent["op:hb"] + spent["poll:stop"] + spent["poll:fenced"] + spent["op:agent_hb"]) / span
         return {"controller_cpu": (c1 - c0) / span, "generators_cpu": (g1 - g0) / span,
                 "store_ops_per_s": sum(spent.values()) / span, "beat_ops_per_s": achieved,
                 "beat_ops_prescribed_per_s": prescribed}
