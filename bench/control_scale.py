@@ -56,7 +56,8 @@ STEP_S = 0.1  # a simulated step: the step a simulated worker's heartbeat report
 STEADY_S = 4.0  # how long steady state is measured (--steady-s)
 FAULT_TIMEOUT_S = 60.0
 SATURATED = 0.9  # generators reaching less of the prescribed heartbeat rate than this cannot stand in for hosts
-RECOVERY_CLASSES = ("gen", "pg", "agent", "ready")  # a recovery's own store traffic; heartbeats are steady state
+# a recovery's own store traffic; heartbeats are steady state
+RECOVERY_CLASSES = ("gen", "pg", "agent", "ready", "fenced")
 # Operations whose number follows from the protocol; a wait or check in a polling loop follows the clock instead
 WRITES_AND_READS = frozenset({"set", "get", "add", "compare_set", "delete_key"})
 
@@ -86,7 +87,8 @@ def serve_controller(hosts: int, ranks_per_host: int, misses: int, run_dir: Path
     validate(cfg, for_training=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     store = protocol.host_store("127.0.0.1", cfg.launcher.start_timeout_s)
-    (run_dir / "port").write_text(str(store.port))
+    (run_dir / "port.tmp").write_text(str(store.port))
+    (run_dir / "port.tmp").replace(run_dir / "port")  # whole or absent: the bench reads it as soon as it exists
     Controller(cfg, run_dir, store=store, address=("127.0.0.1", store.port), agents_started_here=[]).run()
 
 
@@ -303,7 +305,7 @@ def serve_hosts(port: int, nodes: list[int], out: Path, interval_s: float, secre
 
 
 # -- the bench's side -------------------------------------------------------------------------------------
-def recovery_ops(world: int, fault: str) -> dict[str, int]:
+def recovery_ops(world: int, ranks_per_host: int, fault: str) -> dict[str, int]:
     """A recovery's store writes and reads by key class (polls left out: their number follows the clock), from
     the protocol, for a job of ``world`` ranks:
 
@@ -315,14 +317,26 @@ def recovery_ops(world: int, fault: str) -> dict[str, int]:
       generators do not issue (one watch per generator stands in for the waits);
     - ``agent``: an exit report (the agent's counter and record, the controller's read: 3); a command (the
       controller's counter and record, the agent's read and acknowledgement, the controller's read of it: 5): a
-      crash is an exit and a replacement's spawn, a hang also the kill before them, a silent host nothing;
-    - ``ready``: the replacement's ready key (the controller looks for it in a polling check).
+      crash is an exit and a replacement's spawn, a hang also the kill before them and, before the kill, the
+      stack-dump signal to every live rank (``runner.control.diagnosis``: N commands, sent together); a silent
+      host's exit list is ended by the controller (its counter read, the end record, its watcher's read: 3);
+    - ``ready``: the replacement's ready key (the controller looks for it in a polling check);
+    - ``fenced``: one record per worker written off, and a silent host's own (``protocol.node_fence_key``).
     """
     members = [world] if fault == "silent" else [world - 1, world]
-    commands = {"crash": 1, "hang": 2, "silent": 0}[fault]
-    exits = 0 if fault == "silent" else 1
+    commands = {"crash": 1, "hang": 2 + world, "silent": 0}[fault]
+    exits = 1  # a crash's or hang's exit report, or the end of a silent host's list
+    written_off = ranks_per_host if fault == "silent" else 1
     return {"gen": sum(2 + 2 * m for m in members), "pg": sum(members), "agent": 3 * exits + 5 * commands,
-            "ready": 1 if commands else 0, "pg_waits": sum(members), "gloo": 3 * sum(members)}
+            "ready": 1 if commands else 0, "fenced": written_off + (fault == "silent"), "pg_waits": sum(members),
+            "gloo": 3 * sum(members)}
+
+
+def complete_lines(path: Path) -> list[dict]:
+    """The JSON lines of a file other processes append to, without a last line still being written."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
 
 
 class Run:
@@ -378,7 +392,7 @@ class Run:
 
     def adoptions(self) -> list[dict]:
         path = self.out / "adopted.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return complete_lines(path)
 
     def adopted(self, gen: int) -> int:
         return sum(a["ranks"] for a in self.adoptions() if a["gen"] == gen)
@@ -387,7 +401,7 @@ class Run:
         path = self.run_dir / "events.jsonl"
         if not path.exists():
             return []
-        return [e for e in map(json.loads, path.read_text().splitlines()) if e["kind"] == kind]
+        return [e for e in complete_lines(path) if e["kind"] == kind]
 
     def ops(self) -> Counter:
         """Every store operation so far, ``op:<key class>`` or ``poll:<key class>``: the generators' counts and
@@ -396,7 +410,7 @@ class Run:
         for f in self.out.glob("ops-*.json"):
             total.update(json.loads(f.read_text()))
         for f in self.counts.glob("*.tsv"):
-            for line in f.read_text().splitlines():
+            for line in f.read_text().split("\n")[:-1]:  # a line still being written is read next time
                 _, what, key_class, _, _ = line.split("\t")
                 if what not in ("connect", "sockets"):
                     total[f"{'op' if what in WRITES_AND_READS else 'poll'}:{key_class}"] += 1
@@ -422,8 +436,8 @@ class Run:
         c1, g1, ops1, t1 = self.cpu([self.controller]), self.cpu(self.gens), self.ops(), time.monotonic()
         span, spent = t1 - t0, ops1 - ops0
         interval = 0.1
-        # a worker's 4 operations per beat; an agent's 2 per beat, every half interval
-        prescribed = (4 * self.world + 4 * (self.hosts + 1)) / interval
+        # a worker's 4 operations per beat (the spare host's warm workers beat too); an agent's 2, every half interval
+        prescribed = (4 * (self.world + self.rph) + 4 * (self.hosts + 1)) / interval
         achieved = (spent["op:hb"] + spent["poll:stop"] + spent["poll:fenced"] + spent["op:agent_hb"]) / span
         return {"controller_cpu": (c1 - c0) / span, "generators_cpu": (g1 - g0) / span,
                 "store_ops_per_s": sum(spent.values()) / span, "beat_ops_per_s": achieved,
@@ -439,10 +453,12 @@ class Run:
         else:
             order = {"kind": kind, "wid": members[len(members) // 2]}
         carried = self.out / "faults.jsonl"
-        faults_before = len(carried.read_text().splitlines()) if carried.exists() else 0
-        (self.out / f"order-{time.monotonic_ns()}.json").write_text(json.dumps(order))
+        faults_before = len(complete_lines(carried))
+        tmp = self.out / f"order-{time.monotonic_ns()}.tmp"
+        tmp.write_text(json.dumps(order))
+        tmp.replace(tmp.with_suffix(".json"))  # whole or absent: the generators read it as soon as it exists
         self.wait_for(f"{kind}: decided", lambda: len(self.events("recovery_decided")) > decided_before)
-        t_fault = json.loads(carried.read_text().splitlines()[faults_before])["t"]
+        t_fault = complete_lines(carried)[faults_before]["t"]
         decided = self.events("recovery_decided")[-1]
         detected = [e for e in self.events("fault_detected") if e.get("recovery") == decided["recovery"]][0]
         complete = lambda: [e for e in self.events("generation")  # noqa: E731
@@ -457,7 +473,7 @@ class Run:
                 "detect_s": detected["t"] - t_fault,
                 "decide_s": decided["t"] - detected["t"], "publish_s": gen["t"] - decided["t"],
                 "adopt_s": t_adopted - gen["t"], "ops": {k: spent.get(f"op:{k}", 0) for k in RECOVERY_CLASSES},
-                "model": recovery_ops(self.world, kind)}
+                "model": recovery_ops(self.world, self.rph, kind)}
 
     def settle(self) -> None:
         """Until every generator dumped its counts after the newest adoption (they dump every 50 ms)."""

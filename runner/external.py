@@ -92,6 +92,11 @@ class ExternalFleet:
             except ProcessLookupError:
                 pass  # already gone
 
+    def notify(self, targets: list[tuple[int, int]], sig: int) -> None:
+        """``signal`` each of ``targets`` (wid, node): only those on this host can be reached."""
+        for wid, node in targets:
+            self.signal(wid, node, sig)
+
     def lose_node(self, node: int) -> list[int]:
         raise ConfigError("kill_node cannot be simulated under torchrun/SLURM; use the local launcher.")
 

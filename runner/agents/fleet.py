@@ -185,6 +185,14 @@ class AgentFleet:
         while sig == signal.SIGKILL and agent.alive() and not agent.exit_reported(wid) and time.monotonic() < deadline:
             time.sleep(0.001)
 
+    def notify(self, targets: list[tuple[int, int]], sig: int) -> None:
+        """Send ``sig`` to every (wid, node) of ``targets`` (a signal that ends nobody: the stack dump), every command
+        queued before any acknowledgement is awaited: one round trip for the job, not one per rank in turn."""
+        sent = [(agent, self._send(agent, {"op": "signal", "wid": wid, "sig": int(sig)}))
+                for wid, node in targets if (agent := self.agents[node]).alive()]
+        for agent, seq in sent:
+            self._await_ack(agent, seq, ACK_TIMEOUT_S)
+
     def lose_node(self, node: int) -> list[int]:
         """Simulate the host going down: its agent SIGKILLed, its workers and persister dying with it.
         Returns the workers it took (once they are gone)."""

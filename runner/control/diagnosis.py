@@ -105,11 +105,10 @@ class Diagnoser:
         now = time.monotonic()
         beats = dict(zip([w.wid for w in live], self.store.multi_get([f"hb/{w.wid}" for w in live])))
         starts = {w.wid: _size(stack_file(self.run_dir, w.wid)) for w in live}
-        for w in live:
-            try:
-                self.fleet.signal(w.wid, w.node, DUMP_SIGNAL)
-            except Exception:
-                pass  # its agent is gone: no stack from it, its heartbeat still tells
+        try:  # all at once: one signal command per rank in turn would take N acknowledgements' time
+            self.fleet.notify([(w.wid, w.node) for w in live], DUMP_SIGNAL)
+        except Exception:
+            pass  # an agent is gone: no stack from its ranks, their heartbeats still tell
         answering = [w for w in live if now - w.hb_change <= 2 * self.interval_s]  # a silent rank cannot dump
         dumps = self._read_dumps(answering, starts)
         out = self.run_dir / "diagnosis" / str(rec.id)
