@@ -47,8 +47,7 @@ def fault_free(tmp_path_factory):
 needs_netns = pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason()))
 
 
-@pytest.mark.slow  # minutes: two runs of 600 steps (the reference and the partitioned one)
-@needs_netns
+@needs_netns  # default tier: two runs of 600 steps (the reference and the partitioned one), about 2 minutes
 def test_a_partition_healed_after_3s_never_touches_the_training(make_job, fault_free):
     _partition_and_heal(make_job(), fault_free(600), 3.0)
 
