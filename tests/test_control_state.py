@@ -177,11 +177,8 @@ def test_a_lost_node_goes_to_warm_spares(tmp_path):
     assert len(fleet.spawned) == 6  # the spares were already running
 
 
-def test_a_lost_nodes_workers_heard_again_after_a_heal_count_for_nothing(tmp_path):
-    """The link of node 1 comes back after its loss was decided and the spares took its ranks: its agent beats
-    again, and its workers, still running, report the failure of the dropped generation (one of them a fatal
-    error), beat, write ready and done records and exit. None of it is news, and none of it counts for the ranks
-    the spares now hold: the run completes only when the spares finished, with their done records."""
+def _node_1_lost_to_the_spares(tmp_path):
+    """Two nodes of two ranks and a spare node: node 1 goes silent and the spares (wids 4, 5) take its ranks."""
     ctl, fleet = _start(tmp_path, "ft=deadpool", "parallel.spares=2")
     for wid in (4, 5):
         ctl.store.set(f"ready/{wid}", "1")
@@ -190,6 +187,15 @@ def test_a_lost_nodes_workers_heard_again_after_a_heal_count_for_nothing(tmp_pat
     _round(ctl, heartbeats=True)
     _round(ctl)
     assert _layout(ctl, 1).members == [0, 1, 4, 5]
+    return ctl, fleet
+
+
+def test_a_lost_nodes_workers_heard_again_after_a_heal_count_for_nothing(tmp_path):
+    """The link of node 1 comes back after its loss was decided and the spares took its ranks: its agent beats
+    again, and its workers, still running, report the failure of the dropped generation (one of them a fatal
+    error), beat, write ready and done records and exit. None of it is news, and none of it counts for the ranks
+    the spares now hold: the run completes only when the spares finished, with their done records."""
+    ctl, fleet = _node_1_lost_to_the_spares(tmp_path)
 
     fleet.lost.discard(1)  # the partition heals
     for wid in (2, 3):
@@ -317,13 +323,7 @@ def test_no_action_left_fails_the_run_with_the_reason(tmp_path):
 
 
 def test_a_lost_node_and_its_workers_are_fenced(tmp_path):
-    ctl, fleet = _start(tmp_path, "ft=deadpool", "parallel.spares=2")
-    for wid in (4, 5):
-        ctl.store.set(f"ready/{wid}", "1")
-    _round(ctl, heartbeats=True)
-    fleet.lose_node(1)
-    _round(ctl, heartbeats=True)
-    _round(ctl)
+    ctl, fleet = _node_1_lost_to_the_spares(tmp_path)
     reason, gen = fleet.fenced[1]
     assert list(fleet.fenced) == [1] and gen == 0 and "node 1 went silent" in reason
     for wid, logical in ((2, 2), (3, 3)):  # written off before the generation that replaced them
