@@ -9,8 +9,9 @@ controller declares a worker dead after ``misses`` silent intervals (SIGSTOP, a 
 and hung when the step stops advancing while heartbeats still arrive. If the controller cannot be reached
 for ``runner.config.schema.controller_lost_after_s`` (it died, or its host went silent and the store calls
 block), the worker exits (``EXIT_CONTROLLER_LOST``): no orphan keeps running (``runner.contact``). A worker the
-controller wrote off (``protocol.worker_fence_key``) exits at its next beat (``EXIT_FENCED``): a worker heard
-again after its host's link healed never acts in the job again.
+controller wrote off (``protocol.worker_fence_key``) exits (``EXIT_FENCED``) at the first beat after a new
+generation or after it was out of touch: a worker heard again after its host's link healed never acts in the job
+again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import threading
 import time
+from typing import Optional
 
 from lightning.pytorch.callbacks import Callback
 
@@ -68,6 +70,8 @@ class Heartbeat(Callback):
         store = protocol.connect(self.host, self.port, max(2.0, 2 * self.interval_s), self.namespace)
         key, fence = f"hb/{self.status.wid}", protocol.worker_fence_key(self.status.wid)
         seq = 0
+        fence_read_at: Optional[int] = None  # the generation this worker last read its fence in
+        answered = time.monotonic()
         while not self._stop.is_set():
             seq += 1
             payload = {"seq": seq, "step": self.status.step, "phase": self.status.phase, "rss": rss_bytes(),
@@ -84,9 +88,16 @@ class Heartbeat(Callback):
                     self.status.latest_gen = int(store.get("gen"))  # the trainer without a per-step cost
                 if not self.status.stop_requested and store.check([protocol.STOP]):
                     self.status.stop_requested = True
-                if store.check([fence]):
-                    self._fenced(protocol.get_json(store, fence))
+                # A fence is written before the generation that replaces its worker, so it is read only when a
+                # new generation appeared, or when this worker was out of touch (stopped, or behind a link that
+                # was down): not one more store operation on every beat of every worker.
+                out_of_touch = time.monotonic() - answered > 2 * self.interval_s
+                if fence_read_at != self.status.latest_gen or out_of_touch:
+                    if store.check([fence]):
+                        self._fenced(protocol.get_json(store, fence))
+                    fence_read_at = self.status.latest_gen
                 self.contact.answered()
+                answered = time.monotonic()
             except Exception:
                 pass  # not answered: the contact's watchdog ends the worker once that lasts
             self._stop.wait(self.interval_s)

@@ -282,7 +282,10 @@ def test_an_unsigned_fence_is_refused_and_logged(fleet, tmp_path):
 def test_a_written_off_worker_heard_again_exits(fleet, tmp_path):
     fleet, store, queue = fleet
     _spawn(fleet, store, tmp_path, 0, 0)
+    worker = fleet.agents[0].workers[0]
+    os.kill(worker, signal.SIGSTOP)  # out of touch, as behind a link that is down, while the controller writes it off
     protocol.set_json(store, protocol.worker_fence_key(0), {"wid": 0, "logical": 0, "gen": 2, "reason": "replaced"})
+    os.kill(worker, signal.SIGCONT)  # heard again: its first beat reads the fence
     kind, wid, code, _ = queue.get(timeout=30)
     assert (kind, wid, code) == ("exit", 0, EXIT_WORKER_FENCED)
     [fenced] = _events_of(tmp_path, "worker_fenced")
