@@ -20,7 +20,7 @@ operations; its fence it reads only in a new generation), its step advancing; a 
 
 Printed per N: the controller process's CPU per second at steady state (the store's server threads live in
 that process and are counted with it), the store operations per second (the generators count theirs; the
-controller's are counted at the source, ``runner.store_counts``), the generators' own CPU (they share the
+controller's are counted at the source, ``runner.plumbing.store_counts``), the generators' own CPU (they share the
 machine's cores with the controller), and per fault detect -> decided -> generation published -> adopted by
 every simulated rank, with the store operations of the recovery that the protocol's model predicts from N
 (``recovery_ops``) beside those counted. What is simplified, and so cheaper here than in a real job: survivors
@@ -75,11 +75,11 @@ def serve_controller(hosts: int, ranks_per_host: int, misses: int, run_dir: Path
     """Compose and validate the job's config, host the store, write its port, run the controller."""
     from hydra import compose, initialize_config_dir
 
-    from runner import protocol
     from runner.config import register_all
     from runner.config.registry import CONF_DIR
     from runner.config.validate import validate
     from runner.control.controller import Controller
+    from runner.plumbing import protocol
 
     register_all([])
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -124,8 +124,8 @@ class SimHost:
     def serve(self) -> None:
         from torch.distributed import DistError, DistStoreError
 
-        from runner import protocol
         from runner.agents.auth import verify
+        from runner.plumbing import protocol
 
         store = protocol.connect("127.0.0.1", self.gen.port, 60)
         ops, key = self.gen.ops, protocol.agent_key
@@ -167,7 +167,7 @@ class SimHost:
             return  # the store went with the controller
 
     def report_exit(self, store, worker: SimWorker, code: int) -> None:
-        from runner import protocol
+        from runner.plumbing import protocol
 
         worker.alive = worker.beating = False
         k = store.add(protocol.agent_key(self.node, "exits"), 1)
@@ -193,7 +193,7 @@ class Generator:
             self.workers[w.wid] = w
 
     def run(self) -> None:
-        from runner import protocol
+        from runner.plumbing import protocol
 
         threads = [threading.Thread(target=h.serve, daemon=True) for h in self.hosts.values()]
         threads += [threading.Thread(target=loop, daemon=True)
@@ -231,7 +231,7 @@ class Generator:
 
     def beat_agents(self) -> None:
         """Every agent every half interval, as an agent's own heartbeat thread writes it."""
-        from runner import protocol
+        from runner.plumbing import protocol
 
         store = protocol.connect("127.0.0.1", self.port, 60)
         while not self.stop.is_set():
@@ -250,7 +250,7 @@ class Generator:
         the worker's fence once per new generation). One thread does every worker of this generator in turn: when a
         round takes longer than the interval the beats fall behind, which ``Run.steady`` reports against the rate
         the protocol prescribes."""
-        from runner import protocol
+        from runner.plumbing import protocol
 
         store = protocol.connect("127.0.0.1", self.port, 60)
         while not self.stop.is_set():
@@ -276,7 +276,7 @@ class Generator:
         """Each published generation: its members here read it and arrive at its rendezvous."""
         from torch.distributed import DistStoreError
 
-        from runner import protocol
+        from runner.plumbing import protocol
 
         store = protocol.connect("127.0.0.1", self.port, 60)
         seen = -1
@@ -408,7 +408,7 @@ class Run:
 
     def ops(self) -> Counter:
         """Every store operation so far, ``op:<key class>`` or ``poll:<key class>``: the generators' counts and
-        the controller process's records (``runner.store_counts``)."""
+        the controller process's records (``runner.plumbing.store_counts``)."""
         total: Counter = Counter()
         for f in self.out.glob("ops-*.json"):
             total.update(json.loads(f.read_text()))

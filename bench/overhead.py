@@ -56,7 +56,7 @@ import torch
 from common import median_spread, run_cli, steady_steps_per_s, throughput_args
 from tree_cpu import TreeCPU
 
-from runner.replica_check import fingerprint
+from runner.training.replica_check import fingerprint
 
 SKIP = 10  # start-up and warm-up steps left out
 REALISTIC = ["model.d_model=256", "model.n_head=4", "model.n_layer=2", "model.seq_len=512"]

@@ -17,7 +17,7 @@ survivors ready <= 0.3 s, full world back <= 3 s, >= 5x faster than the baseline
 logger=wandb <= 1.1x RTO with logger=none.
 --world 4,8,16 (instead of the above): for each N, one FlashRecovery kill in a job of N ranks of a smaller
 gpt_tiny, printing the RTO phases and, since a 2-core host cannot run 16 busy ranks fairly, the counts that do
-not depend on the CPU: store operations and new connections of every process (``runner.store_counts``), per
+not depend on the CPU: store operations and new connections of every process (``runner.plumbing.store_counts``), per
 phase of the recovery and per fault-free step.
 
 --decide-only: only the FlashRecovery job with decide-at-once on and off, and the ratios.
@@ -57,7 +57,8 @@ from pathlib import Path
 from common import ROOT, median_spread, run_cli
 
 sys.path.insert(0, str(ROOT))  # this checkout's runner, also when another one is installed
-from runner import local_hosts, store_counts  # noqa: E402
+from runner.plumbing import store_counts  # noqa: E402
+from tests import local_hosts
 
 
 def flashrecovery(kills: int, ranks: int, *overrides: str, logger: str = "none") -> dict[str, list[float]]:

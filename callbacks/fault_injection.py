@@ -23,11 +23,11 @@ from functools import partial
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from runner import protocol
-from runner.comm import Comm
 from runner.config.validate import RANK_FAULTS
 from runner.faults import chaos
 from runner.faults.comm_faults import FaultInjectingComm
+from runner.plumbing import protocol
+from runner.training.comm import Comm
 
 
 class FaultTrigger(Callback):

@@ -8,7 +8,7 @@ whether the controller asked the run to stop (``protocol.STOP``). The
 controller declares a worker dead after ``misses`` silent intervals (SIGSTOP, a wedged process)
 and hung when the step stops advancing while heartbeats still arrive. If the controller cannot be reached
 for ``runner.config.schema.controller_lost_after_s`` (it died, or its host went silent and the store calls
-block), the worker exits (``EXIT_CONTROLLER_LOST``): no orphan keeps running (``runner.contact``). A worker the
+block), the worker exits (``EXIT_CONTROLLER_LOST``): no orphan keeps running (``runner.plumbing.contact``). A worker the
 controller wrote off (``protocol.worker_fence_key``) exits (``EXIT_FENCED``) at the first beat after a new
 generation or after it was out of touch: a worker heard again after its host's link healed never acts in the job
 again.
@@ -24,10 +24,10 @@ from typing import Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from runner import protocol
-from runner.contact import ControllerContact
-from runner.events import EventLog
-from runner.status import WorkerStatus
+from runner.plumbing import protocol
+from runner.plumbing.contact import ControllerContact
+from runner.plumbing.events import EventLog
+from runner.training.status import WorkerStatus
 
 EXIT_CONTROLLER_LOST = 70  # the controller could not be reached for controller_lost_after_s
 EXIT_FENCED = 71  # the controller wrote this worker off

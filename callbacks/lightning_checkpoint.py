@@ -31,9 +31,9 @@ from runner.checkpoint import RUNNER_KEY, last_checkpoint
 from runner.checkpoint.tp_state import gather_replica_state, optimizer_params
 from runner.checkpoint.writer import CheckpointWriter, cpu_copy
 from runner.checkpoint.zero_state import gather_full_state
-from runner.comm import CollectiveFailure, Comm
-from runner.events import EventLog
-from runner.strategy import ResilientStrategy
+from runner.plumbing.events import EventLog
+from runner.training.comm import CollectiveFailure, Comm
+from runner.training.strategy import ResilientStrategy
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import time
 
 from lightning.pytorch.callbacks import Callback
 
-from runner.comm import Comm
-from runner.events import EventLog, JsonLines
+from runner.plumbing.events import EventLog, JsonLines
+from runner.training.comm import Comm
 from runner.training.commit import LOSS_SUM, MISPLACED, VAL_BATCHES, VAL_LOSS_SUM
 
 

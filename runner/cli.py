@@ -25,8 +25,8 @@ from runner.config import ConfigError, register_all
 from runner.config.registry import CONF_DIR, user_config_dirs
 from runner.config.validate import validate
 from runner.control.records import EXIT_RUN_FAILED, EXIT_STOPPED, exit_code
-from runner.objective import final_metric
-from runner.plan import apply_smoke, make_plan, memory_problem, needs_gpus, scaled
+from runner.launch.objective import final_metric
+from runner.planning.plan import apply_smoke, make_plan, memory_problem, needs_gpus, scaled
 
 EXIT_CONFIG = 2
 EXIT_NEEDS_GPUS = 3
@@ -77,13 +77,13 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
             return EXIT_NEEDS_GPUS
         cfg.parallel.spares = plan.spares  # a default spare node, in the config the workers get
         validate(cfg, for_training=True)
-        from runner.launcher import launch  # heavy imports only once the config is known to be good
+        from runner.launch.launcher import launch  # heavy imports only once the config is known to be good
 
         summary = launch(cfg, run_dir)
     except ConfigError as err:
         print(f"[runner] {err}", file=sys.stderr, flush=True)
         if cfg.launcher.mode == "per_host" and not cfg.launcher.join:  # the other hosts learn why, and end now
-            from runner.per_host import report_refusal  # (torch: only on a host of such a job)
+            from runner.launch.per_host import report_refusal  # (torch: only on a host of such a job)
 
             report_refusal(cfg, str(err))
         return EXIT_CONFIG

@@ -11,8 +11,8 @@ import torch
 
 from runner.data import BatchSource, HeldOutSplit, StepLoader
 from runner.model import GPT, GPTConfig
-from runner.model_cost import flops_per_token
-from runner.strategy import ResilientStrategy
+from runner.planning.model_cost import flops_per_token
+from runner.training.strategy import ResilientStrategy
 
 
 class GPTModule(pl.LightningModule):

@@ -1,5 +1,5 @@
 """A GPT in one module: pre-LN blocks (its shape, ``GPTConfig``, is the schema's; its parameter count, FLOPs and MFU
-from the shape alone are ``runner.model_cost``).
+from the shape alone are ``runner.planning.model_cost``).
 
 Attention and FFN are separate sub-modules (``Block.attn`` and ``Block.ffn``) because the
 recovery techniques treat them differently (NDB skips the attention backward and recomputes the

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.local_hosts import processes_of
+from tests.local_hosts import processes_of
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["logger=none", "trainer.progress_bar=false", "runner.console_events=true"]
@@ -191,9 +191,9 @@ def job():
 
 @pytest.fixture
 def make_job(tmp_path):
-    """Jobs under torchrun or SLURM's variables (``runner/local_hosts.py``); every process of each is gone at the
+    """Jobs under torchrun or SLURM's variables (``tests/local_hosts.py``); every process of each is gone at the
     end of the test."""
-    from runner.local_hosts import Job
+    from tests.local_hosts import Job
 
     jobs: list[Job] = []
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.checksum import param_checksum
 from runner.lightning_module import GPTModule
+from runner.training.checksum import param_checksum
 from tests.conftest import QUIET, ROOT, TINY, Run, assert_nothing_left, run_cli
 
 
@@ -226,7 +226,7 @@ def _checkpoint_of(module, path: Path) -> Path:
 
 
 def _gpt_of(cfg) -> GPTModule:
-    from runner.plan import gpt_config
+    from runner.planning.plan import gpt_config
 
     t = cfg.trainer
     return GPTModule(gpt_config(cfg), t.lr, t.min_lr, t.warmup_steps, t.max_steps, t.weight_decay, tuple(t.betas))

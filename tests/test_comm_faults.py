@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from runner.comm import CollectiveFailure, Comm, GlooGroup
 from runner.faults.comm_faults import FaultInjectingComm
-from runner.protocol import Layout
-from runner.reducer import GradReducer
+from runner.plumbing.protocol import Layout
+from runner.training.comm import CollectiveFailure, Comm, GlooGroup
+from runner.training.reducer import GradReducer
 
 TIMEOUTS = SimpleNamespace(collective_timeout_s=10.0, rendezvous_timeout_s=10.0, recovery_timeout_s=10.0)
 LAYOUT = Layout(gen=0, members=[0], logical=[0], dp=1)

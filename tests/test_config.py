@@ -182,7 +182,7 @@ def test_bad_input_exits_2_before_any_worker_starts(overrides, expected, mislead
     refusals = [line for line in (proc.stdout + proc.stderr).splitlines() if "Invalid configuration" in line]
     assert len(refusals) == 1 and expected in refusals[0], refusals
     assert misleading is None or misleading not in refusals[0], refusals[0]
-    assert not {"runner.launcher", "runner.worker", "runner.control.controller"} & imported
+    assert not {"runner.launch.launcher", "runner.training.worker", "runner.control.controller"} & imported
     assert not [p.name for p in run_dir.glob("*") if p.name not in (".hydra", "cli.log")]
 
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli
 
 from runner.control.console import RecoveryConsole
-from runner.plan import scaled
+from runner.planning.plan import scaled
 
 BANNERS = ("GPU available", "TPU available", "LitLogger", "LOCAL_RANK", "Warning", "deprecated")
 

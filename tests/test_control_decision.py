@@ -12,7 +12,7 @@ from itertools import combinations
 import pytest
 from omegaconf import OmegaConf
 
-from runner.decision import decide
+from runner.control.decision import decide
 from runner.recovery.registry import BY_NAME, BY_TECHNIQUE
 
 TECHNIQUES = ("flashrecovery", "deadpool", "ndb", "flash_ckpt")

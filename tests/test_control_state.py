@@ -15,12 +15,12 @@ from pathlib import Path
 
 from torch.distributed import HashStore
 
-from runner import protocol
 from runner.control.controller import Controller
 from runner.control.stop import StopOnSignal
-from runner.protocol import Layout
-from runner.summary import write_summary
-from runner.topology import Topology
+from runner.planning.topology import Topology
+from runner.plumbing import protocol
+from runner.plumbing.protocol import Layout
+from runner.report.summary import write_summary
 from tests.test_config import _compose
 
 BASE = ["+recipe=gpt_tiny", "logger=none", "runner.console_events=false", "parallel.nodes=2",

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from runner import protocol
 from runner.control.controller import READY_POLL_S, Controller
-from runner.summary import recovery_entry
+from runner.plumbing import protocol
+from runner.report.summary import recovery_entry
 from tests.test_control_state import RecordedFleet, _round
 from tests.test_control_state import _start as start_controller
 

@@ -51,7 +51,7 @@ def assert_diagnosed(run, recovery: dict, hung: int, answering: list[int]) -> No
     assert recovery["diagnosis"] == f"diagnosis/{recovery['id']}" and out.is_dir()
     assert sorted(p.name for p in out.glob("rank*.stacks.txt")) == [f"rank{r}.stacks.txt" for r in answering]
     for r in answering:
-        assert "runner/worker.py" in (out / f"rank{r}.stacks.txt").read_text()  # every thread, the training one too
+        assert "runner/training/worker.py" in (out / f"rank{r}.stacks.txt").read_text()  # every thread, training too
     state = json.loads((out / "state.json").read_text())
     assert state["hung"] == hung and sorted(s["rank"] for s in state["ranks"]) == sorted([*answering, hung])
     assert recovery["verdict"] == state["verdict"] == (out / "verdict.txt").read_text().strip()

@@ -11,7 +11,7 @@ from test_flash_ckpt import assert_same
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from runner.callbacks.flash_checkpoint import FlashCheckpoint
+from runner.recovery.flash_ckpt.callback import FlashCheckpoint
 from runner.recovery.flash_ckpt.disk import checkpoint_path, list_checkpoints
 from runner.recovery.flash_ckpt.hygiene import cleanup
 from runner.recovery.flash_ckpt.persister import persist_latest

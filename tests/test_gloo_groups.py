@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from runner.comm import _gloo_group
-from runner.store_counts import socket_inodes
+from runner.plumbing.store_counts import socket_inodes
+from runner.training.comm import _gloo_group
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,7 +117,7 @@ from datetime import timedelta
 sys.path.insert(0, {repo!r})
 import torch
 from torch.distributed import PrefixStore, TCPStore
-from runner.comm import _gloo_group
+from runner.training.comm import _gloo_group
 
 server = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
 clients = [TCPStore("127.0.0.1", server.port, 1, False) for _ in range(2)]

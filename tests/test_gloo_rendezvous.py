@@ -1,5 +1,5 @@
-"""A gloo group's rendezvous reads every member's address in one batch (``runner.gloo_rendezvous``): 3 store
-operations per member and gloo device whatever the group's size, counted at the store (``runner.store_counts``)
+"""A gloo group's rendezvous reads every member's address in one batch (``runner.plumbing.gloo_rendezvous``): 3 store
+operations per member and gloo device whatever the group's size, counted at the store (``runner.plumbing.store_counts``)
 over a real TCPStore, and a member that never publishes fails the others' first collective (gloo groups connect
 lazily: a device's addresses are read when a collective first uses it) at the rendezvous timeout."""
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
-from runner import store_counts
-from runner.comm import _gloo_group
+from runner.plumbing import store_counts
+from runner.training.comm import _gloo_group
 
 
 def _members(n: int) -> tuple[TCPStore, list]:

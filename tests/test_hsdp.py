@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 
 from runner.config import ConfigError
 from runner.config.validate import validate
-from runner.decision import shards_without_copy
-from runner.plan import apply_smoke, make_plan
-from runner.topology import Topology
+from runner.control.decision import shards_without_copy
+from runner.planning.plan import apply_smoke, make_plan
+from runner.planning.topology import Topology
 from tests.test_config import _compose
 
 FOUR = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2"]  # dp=4

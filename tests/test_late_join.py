@@ -18,7 +18,6 @@ from queue import Queue
 
 import pytest
 
-from runner import protocol
 from runner.agents import auth
 from runner.agents.fleet import AgentFleet
 from runner.agents.joins import TICKETS, HostJoins, request_key
@@ -26,9 +25,10 @@ from runner.config import ConfigError
 from runner.config.validate import validate
 from runner.control.controller import FORKSERVER_PRELOAD
 from runner.control.records import exit_code
-from runner.events import EventLog, read_jsonl
-from runner.local_hosts import BASE, events, max_step, wait_for
+from runner.plumbing import protocol
+from runner.plumbing.events import EventLog, read_jsonl
 from tests.conftest import ROOT, read_summary, run_cli
+from tests.local_hosts import BASE, events, max_step, wait_for
 from tests.test_config import _compose
 from tests.test_torchrun_per_host import (
     SECRET,

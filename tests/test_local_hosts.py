@@ -1,4 +1,4 @@
-"""runner/local_hosts.py, the hosts on one machine of the torchrun tests and benches: a job finds every process it
+"""tests/local_hosts.py, the hosts on one machine of the torchrun tests and benches: a job finds every process it
 started by its token and leaves none behind; what it reads of a run dir."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from runner.local_hosts import Job, c10d_rendezvous, events, max_step, processes_of
+from tests.local_hosts import Job, c10d_rendezvous, events, max_step, processes_of
 
 
 def test_a_jobs_processes_carry_its_token_and_end_with_it(tmp_path):

@@ -16,13 +16,13 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from runner import protocol
-from runner.comm import CollectiveFailure, Comm
-from runner.local_hosts import Job, events, free_port, max_step, processes_of, wait_for
-from runner.protocol import Layout
+from runner.plumbing import protocol
+from runner.plumbing.protocol import Layout
+from runner.training.comm import CollectiveFailure, Comm
 from tests import netns
 from tests import test_torchrun_per_host as per_host
 from tests.conftest import read_summary
+from tests.local_hosts import Job, events, free_port, max_step, processes_of, wait_for
 
 LAYOUT, SECRET = per_host.LAYOUT, per_host.SECRET
 # the fixtures: the same layout's fault-free run under launcher=local, and its checksum

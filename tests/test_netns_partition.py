@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from runner.local_hosts import Job, events, max_step, wait_for
 from tests import netns
 from tests import test_torchrun_per_host as per_host
 from tests.conftest import TWO_BY_TWO, Run, run_cli
+from tests.local_hosts import Job, events, max_step, wait_for
 from tests.test_netns_host_loss import _tree_pids, start_hosts
 from tests.test_node_agent import _alive
 

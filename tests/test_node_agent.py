@@ -26,7 +26,6 @@ from queue import Empty, Queue
 import psutil
 import pytest
 
-from runner import protocol
 from runner.agents import auth
 from runner.agents.fleet import AgentFleet, agent_config
 from runner.agents.fork_server import ForkServer
@@ -35,8 +34,9 @@ from runner.callbacks.heartbeat import EXIT_FENCED as EXIT_WORKER_FENCED
 from runner.config.schema import controller_lost_after_s
 from runner.control.controller import FORKSERVER_PRELOAD
 from runner.control.records import EXIT_RUN_FAILED
-from runner.events import read_jsonl
-from runner.worker import WorkerSpec, main
+from runner.plumbing import protocol
+from runner.plumbing.events import read_jsonl
+from runner.training.worker import WorkerSpec, main
 from tests.conftest import run_cli
 from tests.test_config import _compose
 
@@ -294,7 +294,7 @@ def test_a_written_off_worker_heard_again_exits(fleet, tmp_path):
 
 STORE_HOST = """
 import sys, time
-from runner import protocol
+from runner.plumbing import protocol
 store = protocol.host_store("127.0.0.1", 60)
 print(store.port, flush=True)
 time.sleep(600)

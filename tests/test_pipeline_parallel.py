@@ -14,7 +14,7 @@ from test_tensor_parallel import GlooGroups, rel_error, run_ranks
 from runner.model import GPT, GPTConfig
 from runner.parallel.pipeline import GPTStage, OneFOneB
 from runner.parallel.tensor import gather_full, shard_gpt_for_tp
-from runner.topology import Topology
+from runner.planning.topology import Topology
 
 PP = 2
 STEPS = 3

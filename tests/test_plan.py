@@ -10,10 +10,10 @@ import torch
 
 from runner.config import ConfigError
 from runner.config.validate import validate
-from runner.memory import PRECISIONS, GiB, Layout, rank_memory, stage_memory, stage_params
 from runner.model import GPTConfig
-from runner.model_cost import count_params
-from runner.plan import make_plan, memory_problem
+from runner.planning.memory import PRECISIONS, GiB, Layout, rank_memory, stage_memory, stage_params
+from runner.planning.model_cost import count_params
+from runner.planning.plan import make_plan, memory_problem
 from tests.conftest import run_cli
 from tests.test_config import _compose
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.checksum import param_checksum
 from runner.config import ConfigError
 from runner.config.validate import trained_pp, validate
 from runner.lightning_module import GPTModule
-from runner.plan import apply_smoke
+from runner.planning.plan import apply_smoke
+from runner.training.checksum import param_checksum
 from tests.conftest import CLIPPED_TINY, TP2PP2, TP2PP2_STEPS, Run, run_cli
 from tests.test_config import _compose
 

@@ -1,4 +1,4 @@
-"""The control plane's cost of a recovery, counted at its source (``runner.store_counts``), against world size.
+"""The control plane's cost of a recovery, counted at its source (``runner.plumbing.store_counts``), against world size.
 
 Two real jobs, of 4 and 8 ranks, each lose a rank to SIGKILL with ``RUNNER_STORE_COUNTS`` set: every process
 records its store operations and new connections, and the counts over the recovery and over fault-free steps
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from runner import store_counts
+from runner.plumbing import store_counts
 from tests.conftest import run_cli
 
 

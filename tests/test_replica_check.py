@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner import replica_check
+from runner.training import replica_check
 from tests.conftest import ONE_BY_TWO, TWO_BY_TWO, run_cli
 
 

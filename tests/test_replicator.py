@@ -17,10 +17,11 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from runner.recovery.deadpool.replicator import ABANDON_AFTER_S, ReplicaLost, ShardReplicator
-from runner.recovery.deadpool.shard_state import DIGEST_BYTES
-from runner.topology import Topology
-from runner.zero import ZeroOne
+from runner.planning.topology import Topology
+from runner.recovery.common.hooks import ABANDON_AFTER_S, ReplicaLost
+from runner.recovery.deadpool.replicator import ShardReplicator
+from runner.training.shard_state import DIGEST_BYTES
+from runner.training.zero import ZeroOne
 
 COLLECTIVE_TIMEOUT_S = 30.0
 

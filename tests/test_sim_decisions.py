@@ -1,10 +1,10 @@
-"""The simulator decides as the runner does: sim.json's decisions are runner.decision's, budgets included."""
+"""The simulator decides as the runner does: sim.json's decisions are runner.control.decision's, budgets included."""
 from itertools import combinations, permutations
 
 import pytest
 from omegaconf import OmegaConf
 
-from runner.decision import decide
+from runner.control.decision import decide
 from runner.sim import report
 from runner.sim.failures import FaultClass
 from runner.sim.strategies import RESTART, STRATEGY_NAMES

@@ -194,7 +194,7 @@ def test_the_experiment_logger_gets_a_straggler_as_an_event_row(tmp_path):
 
     from runner.control.records import RunRecord
     from runner.control.run_logger import RunLogger
-    from runner.events import JsonLines
+    from runner.plumbing.events import JsonLines
     from tests.test_wandb_run import Recorder, commit
 
     metrics, events = JsonLines(tmp_path / "metrics.jsonl"), JsonLines(tmp_path / "events.jsonl")

@@ -36,7 +36,7 @@ def test_a_sweep_with_a_refused_job_runs_the_others_and_exits_non_zero(tmp_path)
 def test_the_final_value_is_the_newest_steps_last_record(tmp_path):
     """A step committed again after a restart has two records: the last one is the committed value; val/loss is
     read from the newest step that validated."""
-    from runner.objective import final_metric
+    from runner.launch.objective import final_metric
 
     rows = [{"step": 1, "loss": 3.0, "val/loss": 3.5}, {"step": 2, "loss": 2.5}, {"step": 2, "loss": 2.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from runner.topology import Topology
+from runner.planning.topology import Topology
 
 
 def test_sizes_and_launch_placement():

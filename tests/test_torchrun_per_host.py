@@ -18,7 +18,10 @@ from omegaconf import OmegaConf
 from runner.config import ConfigError
 from runner.control.records import Recovery
 from runner.faults.snapshot_memory import drop_node_memory
-from runner.local_hosts import (
+from runner.recovery.flash_names import flash_job_id
+from runner.report.summary import recovery_entry
+from tests.conftest import TP2_DP2, TP2PP2, TP2PP2_STEPS, Run, read_summary  # and the fixture tp2pp2, its run
+from tests.local_hosts import (
     BASE,
     Job,
     c10d_rendezvous,
@@ -29,9 +32,6 @@ from runner.local_hosts import (
     processes_of,
     wait_for,
 )
-from runner.recovery.flash_names import flash_job_id
-from runner.summary import recovery_entry
-from tests.conftest import TP2_DP2, TP2PP2, TP2PP2_STEPS, Run, read_summary  # and the fixture tp2pp2, its run
 from tests.test_flashrecovery import HSDP
 from tests.test_ndb import ZERO_NDB, assert_exact_zero1_takeover, exact_zero1_takeover
 from tests.test_pp_training import PP2, pp2  # noqa: F401  (pp2: the fixture, pp=2 dp=2's fault-free run)
@@ -145,7 +145,7 @@ def summary(job: Job) -> dict:
 # -- configuration ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fault", ["kill_node", "wipe_shm", "corrupt_snapshot", "chaos"])
 def test_per_host_refuses_faults_that_act_on_another_hosts_memory_or_agent(fault):
-    from runner.launcher import check_mode
+    from runner.launch.launcher import check_mode
 
     cfg = OmegaConf.create({"launcher": {"mode": "per_host", "secret_file": None}, "parallel": {"procs_per_node": 2},
                             "fault": {"kind": fault, "rank": 3, "extra": []}})

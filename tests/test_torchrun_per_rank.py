@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from torch.distributed import PrefixStore, TCPStore
 
 from runner.config import ConfigError
-from runner.local_hosts import BASE, Job, c10d_rendezvous, events, free_port, max_step, wait_for
 from tests.conftest import ONE_BY_TWO, Run, assert_nothing_left, read_summary
+from tests.local_hosts import BASE, Job, c10d_rendezvous, events, free_port, max_step, wait_for
 
 REFERENCE = ONE_BY_TWO[1:]  # the shared fault-free run's LR and length (its recipe is BASE's)
 
@@ -53,7 +53,7 @@ def _cfg(**keys):
     ({"ft": {"flashrecovery": {"standby": True}}}, "torchrun", "set ft.flashrecovery.standby=false"),
 ])
 def test_what_per_rank_cannot_do_is_refused_before_anything_starts(keys, kind, refused):
-    from runner.launcher import check_mode
+    from runner.launch.launcher import check_mode
 
     with pytest.raises(ConfigError, match=refused):
         check_mode(_cfg(**keys), kind)
@@ -64,7 +64,7 @@ def test_what_per_rank_cannot_do_is_refused_before_anything_starts(keys, kind, r
 
 # -- the attempt id and the attempts' accounting, in process --------------------------------------------------
 def test_a_rank_never_reads_an_earlier_attempts_id():
-    from runner.attempt import AttemptHost, join_attempt
+    from runner.launch.attempt import AttemptHost, join_attempt
 
     def client():
         return TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
@@ -85,7 +85,7 @@ def test_a_rank_never_reads_an_earlier_attempts_id():
 
 def test_each_failed_attempt_is_a_launcher_restart_in_the_summary():
     from runner.control.records import Attempt
-    from runner.summary import _attempt_entries, _launcher_restarts
+    from runner.report.summary import _attempt_entries, _launcher_restarts
 
     attempts = [Attempt(1, 100.0, 110.0, "failed", "process_crash of [3]", 12),
                 Attempt(2, 120.0),  # its rank 0 was lost: no end record
@@ -107,7 +107,7 @@ def test_a_failed_attempts_step_is_the_one_after_its_newest_commit_whatever_its_
     host, or one ahead when a rank finished a step whose commit never happened. The restart's RPO counts the
     commits the next attempt redoes; the record counts only when the attempt committed nothing."""
     from runner.control.records import Attempt
-    from runner.summary import _attempt_entries, _launcher_restarts
+    from runner.report.summary import _attempt_entries, _launcher_restarts
 
     metrics = [{"step": s, "t": 100.0 + s} for s in range(5)]  # attempt 1: steps 0..4, killed in step 5
     metrics += [{"step": s, "t": 130.0 + s} for s in range(3, 10)]  # attempt 3 resumed at 3 (attempt 2: nothing)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.checksum import param_checksum
 from runner.lightning_module import GPTModule
+from runner.training.checksum import param_checksum
 from tests.conftest import TP2_DP2_STEPS, Run, run_cli
 
 TP2 = ("+recipe=gpt_tiny", "trainer.min_lr=3e-3", "parallel.nodes=2", "parallel.procs_per_node=2", "parallel.tp=2")

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from runner.control.decision import decide
 from runner.data import IndexedDatasetSource, MemmapTokens, SyntheticTokens
-from runner.decision import decide
 from runner.model import GPT, GPTConfig
-from runner.model_cost import count_params, flops_per_token, mfu
+from runner.planning.model_cost import count_params, flops_per_token, mfu
 
 
 def test_param_count_matches_the_module():
@@ -158,7 +158,7 @@ def test_a_policy_row_sets_the_order_and_a_blocked_action_falls_through():
 
 
 def test_fault_classes():
-    from runner.decision import classify
+    from runner.control.decision import classify
 
     kw = dict(hung=False, lost_ranks=[], survivors=[0, 1])
     assert classify(dead=[], lost_nodes=[], spares=0, **kw)[1] == "transient"
@@ -185,8 +185,8 @@ def test_a_committed_step_without_a_record_is_written_by_a_member_that_holds_it(
     from types import SimpleNamespace
 
     from runner.callbacks.metrics import CommitMetrics
-    from runner.events import JsonLines
-    from runner.protocol import Layout
+    from runner.plumbing.events import JsonLines
+    from runner.plumbing.protocol import Layout
 
     path = tmp_path / "metrics.jsonl"
     comm = SimpleNamespace(wid=5, gen=1, layout=Layout(gen=1, members=[9, 5], logical=[0, 1], dp=2))

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from runner.loggers import flatten
+from runner.report.loggers import flatten
 from tests.conftest import KILL_RANK, ROOT, Run, assert_nothing_left, run_cli
 
 MAX_STEPS, LOG_EVERY = 30, 5  # KILL_RANK's (tests/conftest.py)
@@ -240,7 +240,7 @@ def test_the_run_logger_follows_the_files_from_where_they_ended(tmp_path):
 
     from runner.control.records import Recovery, RunRecord
     from runner.control.run_logger import RunLogger
-    from runner.events import JsonLines
+    from runner.plumbing.events import JsonLines
 
     metrics, events = JsonLines(tmp_path / "metrics.jsonl"), JsonLines(tmp_path / "events.jsonl")
     metrics.write(commit(0, 99.0, 0))  # an earlier attempt's
@@ -278,7 +278,7 @@ def test_the_run_logger_keeps_a_bounded_history_over_many_recoveries(tmp_path):
 
     from runner.control.records import Recovery, RunRecord
     from runner.control.run_logger import RunLogger
-    from runner.events import JsonLines
+    from runner.plumbing.events import JsonLines
 
     metrics, events = JsonLines(tmp_path / "metrics.jsonl"), JsonLines(tmp_path / "events.jsonl")
     cfg = OmegaConf.create({"trainer": {"log_every_n_steps": 1000}, "logger": {"kind": "csv"}})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch import Callback
 
-from runner.recovery.hooks import WorkerHooks
+from runner.recovery.common.hooks import WorkerHooks
 from runner.recovery.worker_registry import WORKER_SIDES, combine
 
 

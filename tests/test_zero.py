@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from runner.checkpoint.zero_state import own_state_by_param
-from runner.recovery.deadpool.shard_state import ShardPacker, UpdateRecord, describe, replay, unpack
-from runner.zero import ShardPlan, ZeroOne
+from runner.training.shard_state import ShardPacker, UpdateRecord, describe, replay, unpack
+from runner.training.zero import ShardPlan, ZeroOne
 
 
 def _module() -> torch.nn.Module:
@@ -77,7 +77,7 @@ def test_packed_shard_round_trips_and_replay_is_the_same_update_bit_for_bit():
 def test_a_shard_is_lost_only_with_its_holder_or_without_deadpool():
     from omegaconf import OmegaConf
 
-    from runner.decision import shards_without_copy
+    from runner.control.decision import shards_without_copy
 
     cfg = OmegaConf.create({"parallel": {"nodes": 3, "procs_per_node": 2, "zero": 1}})
     assert shards_without_copy(cfg, ["deadpool"], [2, 3]) == []  # a whole node: replicas are on the next one
@@ -88,7 +88,7 @@ def test_a_shard_is_lost_only_with_its_holder_or_without_deadpool():
 
 
 def test_while_ndb_covers_a_rank_no_shard_has_a_copy_and_a_second_failure_is_not_recovered():
-    from runner.decision import decide, shards_without_copy
+    from runner.control.decision import decide, shards_without_copy
     from tests.test_config import _compose
 
     cfg = _compose("+recipe=gpt_tiny", "parallel.zero=1", "parallel.nodes=3", "parallel.procs_per_node=1",
@@ -164,8 +164,8 @@ def test_replication_failing_twice_in_one_healthy_group_fails_the_run():
     a second one in the same group generation is not, and the run must not go on unprotected."""
     from types import SimpleNamespace
 
-    from runner.comm import CollectiveFailure, RunFailedError
     from runner.recovery.deadpool.replication import ShardReplication
+    from runner.training.comm import CollectiveFailure, RunFailedError
 
     outcomes = []
 

@@ -15,11 +15,11 @@ import torch
 from runner.config import ConfigError
 from runner.config.validate import validate
 from runner.lightning_module import GPTModule
-from runner.memory import MASTER_WEIGHTS, PRECISIONS, Layout, rank_memory, stage_params
 from runner.model import GPTConfig
-from runner.plan import make_plan
-from runner.recovery.deadpool.shard_state import ShardState, UpdateRecord, replay
-from runner.zero import MASTER_KEY, ZeroOne
+from runner.planning.memory import MASTER_WEIGHTS, PRECISIONS, Layout, rank_memory, stage_params
+from runner.planning.plan import make_plan
+from runner.training.shard_state import ShardState, UpdateRecord, replay
+from runner.training.zero import MASTER_KEY, ZeroOne
 from tests.conftest import run_cli
 from tests.test_config import _compose
 from tests.test_deadpool import assert_exact

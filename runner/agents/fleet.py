@@ -14,7 +14,7 @@ that imports the agent's and the workers' modules, so that N simulated hosts pay
 the controller; the agents' arguments and the job's secret reach them over its socket, never on a
 command line.
 
-Under ``launcher.mode=per_host`` (``runner.per_host``) the fleet starts only node 0's agent and awaits the
+Under ``launcher.mode=per_host`` (``runner.launch.per_host``) the fleet starts only node 0's agent and awaits the
 others: each host's launcher started its agent, which writes its own copy of the config file and
 registers. Such a remote agent has no process handle here: only its heartbeat says it lives. A host
 started later joins the same way once the controller granted it a node index (``runner.agents.joins``):
@@ -39,14 +39,14 @@ import psutil
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed import DistError, DistStoreError
 
-from runner import protocol
 from runner.agents import auth, node_agent
 from runner.agents.fork_server import ForkedProcess, ForkServer
 from runner.agents.node_agent import await_key
 from runner.config import ConfigError
 from runner.config.validate import all_faults
 from runner.control.records import exit_code
-from runner.recovery.flash_ckpt.persister import NodePersist
+from runner.plumbing import protocol
+from runner.recovery.actions import NodePersist
 
 ACK_SLICE = timedelta(seconds=1)  # how long an ack is awaited before looking whether the agent still lives
 ACK_TIMEOUT_S = 30.0
@@ -165,9 +165,10 @@ class AgentFleet:
 
     def spawn(self, target, args: tuple, wid: int, node: int) -> None:
         """Node ``node``'s agent starts worker ``wid`` from its fork server. Only the spec travels: the agent
-        runs ``runner.worker.main`` (``target``) with the config of its own file."""
-        if (target.__module__, target.__name__) != ("runner.worker", "main"):
-            raise ValueError(f"node agents start runner.worker.main only, not {target.__module__}.{target.__name__}")
+        runs ``runner.training.worker.main`` (``target``) with the config of its own file."""
+        if (target.__module__, target.__name__) != ("runner.training.worker", "main"):
+            raise ValueError(f"node agents start runner.training.worker.main only, "
+                             f"not {target.__module__}.{target.__name__}")
         agent = self.agents[node]
         ack = self._command(agent, {"op": "spawn", "spec": asdict(args[0])})
         if ack is not None:

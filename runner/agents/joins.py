@@ -24,8 +24,8 @@ from typing import Optional
 
 from torch.distributed import DistStoreError
 
-from runner import protocol
 from runner.agents import auth
+from runner.plumbing import protocol
 
 TICKETS = "join/tickets"
 

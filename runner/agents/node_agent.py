@@ -9,7 +9,7 @@ carried out. Every worker exit is reported the moment it happens. It owns its ho
 persister. It dies with its launcher, and its fork server and every process that forks die with it
 (``runner.agents.spawned``), so killing an agent is a real host loss. When the controller's store goes
 away, or does not answer for ``runner.config.schema.controller_lost_after_s`` (its host went silent: the store
-calls block, ``runner.contact``), it kills its workers and exits non-zero (``EXIT_CONTROLLER_LOST``). Once the
+calls block, ``runner.plumbing.contact``), it kills its workers and exits non-zero (``EXIT_CONTROLLER_LOST``). Once the
 controller declared its host lost it stays lost: the agent reads the signed fence (``protocol.node_fence_key``)
 with its next beat when it is heard again, kills its workers and exits non-zero (``EXIT_FENCED``); the host may
 come back only as a new host joining the job (``runner.agents.joins``). Its exit code says how the job ended:
@@ -44,13 +44,14 @@ from typing import NoReturn, Optional
 
 from torch.distributed import DistError, DistStoreError
 
-from runner import protocol
 from runner.agents import auth, spawned
 from runner.agents.fork_server import ForkedProcess, ForkServer
 from runner.config.schema import controller_lost_after_s
-from runner.contact import ControllerContact
-from runner.events import EventLog
-from runner.recovery.flash_ckpt.persister import NodePersist, NodePersisterHandle, start_node_persister
+from runner.plumbing import protocol
+from runner.plumbing.contact import ControllerContact
+from runner.plumbing.events import EventLog
+from runner.recovery.actions import NodePersist
+from runner.recovery.flash_ckpt.persister import NodePersisterHandle, start_node_persister
 
 CONNECT_TIMEOUT_S = 60.0
 REFUSAL_READ_TIMEOUT_S = 30.0

@@ -53,7 +53,7 @@ def die_with(parent: int) -> None:
 
 def run_worker(spec_fields: dict, cfg_dict: dict, env: dict[str, str]) -> None:
     """A worker of this host: its device (``LOCAL_RANK``, ``CUDA_VISIBLE_DEVICES``), then the worker."""
-    from runner.worker import WorkerSpec, main
+    from runner.training.worker import WorkerSpec, main
 
     os.environ.update(env)
     main(WorkerSpec(**spec_fields), cfg_dict)

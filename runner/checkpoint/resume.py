@@ -29,8 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.checkpoint import last_checkpoint
 from runner.config import ConfigError
-from runner.plan import gpt_config
-from runner.protocol import AGENT_CONFIG_FILE
+from runner.planning.plan import gpt_config
+from runner.plumbing.protocol import AGENT_CONFIG_FILE
 from runner.recovery.flash_ckpt.disk import every_ranks_checkpoints, verify
 from runner.recovery.flash_ckpt.segment import CorruptSnapshot
 

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.comm import Comm
 from runner.parallel.full_model import allgather_objects, full_state_name, pp_group
 from runner.parallel.pipeline import GPTStage
 from runner.parallel.tensor import gather_shards, shard_layouts
+from runner.training.comm import Comm
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
-from runner.durable import fsync_dir, save_synced, temp_name
+from runner.plumbing.durable import fsync_dir, save_synced, temp_name
 
 OnWritten = Callable[[int, Path, float], None]  # (step, path, seconds the write took)
 

@@ -1,7 +1,7 @@
 """ZeRO-1 optimizer state in a checkpoint: every owner's shard gathered into the state of one unsharded
 optimizer, and a rank's shard cut out of such a state again.
 
-Under ZeRO-1 each rank's optimizer holds only the parameters it owns (``runner.zero``). The checkpoint
+Under ZeRO-1 each rank's optimizer holds only the parameters it owns (``runner.training.zero``). The checkpoint
 holds what an unsharded optimizer's ``state_dict()`` would: parameters numbered in the optimizer's own
 order, group after group. It therefore loads into a plain optimizer (a single-process
 ``Trainer.fit(ckpt_path=...)``) as well as back into ZeRO-1 shards, for any DP size. With tensor
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from runner.comm import Comm
+from runner.training.comm import Comm
 from runner.training.packed import from_bytes, to_bytes
-from runner.zero import ShardPlan, ZeroOne
+from runner.training.zero import ShardPlan, ZeroOne
 
 
 def _unsharded_position(plan: ShardPlan) -> dict[int, int]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import policy
-from runner.decision import Decision, decide, restart_owner
-from runner.topology import spare_count
+from runner.control.decision import Decision, decide, restart_owner
+from runner.planning.topology import spare_count
 
 STOP_EVERY_RANK = ("kill_all", "wipe_shm", "corrupt_snapshot")
 

@@ -1,7 +1,7 @@
 """The policy table: for each fault class, the recovery actions to try, in order.
 
 The controller classifies every fault into one class and takes the first action of that class's
-row that can act now (runner/decision.py). A row left null in ``policy`` follows the seeds: the
+row that can act now (runner/control/decision.py). A row left null in ``policy`` follows the seeds: the
 FlashRecovery tree, DeadPool for permanent loss while spares remain, NDB when none remain, the
 flash checkpoint as the last resort, each restricted to the strategies in ``ft``. A row the user
 sets is taken as written and checked here: known actions, allowed for the class, provided by a

@@ -125,7 +125,7 @@ class HeartbeatConfig:
 def controller_lost_after_s(interval_s: float, misses: int) -> float:
     """How long a node agent or a worker that cannot reach the controller goes on before it stops its processes and
     exits non-zero: four times the controller's own silence rule (``interval_s × misses``), at least 5 s. The one
-    place this bound is computed (``runner.contact``)."""
+    place this bound is computed (``runner.plumbing.contact``)."""
     return max(5.0, 4 * interval_s * misses)
 
 

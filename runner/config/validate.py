@@ -37,8 +37,8 @@ from runner.config.schema import (
     value_range,
 )
 from runner.control.stragglers import config_problems as straggler_config_problems
-from runner.objective import LOGGED
-from runner.topology import Topology, spare_count
+from runner.launch.objective import LOGGED
+from runner.planning.topology import Topology, spare_count
 
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "param_bitflip", "slow_link", "partition",
                "kill_all", "wipe_shm", "corrupt_snapshot")
@@ -97,7 +97,7 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
 
 
 def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
-    """The layout rules (also for a candidate layout ``runner.plan`` tries)."""
+    """The layout rules (also for a candidate layout ``runner.planning.plan`` tries)."""
     p = cfg.parallel
     out: list[str] = []
     if p.nodes < 1 or p.procs_per_node < 1:
@@ -332,7 +332,7 @@ def zero_problems(cfg: DictConfig) -> list[str]:
 
 
 def master_weight_problems(cfg: DictConfig) -> list[str]:
-    """trainer.master_weights: fp32 masters of bf16 parameters, kept in the ZeRO-1 shard (``runner.zero``)."""
+    """trainer.master_weights: fp32 masters of bf16 parameters, kept in the ZeRO-1 shard (``runner.training.zero``)."""
     t = cfg.trainer
     if not t.master_weights:
         return []

@@ -9,9 +9,9 @@ if TYPE_CHECKING:
     from runner.control.detection import Detector
     from runner.control.incidents import Incidents
     from runner.control.membership import Membership
-    from runner.events import EventLog
+    from runner.planning.topology import Topology
+    from runner.plumbing.events import EventLog
     from runner.recovery.actions import RecoveryAction
-    from runner.topology import Topology
 
 
 @dataclass(frozen=True)

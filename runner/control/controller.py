@@ -18,7 +18,6 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner import protocol
 from runner.agents.fleet import AgentFleet
 from runner.agents.joins import HostJoins
 from runner.config import policy
@@ -34,15 +33,16 @@ from runner.control.records import RunRecord
 from runner.control.run_logger import RunLogger
 from runner.control.stop import StopOnSignal
 from runner.control.stragglers import StragglerWatch
-from runner.events import EventLog
 from runner.faults.chaos_injector import ChaosInjector
 from runner.faults.injector import FaultInjector
-from runner.recovery.flash_ckpt.persister import NodePersist
+from runner.planning.topology import Topology
+from runner.plumbing import protocol
+from runner.plumbing.events import EventLog
+from runner.recovery.actions import NodePersist
 from runner.recovery.registry import build_actions
-from runner.summary import write_summary
-from runner.topology import Topology
+from runner.report.summary import write_summary
 
-FORKSERVER_PRELOAD = ["runner.worker"]
+FORKSERVER_PRELOAD = ["runner.training.worker"]
 READY_POLL_S = 0.002  # how often an open recovery looks for its replacements' ready keys
 
 

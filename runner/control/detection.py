@@ -17,11 +17,11 @@ from typing import Optional
 
 from torch.distributed import PrefixStore
 
-from runner import protocol
 from runner.control.incidents import Incidents, short
 from runner.control.membership import Membership
 from runner.control.records import Recovery, Worker
-from runner.events import EventLog
+from runner.plumbing import protocol
+from runner.plumbing.events import EventLog
 
 TRAINING_PHASES = ("compute", "takeover", "reduce")
 

@@ -1,6 +1,6 @@
 """Where was everyone? Before the controller kills a hung rank, each live rank's stacks and collective state.
 
-The controller signals every live rank to dump the Python stacks of all its threads (``runner.stack_dumps``),
+The controller signals every live rank to dump the Python stacks of all its threads (``runner.training.stack_dumps``),
 reads each one's last heartbeat (phase, step, generation, collectives in flight), and writes into
 ``<run dir>/diagnosis/<recovery id>/``: ``rank<r>.stacks.txt`` per rank that answered, ``state.json`` (every
 rank's state) and ``verdict.txt``, a line such as "rank 0 stuck in all_reduce of step 20 (gen 0) waiting for
@@ -22,8 +22,8 @@ from typing import Optional
 
 from runner.control.membership import Membership
 from runner.control.records import Recovery, Worker
-from runner.events import EventLog
-from runner.stack_dumps import DUMP_SIGNAL, stack_file
+from runner.plumbing.events import EventLog
+from runner.training.stack_dumps import DUMP_SIGNAL, stack_file
 
 DUMP_WAIT_S = 1.0  # the ranks that beat dump within milliseconds; a rank that does not answer is not waited for longer
 POLL_S = 0.01
@@ -51,7 +51,7 @@ class RankState:
 
 
 def training_frame(dump: str) -> Optional[str]:
-    """In a faulthandler dump of every thread, the training thread's (the one running ``runner/worker.py``)
+    """In a faulthandler dump of every thread, the training thread's (the one running ``runner/training/worker.py``)
     innermost frame of user code, else its innermost frame: ``file.py:44 (function)``."""
     threads: list[list[tuple[str, str, str]]] = []
     for line in dump.splitlines():
@@ -59,7 +59,7 @@ def training_frame(dump: str) -> Optional[str]:
             threads.append([])
         elif threads and (m := _FRAME.match(line)):
             threads[-1].append((m["file"], m["line"], m["func"]))
-    training = next((t for t in threads if any(f.endswith("runner/worker.py") for f, _, _ in t)), None)
+    training = next((t for t in threads if any(f.endswith("runner/training/worker.py") for f, _, _ in t)), None)
     if not training:
         return None
     user = [f for f in training if not f[0].startswith((*_FRAMEWORK, "<"))]  # <string>: the fork server's start

@@ -3,7 +3,7 @@
 A recovery is decided once its decide window closes, or at once when its evidence is conclusive
 (``Detector.conclusive_exit``); the rule that closed the decision is recorded as ``decide_reason``.
 
-The decision itself is ``runner.decision.decide`` (pure); the resources it weighs (spares, restart
+The decision itself is ``runner.control.decision.decide`` (pure); the resources it weighs (spares, restart
 budgets, ranks without snapshots) come from the run's actions (``decide_inputs``), and the chosen
 action carries itself out (``act``). Then generations follow: survivors-only while replacements
 start, complete once every logical rank is computed again.
@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from runner import protocol
 from runner.control.context import RunContext
-from runner.decision import Decision, decide
+from runner.control.decision import Decision, decide
+from runner.plumbing import protocol
 from runner.recovery.actions import RecoveryAction
 
 

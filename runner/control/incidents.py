@@ -13,7 +13,7 @@ import time
 from typing import Optional
 
 from runner.control.records import Recovery, RunRecord
-from runner.events import EventLog
+from runner.plumbing.events import EventLog
 
 DETAIL_KEYS = ("wid", "code", "node", "why", "reason", "gen")
 

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from runner import protocol
 from runner.control.records import Worker
-from runner.events import EventLog
-from runner.protocol import Layout
+from runner.plumbing import protocol
+from runner.plumbing.events import EventLog
+from runner.plumbing.protocol import Layout
 
 
 class Membership:
@@ -38,7 +38,7 @@ class Membership:
 
     # -- processes ------------------------------------------------------------------------------
     def spawn(self, lrank: int, node: int, local: int, role: str, first_gen: int) -> Worker:
-        from runner.worker import WorkerSpec, main  # imported lazily: the launching process stays light
+        from runner.training.worker import WorkerSpec, main  # imported lazily: the launching process stays light
 
         wid = len(self.workers)
         spec = WorkerSpec(str(self.run_dir), wid, node, local, lrank, role, first_gen, self.host, self.port,

@@ -1,6 +1,6 @@
 """What the controller records: each worker process, each recovery, and the run as a whole.
 
-``RunRecord`` is what the summary is built from (``runner/summary.py``): the controller fills it and
+``RunRecord`` is what the summary is built from (``runner/report/summary.py``): the controller fills it and
 hands it over at the end, so the summary depends on no controller internals.
 """
 
@@ -68,7 +68,7 @@ class Recovery:
 
 @dataclass
 class Attempt:
-    """One launch of a torchrun/SLURM job's ranks (``runner/attempt_log.py``): the launcher restarts them
+    """One launch of a torchrun/SLURM job's ranks (``runner/launch/attempt_log.py``): the launcher restarts them
     after a failure, and the summary accounts for every attempt."""
 
     attempt: int

@@ -3,7 +3,7 @@
 Workers write every committed step to ``metrics.jsonl`` (``callbacks/metrics.py``) and their events, as the
 controller does its own, to ``events.jsonl``. A thread of the controller follows both files from where they
 ended when the controller was built, in time order, and turns them into rows of the backend
-(``runner.loggers``): ``train/loss``, ``train/tokens_per_s`` and ``train/step_time_s`` every
+(``runner.report.loggers``): ``train/loss``, ``train/tokens_per_s`` and ``train/step_time_s`` every
 ``trainer.log_every_n_steps`` committed steps; an ``event/*`` row for each fault, detection, decision and the
 other events of a recovery when it happens; and a ``recovery/*`` row with the RTO, its phases and the RPO as
 soon as the recovered world commits its first step (computed as summary.json computes them), with an alert.
@@ -28,9 +28,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from runner.control.records import Recovery, RunRecord
-from runner.loggers import STEP_AXIS, TIME_AXIS, ExperimentLogger, open_logger
-from runner.objective import TRAIN_ROW
-from runner.summary import recovery_entry
+from runner.launch.objective import TRAIN_ROW
+from runner.report.loggers import STEP_AXIS, TIME_AXIS, ExperimentLogger, open_logger
+from runner.report.summary import recovery_entry
 
 POLL_S = 0.5  # how often the files are read; every row carries its own step and time
 # what a reader of the run follows: faults, their detection, decisions and what the actions did

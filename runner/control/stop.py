@@ -18,9 +18,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
-from runner import protocol
 from runner.checkpoint import last_checkpoint
-from runner.events import EventLog, read_jsonl
+from runner.plumbing import protocol
+from runner.plumbing.events import EventLog, read_jsonl
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from runner.control.records import Worker
-from runner.events import EventLog
-from runner.topology import Topology
+from runner.planning.topology import Topology
+from runner.plumbing.events import EventLog
 
 KINDS = ("rank", "host", "link")
 

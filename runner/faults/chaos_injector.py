@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from runner import protocol
 from runner.control.context import RunContext
+from runner.control.decision import Decision
 from runner.control.detection import TRAINING_PHASES
-from runner.decision import Decision
 from runner.faults import chaos
 from runner.faults.injector import FaultInjector
+from runner.plumbing import protocol
 from runner.recovery.sdc import MIN_HISTORY
 
 CHAOS_END_MARGIN_STEPS = 5  # no chaos fault this close to trainer.max_steps: it would hit ranks that are finishing

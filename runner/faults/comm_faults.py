@@ -23,8 +23,8 @@ from typing import Any
 
 from torch.distributed import PrefixStore
 
-from runner.comm import CollectiveFailure, Comm
 from runner.recovery.deadpool.replicator import HEADER_BYTES, TAG_HEADER, TAG_LAYOUT
+from runner.training.comm import CollectiveFailure, Comm
 
 PARTITIONED = "network partition: this rank cannot reach its peers"
 

@@ -16,11 +16,11 @@ import signal
 import time
 from typing import Optional
 
-from runner import protocol
 from runner.config.validate import all_faults
 from runner.control.context import RunContext
 from runner.control.records import Worker
 from runner.faults import snapshot_memory
+from runner.plumbing import protocol
 
 WORKER_CARRIED = ("transient", "slow_rank", "bitflip", "param_bitflip", "slow_link", "partition", "chaos")
 TOGETHER_WITHIN_S = 2.0  # victims of one step's faults announce within milliseconds; this bounds a missing one

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from runner.comm import Comm
 from runner.parallel.generation_group import GenerationGroup
 from runner.parallel.pipeline import GPTStage
 from runner.parallel.tensor import gather_full
+from runner.training.comm import Comm
 from runner.training.packed import from_bytes, to_bytes
 
 MODEL_PREFIX = "model."  # GPTModule's attribute holding the GPT (or, with pp > 1, its stage)

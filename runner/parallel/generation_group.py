@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.comm import Comm
+from runner.training.comm import Comm
 
 
 class _Done:

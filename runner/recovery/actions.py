@@ -9,15 +9,32 @@ mix and calls its hooks generically, so neither names a technique.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from runner.control.context import RunContext
-    from runner.decision import Decision
-    from runner.recovery.flash_ckpt.persister import NodePersist
-    from runner.topology import Topology
+    from runner.control.decision import Decision
+    from runner.planning.topology import Topology
+
+BUDGET_OWNERS = ("flashrecovery", "deadpool")
+
+
+def restart_owner(ft: list[str]) -> Optional[str]:
+    """The technique whose ``max_restarts`` bounds in-place restarts."""
+    return next((n for n in BUDGET_OWNERS if n in ft), None)
+
+
+@dataclass(frozen=True)
+class NodePersist:
+    """A node service a technique asks every node agent to run beside its workers (flash_ckpt's persister):
+    where to write, how many files to keep, where to log."""
+
+    job_id: str
+    out_dir: Path
+    keep: int
+    events_path: Path
+
 
 LAUNCHER_OWNS = ("under torchrun/SLURM the launcher owns the processes, so the job ends here for the launcher "
                  "to restart it (torchrun --max-restarts); run without torchrun/srun for in-place restarts")
@@ -26,7 +43,7 @@ LAUNCHER_OWNS = ("under torchrun/SLURM the launcher owns the processes, so the j
 @dataclass(frozen=True)
 class Situation:
     """What the decision knows when it asks whether an action can act: the fault's victims (logical
-    ranks) and the resources left, as ``runner.decision.decide`` received them."""
+    ranks) and the resources left, as ``runner.control.decision.decide`` received them."""
 
     ft: list[str]
     cfg: Any  # DictConfig

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runner.planning.topology import Topology
 from runner.recovery.actions import RecoveryAction
 from runner.recovery.deadpool.action import SwapSpare
 from runner.recovery.flash_ckpt.action import RestartAll
 from runner.recovery.flashrecovery.action import RestartRank, Retry
 from runner.recovery.ndb.action import Takeover
-from runner.topology import Topology
 
 BY_TECHNIQUE: dict[str, tuple[type[RecoveryAction], ...]] = {
     "flashrecovery": (Retry, RestartRank),

@@ -10,10 +10,10 @@ from typing import Any
 
 from lightning.pytorch import LightningModule
 
+from runner.recovery.common.hooks import TechniqueWorker, WorkerContext, WorkerHooks
 from runner.recovery.deadpool.worker import DeadPoolWorker
 from runner.recovery.flash_ckpt.worker import FlashCkptWorker
 from runner.recovery.flashrecovery.worker import FlashRecoveryWorker
-from runner.recovery.hooks import TechniqueWorker, WorkerContext, WorkerHooks
 from runner.recovery.ndb.worker import NDBWorker
 
 WORKER_SIDES: dict[str, Callable[[WorkerContext], TechniqueWorker]] = {

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import yaml
 
-from runner.events import read_jsonl
+from runner.plumbing.events import read_jsonl
 
 PHASES = ("detect_s", "decide_s", "replace_s", "rebuild_s", "restore_s")
 

@@ -3,7 +3,7 @@
 Sections "Recovery" (recovery/rto_s and its phases), "Throughput" (train/tokens_per_s,
 train/step_time_s, and the step reached against wall time) and "Loss" (train/loss), with runs grouped
 by their W&B group, which the runner sets to the sweep directory relative to the working directory
-(runner/loggers.py). Every panel is drawn against the axes the runner's W&B run defines
+(runner/report/loggers.py). Every panel is drawn against the axes the runner's W&B run defines
 (runner/control/run_logger.py): ``global_step``, the training step of a row (a recovery's row sits
 at the step its recovered world committed first), and ``wall_time``, seconds since the job started.
 Needs the optional ``wandb-workspaces`` package (``pip install "resilient-runner[workspace]"``) and a
@@ -16,8 +16,8 @@ import argparse
 import os
 import sys
 
-from runner.loggers import STEP_AXIS, TIME_AXIS
 from runner.report.collect import PHASES
+from runner.report.loggers import STEP_AXIS, TIME_AXIS
 
 EXIT_UNAVAILABLE = 2
 RECOVERY_KEYS = ["recovery/rto_s", *(f"recovery/{p}" for p in PHASES)]

@@ -1,7 +1,7 @@
 """The runner's own decision function applied to the simulator's faults.
 
 The simulator does not choose a recovery itself: for every simulated fault it
-calls `runner.decision.decide` with the policy table, the mix, the budgets left
+calls `runner.control.decision.decide` with the policy table, the mix, the budgets left
 and the spares left, as the controller would, so a simulated mix does what the
 runner would do. Silent corruption is not classified by `decide`; its action is
 the policy table's `silent_corruption` row (the gradient guard's recompute).
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from omegaconf import OmegaConf
 
 from runner.config import policy
-from runner.decision import Decision, decide
+from runner.control.decision import Decision, decide
 from runner.sim.errors import ConfigError
 from runner.sim.failures import FaultClass
 

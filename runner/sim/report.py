@@ -181,7 +181,8 @@ def format_text(summary: dict, cfg) -> str:
 
     classes = list(next(iter(summary["decisions"].values())))
     short = [c.replace("node_loss_", "node_").replace("process_", "").replace("silent_", "") for c in classes]
-    lines += ["", "What the runner decides per fault class (runner.decision, full budgets; fail = requeue the job)",
+    lines += ["", "What the runner decides per fault class (runner.control.decision, full budgets; "
+              "fail = requeue the job)",
               "mix".ljust(width) + "".join(f"{c:>17}" for c in short)]
     for label, row in summary["decisions"].items():
         lines.append(label.ljust(width) + "".join(f"{row[c]['action']:>17}" for c in classes))

@@ -21,15 +21,15 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from runner.comm import CollectiveFailure, Comm
 from runner.data import BatchSource
-from runner.events import EventLog
-from runner.recovery.hooks import MicroBatchTakeover
+from runner.plumbing.events import EventLog
+from runner.recovery.common.hooks import MicroBatchTakeover
 from runner.recovery.sdc import GradientGuard
-from runner.reducer import GradReducer
-from runner.status import WorkerStatus
+from runner.training.comm import CollectiveFailure, Comm
 from runner.training.divergence import ReplicaDivergence
+from runner.training.reducer import GradReducer
 from runner.training.state import ReplicaState
+from runner.training.status import WorkerStatus
 from runner.training.update import CommittedUpdate
 
 Recover = Callable[[ReplicaState, str], Optional[dict]]  # the run's recovery: (this replica's state, why)

@@ -1,4 +1,4 @@
-"""What a step does when the replica check (``runner.replica_check``) finds its replicas diverged.
+"""What a step does when the replica check (``runner.training.replica_check``) finds its replicas diverged.
 
 Every member of the reduction's group reads the same reduced fingerprints, so every member reaches the
 same decision at the same step without another message:
@@ -23,9 +23,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from runner import replica_check
-from runner.comm import Comm, RunFailedError
-from runner.events import EventLog
+from runner.plumbing.events import EventLog
+from runner.training import replica_check
+from runner.training.comm import Comm, RunFailedError
 from runner.training.state import ReplicaState
 from runner.training.transfer import exchange
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-from runner.zero import ZeroOne
+from runner.training.zero import ZeroOne
 
 
 class ShardedState(Protocol):

@@ -15,11 +15,11 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import LightningModule
 
-from runner.comm import Comm
 from runner.recovery.sdc import GradientGuard
+from runner.training.comm import Comm
 from runner.training.packed import from_bytes, to_bytes
 from runner.training.update import CommittedUpdate
-from runner.zero import ZeroOne
+from runner.training.zero import ZeroOne
 
 SDC_HISTORY = "resilient_sdc_norms"  # the corruption guard's history, in state handed to a replacement or laggard
 

@@ -15,8 +15,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from runner.recovery.hooks import UpdateReplication
-from runner.zero import ZeroOne
+from runner.recovery.common.hooks import UpdateReplication
+from runner.training.zero import ZeroOne
 
 
 class CommittedUpdate:

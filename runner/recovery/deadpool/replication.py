@@ -7,13 +7,13 @@ after it the new replication starts, and overlaps the next step. While NDB cover
 
 from __future__ import annotations
 
-from runner.comm import CollectiveFailure, Comm, RunFailedError
-from runner.events import EventLog
+from runner.plumbing.events import EventLog
 from runner.recovery.deadpool.replicator import ShardReplicator
+from runner.training.comm import CollectiveFailure, Comm, RunFailedError
 
 
 class ShardReplication:
-    """``runner.recovery.hooks.UpdateReplication`` for DeadPool."""
+    """``runner.recovery.common.hooks.UpdateReplication`` for DeadPool."""
 
     def __init__(self, replicator: ShardReplicator, comm: Comm, events: EventLog) -> None:
         self.replicator, self.comm, self.events = replicator, comm, events
@@ -31,7 +31,7 @@ class ShardReplication:
     def _suspended(self) -> bool:
         """While NDB covers failed ranks, the holders of their replicas carry their shards (``ZeroOne.carry``) and
         the ring of holders has gaps: nothing is replicated until every rank has a process of its own again, and
-        the controller counts no shard as having a copy (``runner.decision.shards_without_copy``)."""
+        the controller counts no shard as having a copy (``runner.control.decision.shards_without_copy``)."""
         layout = self.comm.joined
         if not layout.takeovers:
             return False

@@ -42,8 +42,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from runner.comm import CollectiveFailure
-from runner.recovery.deadpool.shard_state import (
+from runner.planning.topology import Topology
+from runner.recovery.common.hooks import ABANDON_AFTER_S, ReplicaLost
+from runner.training.comm import CollectiveFailure
+from runner.training.shard_state import (
     DIGEST_BYTES,
     LiveShard,
     ShardLayout,
@@ -55,20 +57,12 @@ from runner.recovery.deadpool.shard_state import (
     replay,
     unpack,
 )
-from runner.topology import Topology
-from runner.zero import ZeroOne
+from runner.training.zero import ZeroOne
 
 TAG_HEADER, TAG_LAYOUT, TAG_DATA = 0, 1, 2
 TAG_DIGEST_OWN, TAG_DIGEST_REPLICA = 3, 4  # replay: an owner's digest to its holder; a holder's to the owner
 REPLICATION_MODES = ("replay", "copy")
 HEADER_BYTES = 32  # gen, shard bytes, layout bytes, whether the rest came in the same message (int64 each)
-ABANDON_AFTER_S = 1.0  # how long a recovery waits for the broken generation's exchange (see drain())
-
-
-class ReplicaLost(RuntimeError):
-    """The holder cannot produce the requested generation of its partner's shard."""
-
-
 @dataclass
 class _Slot:
     gen: int = -1  # -1: empty or being written

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from lightning.pytorch import LightningModule
 
+from runner.planning.topology import Topology
+from runner.recovery.common.hooks import WorkerContext, WorkerHooks
 from runner.recovery.deadpool.replication import ShardReplication
 from runner.recovery.deadpool.replicator import ShardReplicator
-from runner.recovery.hooks import WorkerContext, WorkerHooks
-from runner.topology import Topology
-from runner.zero import ZeroOne
+from runner.training.zero import ZeroOne
 
 
 class DeadPoolWorker:

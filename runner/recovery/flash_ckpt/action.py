@@ -12,13 +12,10 @@ segment removal, which load torch, are imported in the hooks of the controller's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from runner.recovery.actions import LAUNCHER_OWNS, RecoveryAction, Situation
+from runner.recovery.actions import LAUNCHER_OWNS, NodePersist, RecoveryAction, Situation
 from runner.recovery.flash_names import flash_job_id
-
-if TYPE_CHECKING:
-    from runner.recovery.flash_ckpt.persister import NodePersist
 
 
 class RestartAll(RecoveryAction):
@@ -56,8 +53,6 @@ class RestartAll(RecoveryAction):
         fc = self.cfg.ft.flash_ckpt
         if not fc.persist_every_n_steps:
             return None
-        from runner.recovery.flash_ckpt.persister import NodePersist
-
         return NodePersist(self.job, self.run_dir / "checkpoints", fc.keep, self.run_dir / "events.jsonl")
 
     def memory_job(self) -> Optional[str]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from runner.durable import fsync_dir, save_synced, temp_name
+from runner.plumbing.durable import fsync_dir, save_synced, temp_name
 
 from .checksum import ALGORITHM, digest_file
 from .segment import CorruptSnapshot

@@ -26,6 +26,8 @@ from pathlib import Path
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
+from runner.recovery.actions import NodePersist
+
 from .disk import apply_retention, checkpoint_path, sidecar_path, write_atomic
 from .events import EventSink, emit
 from .shm import PREFIX, check_job_id
@@ -246,16 +248,6 @@ def connect_persister(address: str, segment: str, rank: int, *, on_event: EventS
     return PersistClient(conn, conn, on_event=on_event)
 
 
-@dataclass(frozen=True)
-class NodePersist:
-    """What a node persister needs: where to write, how many files to keep, where to log."""
-
-    job_id: str
-    out_dir: Path
-    keep: int
-    events_path: Path
-
-
 class NodePersisterHandle:
     """The agent's side of a node persister process: stop it at the end, kill it with its node."""
 
@@ -298,7 +290,7 @@ def start_node_persister(server: ForkServer, spec: NodePersist, node: int,
 
 
 def _node_main(spec: NodePersist, node: int, control: Connection) -> None:
-    from runner.events import EventLog  # the node persister reports breakpoint persists in the run's log
+    from runner.plumbing.events import EventLog  # the node persister reports breakpoint persists in the run's log
 
     log = EventLog(spec.events_path, rank=lambda: f"persister-n{node}", step=lambda: -1)
     persister = Persister(spec.out_dir, spec.keep)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from runner.comm import CollectiveFailure, Comm
-from runner.events import EventLog
+from runner.plumbing.events import EventLog
+from runner.recovery.common.rejoin import ReplicaRecovery, RunFailedError
 from runner.recovery.flash_ckpt.prefetch import Prefetch
 from runner.recovery.flash_ckpt.restore import (
     NoSnapshot,
@@ -30,7 +30,7 @@ from runner.recovery.flash_ckpt.restore import (
     load_newest,
     newest_common_step,
 )
-from runner.recovery.flashrecovery.rejoin import ReplicaRecovery, RunFailedError
+from runner.training.comm import CollectiveFailure, Comm
 from runner.training.state import ReplicaState
 
 

@@ -11,14 +11,14 @@ from pathlib import Path
 
 from lightning.pytorch import LightningModule
 
-from runner.callbacks.flash_checkpoint import FlashCheckpoint
+from runner.planning.topology import Topology
+from runner.recovery.common.hooks import WorkerContext, WorkerHooks
+from runner.recovery.flash_ckpt.callback import FlashCheckpoint
 from runner.recovery.flash_ckpt.events import Event
 from runner.recovery.flash_ckpt.persister import persister_address
 from runner.recovery.flash_ckpt.prefetch import Prefetch
 from runner.recovery.flash_ckpt.snapshot_restore import SnapshotRestore
 from runner.recovery.flash_names import flash_job_id
-from runner.recovery.hooks import WorkerContext, WorkerHooks
-from runner.topology import Topology
 
 
 class FlashCkptWorker:

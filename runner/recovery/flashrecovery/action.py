@@ -16,14 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from runner.recovery.actions import LAUNCHER_OWNS, RecoveryAction, Situation
-
-BUDGET_OWNERS = ("flashrecovery", "deadpool")
-
-
-def restart_owner(ft: list[str]) -> Optional[str]:
-    """The strategy whose ``max_restarts`` bounds in-place restarts."""
-    return next((n for n in BUDGET_OWNERS if n in ft), None)
+from runner.recovery.actions import LAUNCHER_OWNS, RecoveryAction, Situation, restart_owner
 
 
 class Retry(RecoveryAction):

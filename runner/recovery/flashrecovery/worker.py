@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lightning.pytorch import LightningModule
 
-from runner.recovery.hooks import WorkerContext, WorkerHooks
+from runner.recovery.common.hooks import WorkerContext, WorkerHooks
 
 
 class FlashRecoveryWorker:

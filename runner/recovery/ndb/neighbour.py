@@ -15,11 +15,11 @@ from torch import Tensor
 
 from runner.data import BatchSource
 from runner.recovery.ndb.runtime import NDBRuntime
-from runner.status import WorkerStatus
+from runner.training.status import WorkerStatus
 
 
 class NeighbourTakeover:
-    """``runner.recovery.hooks.MicroBatchTakeover`` for NDB."""
+    """``runner.recovery.common.hooks.MicroBatchTakeover`` for NDB."""
 
     def __init__(self, runtime: NDBRuntime, status: WorkerStatus, device: torch.device) -> None:
         self.runtime, self.status, self.device = runtime, status, device

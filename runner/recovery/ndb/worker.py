@@ -8,7 +8,7 @@ from lightning.pytorch import LightningModule
 from runner.model import GPT
 from runner.parallel.generation_group import GenerationGroup
 from runner.parallel.pipeline import GPTStage, OneFOneB
-from runner.recovery.hooks import WorkerContext, WorkerHooks
+from runner.recovery.common.hooks import WorkerContext, WorkerHooks
 from runner.recovery.ndb.config import NDBConfig
 from runner.recovery.ndb.neighbour import NeighbourTakeover
 from runner.recovery.ndb.runtime import NDBRuntime

@@ -23,17 +23,17 @@ from time import perf_counter
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from runner.comm import Comm
-from runner.protocol import Layout
+from runner.plumbing.protocol import Layout
+from runner.recovery.common.hooks import ABANDON_AFTER_S
 from runner.recovery.flash_ckpt.events import Event, emit
 from runner.recovery.flash_ckpt.hygiene import cleanup_stale
 from runner.recovery.flash_ckpt.persister import PersistClient, connect_persister, spawn_persister
 from runner.recovery.flash_ckpt.replica import Abandonment, backup_to_partner, exchange_with_partners
 from runner.recovery.flash_ckpt.snapshotter import Snapshotter
+from runner.training.comm import Comm
 
 log = logging.getLogger(__name__)
 
-ABANDON_AFTER_S = 1.0  # how long a recovery waits for the exchange it abandons to end (abandon_exchange)
 
 # Resuming ignores hyper-parameters, and they may hold classes (an OmegaConf type) that neither
 # JSON nor torch.load(weights_only=True) accepts, so snapshots leave them out by default.

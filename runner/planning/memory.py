@@ -1,4 +1,5 @@
-"""Memory per rank of a training layout, itemised, from the model's shape alone (``runner.plan`` prints and checks it).
+"""Memory per rank of a training layout, itemised, from the model's shape alone (``runner.planning.plan`` prints and
+checks it).
 
 What each ``trainer.precision`` keeps is what the training path does with it (Lightning's precision
 plugins, the optimizer built in ``runner.lightning_module``):
@@ -12,7 +13,7 @@ plugins, the optimizer built in ``runner.lightning_module``):
   bf16 weights and gradients (2 + 2 bytes per parameter), and fp32 master weights and fp32 moments (12
   bytes per parameter) inside the ZeRO-1 shard only.
 
-ZeRO-1 (``runner.zero``) shards the Adam moments (and the fp32 masters) over the data-parallel ranks:
+ZeRO-1 (``runner.training.zero``) shards the Adam moments (and the fp32 masters) over the data-parallel ranks:
 gradients are all-reduced in full and every rank keeps whole weights. Tensor parallelism (``runner.parallel.tensor``)
 splits the attention and FFN matrices; embeddings, norms, the row-parallel biases and the head stay
 replicated, and there is no sequence parallelism. Pipeline stage ``s`` (``runner.parallel.pipeline``)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
-from runner.status import WorkerStatus
+from runner.training.status import WorkerStatus
 
 
 class RunnerEnvironment(ClusterEnvironment):

@@ -38,7 +38,7 @@ from datetime import timedelta
 
 from torch.distributed import PrefixStore, TCPStore
 
-from runner.store_counts import counted
+from runner.plumbing.store_counts import counted
 
 STOP = "stop"
 
@@ -103,7 +103,7 @@ def agent_key(node: int, *parts: object) -> str:
 
 def host_store(host: str, timeout_s: float) -> TCPStore:
     """The job's store, listening on ``host`` only (TCPStore itself listens on every interface). Here and in
-    ``connect``, a client is counted when ``RUNNER_STORE_COUNTS`` is set (``runner.store_counts``)."""
+    ``connect``, a client is counted when ``RUNNER_STORE_COUNTS`` is set (``runner.plumbing.store_counts``)."""
     listener = socket.create_server((host, 0), backlog=1024)
     port = listener.getsockname()[1]
     return counted(TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),

@@ -25,31 +25,32 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import protocol, stack_dumps
 from runner.callbacks.fault_injection import FaultTrigger
 from runner.callbacks.heartbeat import Heartbeat
 from runner.callbacks.lightning_checkpoint import LightningCheckpoint
 from runner.callbacks.metrics import CommitMetrics
 from runner.callbacks.progress import StepProgressBar
-from runner.checksum import param_checksum
-from runner.comm import Comm, RunAborted, RunFailedError
 from runner.config.schema import controller_lost_after_s
 from runner.config.validate import all_faults, dp_size, ft_names, world_size
 from runner.data import BatchSource, HeldOutSplit, MemmapTokens, SyntheticTokens
-from runner.events import EventLog, JsonLines
 from runner.faults.comm_faults import FaultInjectingComm
 from runner.lightning_module import GPTModule, StepDataModule
 from runner.parallel.generation_group import GenerationGroup
 from runner.parallel.pipeline import GPTStage
 from runner.parallel.tensor import shard_gpt_for_tp
-from runner.plan import gpt_config
-from runner.recovery.flashrecovery.rejoin import ReplicaRecovery
-from runner.recovery.hooks import WorkerContext
+from runner.planning.plan import gpt_config
+from runner.planning.topology import Topology
+from runner.plumbing import protocol
+from runner.plumbing.events import EventLog, JsonLines
+from runner.recovery.common.hooks import WorkerContext
+from runner.recovery.common.rejoin import ReplicaRecovery
 from runner.recovery.sdc import GradientGuard
 from runner.recovery.worker_registry import combine, technique_workers
-from runner.status import WorkerStatus
-from runner.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy
-from runner.topology import Topology
+from runner.training import stack_dumps
+from runner.training.checksum import param_checksum
+from runner.training.comm import Comm, RunAborted, RunFailedError
+from runner.training.status import WorkerStatus
+from runner.training.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy
 from runner.training.validation import StepValidation, warn_unscheduled
 
 EXIT_ABORTED = 3  # the controller ended the run

@@ -1,7 +1,7 @@
 """The replica check: do the data-parallel replicas still hold the same parameters, every N committed steps?
 
 It rides in the step's gradient all-reduce, in the accounting slot of the last exact bucket
-(``runner.reducer``), so it costs no collective of its own: on a check step each member writes a
+(``runner.training.reducer``), so it costs no collective of its own: on a check step each member writes a
 32-bit fingerprint of its committed parameters into the two slots of its DP coordinate (16 bits each,
 plus one, so that an absent member reads 0), every other slot 0; the reduction's sum then holds
 every member's fingerprint, exact in float32 (each slot has one contributor, below 2**24), and every

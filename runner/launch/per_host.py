@@ -31,12 +31,12 @@ from typing import Optional
 from omegaconf import DictConfig
 from torch.distributed import DistError, TCPStore
 
-from runner import protocol
 from runner.agents import auth, joins, spawned
 from runner.config import ConfigError
 from runner.config.validate import ft_names
-from runner.events import EventLog
-from runner.topology import Topology
+from runner.planning.topology import Topology
+from runner.plumbing import protocol
+from runner.plumbing.events import EventLog
 
 
 @dataclass
@@ -121,7 +121,7 @@ def report_refusal(cfg: DictConfig, reason: str) -> None:
     the reason in summary.json). Nothing outside torchrun and SLURM. The caller checked the mode (not a joining
     host: nobody awaits that one)."""
     from runner.agents.node_agent import REFUSAL_READ_TIMEOUT_S
-    from runner.launcher import external_launcher
+    from runner.launch.launcher import external_launcher
 
     kind = external_launcher() if cfg.launcher.kind == "auto" else cfg.launcher.kind
     if kind not in ("torchrun", "slurm"):
@@ -185,7 +185,7 @@ def _require_secret(cfg: DictConfig) -> None:
 
 def _run_controller(cfg: DictConfig, run_dir: Path, env: HostEnv, launcher: TCPStore) -> dict:
     from runner.control.controller import Controller
-    from runner.launcher import refuse_used_dir
+    from runner.launch.launcher import refuse_used_dir
 
     refuse_used_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

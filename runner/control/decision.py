@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from runner.config import policy
-from runner.recovery.actions import Situation
-from runner.recovery.flashrecovery.action import restart_owner
+from runner.planning.topology import Topology
+from runner.recovery.actions import Situation, restart_owner
 from runner.recovery.registry import BY_NAME, replicates_shards
-from runner.topology import Topology
 
 __all__ = ["Decision", "classify", "decide", "restart_owner", "shards_without_copy"]  # restart_owner: the config check
 

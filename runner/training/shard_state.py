@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from runner.training.packed import aligned, typed_view
-from runner.zero import optimizer_like
+from runner.training.zero import optimizer_like
 
 
 @dataclass

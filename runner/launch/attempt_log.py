@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from runner.control.records import Attempt
-from runner.events import JsonLines, read_jsonl
+from runner.plumbing.events import JsonLines, read_jsonl
 
 FILE = "attempts.jsonl"
 

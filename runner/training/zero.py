@@ -43,7 +43,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from runner.reducer import trainable_params
+from runner.training.reducer import trainable_params
 
 MASTER_KEY = "master_weight"  # a parameter's fp32 master copy in the optimizer's state_dict (master_weights)
 

@@ -3,7 +3,7 @@
 Printed before every run, and instead of the run when the host lacks the GPUs a recipe needs. The
 plan is a promise: a layout whose rank needs more than ``runner.gpu_memory_gib`` is refused, with the
 smallest change of tp, pp and zero that fits (``fitting_change``). Memory per rank is itemised by
-``runner.memory``. Models above runner.cpu_max_params are planned for GPUs with one sample per
+``runner.planning.memory``. Models above runner.cpu_max_params are planned for GPUs with one sample per
 micro-batch (the per-rank batch as that many micro-batches); smaller ones as the runner trains them,
 the per-rank batch in one forward.
 """
@@ -29,9 +29,9 @@ from runner.config.validate import (
     world_size,
     zero_problems,
 )
-from runner.memory import GiB, Layout, RankMemory, precision_of, rank_memory
-from runner.model_cost import count_params, flops_per_token
-from runner.topology import spare_count
+from runner.planning.memory import GiB, Layout, RankMemory, precision_of, rank_memory
+from runner.planning.model_cost import count_params, flops_per_token
+from runner.planning.topology import spare_count
 
 
 @dataclass

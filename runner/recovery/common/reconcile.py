@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from runner.comm import Comm, RunFailedError
-from runner.events import EventLog
-from runner.recovery.deadpool.replicator import ABANDON_AFTER_S, ReplicaLost
-from runner.recovery.deadpool.shard_state import ShardState
+from runner.plumbing.events import EventLog
+from runner.recovery.common.hooks import ABANDON_AFTER_S, ReplicaLost
+from runner.training.comm import Comm, RunFailedError
+from runner.training.shard_state import ShardState
 from runner.training.state import ReplicaState, ShardedState
 from runner.training.transfer import exchange
 

@@ -1,7 +1,7 @@
 """Start the job: on one host, a controller with simulated nodes; under torchrun/SLURM, one rank or one host.
 
 ``launcher.mode`` says what a process the external launcher started is: ``per_rank`` (one rank; what
-``auto`` means) or ``per_host`` (a host's node agent, node 0's also the controller: ``runner.per_host``).
+``auto`` means) or ``per_host`` (a host's node agent, node 0's also the controller: ``runner.launch.per_host``).
 Under ``per_rank`` the controller runs in rank 0 and can signal only the ranks of its own host; under
 ``per_host`` it reaches every host's workers but no host's memory or agent: faults it could not carry
 out are refused here, before anything starts.
@@ -42,16 +42,16 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
         cfg.runner.resume = str(resume_checkpoint(cfg.runner.resume, Path(run_dir), cfg.trainer.max_steps,
                                                   module_arguments(cfg)))
     if cfg.launcher.join:  # a host started later, outside the launcher: a spare host of a running per_host job
-        from runner.per_host import join_running_job
+        from runner.launch.per_host import join_running_job
 
         join_running_job(cfg, Path(run_dir))
         return None
     if kind != "local" and cfg.launcher.mode == "per_host":
-        from runner.per_host import run_host
+        from runner.launch.per_host import run_host
 
         return run_host(cfg, Path(run_dir), kind)
     if kind != "local":
-        from runner.external import run_rank
+        from runner.launch.external import run_rank
 
         return run_rank(cfg, Path(run_dir), kind)
     refuse_used_dir(Path(run_dir))

@@ -5,10 +5,10 @@ The launcher owns the processes here, so the controller cannot restart one in pl
 detects, classifies and handles what needs no new process (a transient error is retried in a
 rebuilt group), and otherwise ends the attempt with the reason so that the launcher restarts every
 rank (``torchrun --max-restarts``). The control plane lives in the namespace of the attempt that all
-ranks agree on (``runner/attempt.py``) in the job's store: torchrun's agent store, or under SLURM a
+ranks agree on (``runner/launch/attempt.py``) in the job's store: torchrun's agent store, or under SLURM a
 TCPStore that rank 0 hosts at MASTER_ADDR:MASTER_PORT. A restart resumes from the newest flash
 checkpoint every rank holds (``ft=[flash_ckpt]``), else from step 0. Rank 0 records each attempt's
-start and end in the run directory (``runner/attempt_log.py``) for the final summary. Each rank
+start and end in the run directory (``runner/launch/attempt_log.py``) for the final summary. Each rank
 reports its pid (``pid/<rank>`` in the namespace) so that rank 0 can signal the ranks of its own host.
 """
 
@@ -25,15 +25,15 @@ from typing import Optional
 from omegaconf import DictConfig
 from torch.distributed import PrefixStore, TCPStore
 
-from runner import protocol
-from runner.attempt import AttemptHost, JobKeys, join_attempt
-from runner.attempt_log import AttemptLog, read_attempts
 from runner.config import ConfigError
 from runner.config.validate import all_faults, ft_names, world_size
 from runner.control.controller import Controller
-from runner.events import EventLog
-from runner.termination import PromptTermination
-from runner.worker import WorkerSpec, run_reporting
+from runner.launch.attempt import AttemptHost, JobKeys, join_attempt
+from runner.launch.attempt_log import AttemptLog, read_attempts
+from runner.launch.termination import PromptTermination
+from runner.plumbing import protocol
+from runner.plumbing.events import EventLog
+from runner.training.worker import WorkerSpec, run_reporting
 
 LEAVE_WAIT_S = 5.0  # rank 0 keeps the store it hosts up this long for the others to leave: they do at once
 
@@ -71,7 +71,7 @@ def rank_env(kind: str) -> RankEnv:
 class ExternalFleet:
     """Processes the launcher started: nothing to spawn; only the ranks on rank 0's own host can be
     signalled, through the pids they report. The configuration refuses a fault that would need another
-    (``runner/launcher.py``); a hung rank elsewhere ends the attempt through the decision."""
+    (``runner/launch/launcher.py``); a hung rank elsewhere ends the attempt through the decision."""
 
     can_spawn = False
 

@@ -1,7 +1,7 @@
 """The control plane's cost counted at its source: store operations and new connections, per process.
 
 Off unless the environment variable ``RUNNER_STORE_COUNTS`` names a directory (``bench/recovery.py --world``
-sets it); then nothing else changes. When it is set, every store client ``runner.protocol`` opens is a
+sets it); then nothing else changes. When it is set, every store client ``runner.plumbing.protocol`` opens is a
 ``CountingStore``, and each process appends one line per event to ``<dir>/<pid>.tsv``:
 
     <wall time> TAB <what> TAB <key class> TAB <keys> TAB <thread>

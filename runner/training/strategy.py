@@ -1,7 +1,7 @@
 """The runner's Lightning Strategy: it owns the process group and the gradient all-reduce.
 
 Why not DDP: DDP's reducer lives in hooks on a process group fixed at construction. Here the
-reduction (``runner.reducer``: buckets launched from the step's own backward) is waited for and
+reduction (``runner.training.reducer``: buckets launched from the step's own backward) is waited for and
 committed inside ``optimizer_step``, where a failed collective surfaces, so that it can be
 abandoned, the group rebuilt for the next generation, state handed to newcomers, and the very
 same step retried. ``optimizer_step`` returns only once the step is committed, so
@@ -41,27 +41,27 @@ from torch import Tensor
 from runner.checkpoint import RUNNER_KEY
 from runner.checkpoint.tp_state import optimizer_params, slice_model_state, slice_optimizer_state
 from runner.checkpoint.zero_state import shard_of_full_state
-from runner.checksum import state_checksum
-from runner.comm import CollectiveFailure, Comm
 from runner.data import BatchSource, IndexedDatasetSource, MicroBatches, StepLoader, derive_seed, seed_step
-from runner.environment import RunnerEnvironment
-from runner.events import EventLog
 from runner.parallel.full_model import gather_model
 from runner.parallel.generation_group import GenerationGroup
 from runner.parallel.pipeline import GPTStage, OneFOneB
 from runner.parallel.tensor import clip_grads_, grad_squares
-from runner.recovery.hooks import MicroBatchTakeover, UpdateReplication
+from runner.plumbing.events import EventLog
+from runner.recovery.common.hooks import MicroBatchTakeover, UpdateReplication
 from runner.recovery.sdc import GradientGuard
-from runner.reducer import trainable_params
-from runner.status import WorkerStatus
+from runner.training.checksum import state_checksum
+from runner.training.comm import CollectiveFailure, Comm
 from runner.training.commit import OnCommit, Recover, StepCommit
 from runner.training.divergence import ReplicaDivergence
+from runner.training.environment import RunnerEnvironment
 from runner.training.packed import from_bytes, to_bytes
+from runner.training.reducer import trainable_params
 from runner.training.state import ReplicaState
+from runner.training.status import WorkerStatus
 from runner.training.transfer import TrainerState
 from runner.training.update import CommittedUpdate
 from runner.training.validation import StepValidation
-from runner.zero import ZeroOne
+from runner.training.zero import ZeroOne
 
 # Lightning restores a checkpoint at the right moment of fit() (before or after setup, loops included) when
 # given a path; these two name state that does not come from a file.
@@ -122,7 +122,7 @@ class ResilientStrategy(ParallelStrategy):
         self.first_gen = first_gen  # the first generation this worker may belong to
         self.start_timeout_s = start_timeout_s
         self.zero_stage = zero_stage
-        self.master_weights = master_weights  # ZeRO-1 keeps fp32 masters of the 16-bit parameters (runner.zero)
+        self.master_weights = master_weights  # ZeRO-1 keeps fp32 masters of 16-bit parameters (training.zero)
         self._shard_replication = shard_replication  # a technique copies each updated shard elsewhere
         self._source: Optional[BatchSource] = None  # the step-indexed batch source, for taken-over micro-batches
         self.accumulate = accumulate  # micro-batches per optimizer step on each rank

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runner.comm import Comm
+from runner.training.comm import Comm
 
 _EXACT_COUNTS = (torch.float32, torch.float64)  # dtypes that can carry the accounting
 

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from runner import protocol, store_counts
-from runner.gloo_rendezvous import BatchedAddressStore
-from runner.protocol import Layout
-from runner.topology import Topology
+from runner.planning.topology import Topology
+from runner.plumbing import protocol, store_counts
+from runner.plumbing.gloo_rendezvous import BatchedAddressStore
+from runner.plumbing.protocol import Layout
 
 _CUT_OFF_POLL = timedelta(seconds=0.1)  # how often a long wait asks whether its peers were cut off
 _WAIT_MARGIN = timedelta(seconds=5)  # a launched op fails by itself at the collective timeout; waits allow this more

@@ -28,12 +28,12 @@ from typing import Optional
 
 import torch
 
-from runner import protocol
-from runner.comm import CollectiveFailure, Comm, RunFailedError
-from runner.events import EventLog
-from runner.recovery.deadpool.reconcile import reconcile_shards
-from runner.status import WorkerStatus
+from runner.plumbing import protocol
+from runner.plumbing.events import EventLog
+from runner.recovery.common.reconcile import reconcile_shards
+from runner.training.comm import CollectiveFailure, Comm, RunFailedError
 from runner.training.state import ReplicaState
+from runner.training.status import WorkerStatus
 from runner.training.transfer import exchange
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from runner.events import read_jsonl
+from runner.plumbing.events import read_jsonl
 
 TRAIN_ROW = {"train/loss": "loss", "train/tokens_per_s": "tokens_per_s", "train/step_time_s": "step_time_s"}
 """The logger's ``train/*`` row: its names and the metrics.jsonl fields they come from."""

@@ -3,7 +3,7 @@
 Built at the end from the run's record (``RunRecord``: how it ended, its recoveries, the workers'
 done records), events.jsonl and metrics.jsonl, so a recovery's phases come from timestamps recorded
 where they happened. Under torchrun/SLURM the record also lists the job's earlier attempts
-(``runner/attempt_log.py``): each failed one is a recovery by the launcher's restart.
+(``runner/launch/attempt_log.py``): each failed one is a recovery by the launcher's restart.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 from runner.control.records import Attempt, Recovery, RunRecord
-from runner.events import read_jsonl
-from runner.loggers import run_name
-from runner.model_cost import mfu
-from runner.plan import gpt_config
+from runner.planning.model_cost import mfu
+from runner.planning.plan import gpt_config
+from runner.plumbing.events import read_jsonl
+from runner.report.loggers import run_name
 
 
 def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:

@@ -16,15 +16,24 @@ from lightning.pytorch import Callback, LightningModule
 from omegaconf import DictConfig
 from torch import Tensor
 
-from runner.comm import Comm
 from runner.data import BatchSource
-from runner.events import EventLog
-from runner.status import WorkerStatus
-from runner.zero import ZeroOne
+from runner.plumbing.events import EventLog
+from runner.training.comm import Comm
+from runner.training.status import WorkerStatus
+from runner.training.zero import ZeroOne
 
 if TYPE_CHECKING:  # both depend on this module's interfaces
-    from runner.recovery.flashrecovery.rejoin import ReplicaRecovery
+    from runner.recovery.common.rejoin import ReplicaRecovery
     from runner.training.state import ReplicaState
+
+
+ABANDON_AFTER_S = 1.0
+"""How long a recovery waits for an exchange of the broken generation (a shard copy, a snapshot's replica) to end
+before it abandons it: such an exchange fails within this once its peer is gone or the group is aborted."""
+
+
+class ReplicaLost(RuntimeError):
+    """A replica's holder cannot produce the requested generation of its partner's state."""
 
 
 class MicroBatchTakeover(Protocol):
