@@ -231,11 +231,12 @@ class Generator:
 
     def beat_agents(self) -> None:
         """Every agent every half interval, as an agent's own heartbeat thread writes it."""
+        from runner.config.schema import HeartbeatConfig
         from runner.plumbing import protocol
 
         store = protocol.connect("127.0.0.1", self.port, 60)
         while not self.stop.is_set():
-            t_next = time.monotonic() + self.interval_s / 2
+            t_next = time.monotonic() + HeartbeatConfig(interval_s=self.interval_s).agent_beat_s
             now = time.time()
             for host in self.hosts.values():
                 if not host.silent:  # its beat, and whether the controller fenced the host

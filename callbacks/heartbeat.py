@@ -7,7 +7,7 @@ so a planned change (a repaired rank rejoining) is noticed at the next step at n
 whether the controller asked the run to stop (``protocol.STOP``). The
 controller declares a worker dead after ``misses`` silent intervals (SIGSTOP, a wedged process)
 and hung when the step stops advancing while heartbeats still arrive. If the controller cannot be reached
-for ``runner.config.schema.controller_lost_after_s`` (it died, or its host went silent and the store calls
+for ``HeartbeatConfig.controller_lost_after_s`` (it died, or its host went silent and the store calls
 block), the worker exits (``EXIT_CONTROLLER_LOST``): no orphan keeps running (``runner.plumbing.contact``). A worker the
 controller wrote off (``protocol.worker_fence_key``) exits (``EXIT_FENCED``) at the first beat after a new
 generation or after it was out of touch: a worker heard again after its host's link healed never acts in the job

@@ -18,10 +18,10 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from runner.config import ConfigError, register_all
-from runner.config.ft_schema import FT_SCHEMAS
 from runner.config.registry import CONF_DIR, FAULTS_DIR, RECIPES_DIR, fault_names, recipe_names
 from runner.config.schema import FaultConfig, RootConfig
 from runner.config.validate import validate
+from runner.recovery.registry import options_schemas
 from tests.conftest import ROOT, run_cli
 
 register_all()
@@ -218,7 +218,7 @@ def test_every_config_group_option_composes_and_validates_for_training(group, op
 def test_every_group_option_is_covered():
     groups = {g for g, _ in GROUP_OPTIONS}
     assert groups == {"ft", "heartbeat", "launcher", "logger", "parallel", "policy", "straggler", "trainer"}
-    assert {f"{o}" for g, o in GROUP_OPTIONS if g == "ft"} == set(FT_SCHEMAS)
+    assert {f"{o}" for g, o in GROUP_OPTIONS if g == "ft"} == set(options_schemas())
 
 
 def _schema_of_yaml(path: Path) -> tuple[type, dict]:
@@ -230,7 +230,7 @@ def _schema_of_yaml(path: Path) -> tuple[type, dict]:
     if path.parent == FAULTS_DIR:
         return FaultConfig, text
     if path.parent.name == "ft":
-        return FT_SCHEMAS[path.stem], text.get(path.stem) or {}
+        return options_schemas()[path.stem], text.get(path.stem) or {}
     return typing.get_type_hints(RootConfig)[path.parent.name], text
 
 
@@ -259,7 +259,7 @@ def _schemas() -> dict[str, type]:
     out = {"top level": RootConfig}
     groups = typing.get_type_hints(RootConfig).items()
     out.update({name: hint for name, hint in groups if dataclasses.is_dataclass(hint)})
-    out.update({f"ft.{name}": schema for name, schema in FT_SCHEMAS.items()})
+    out.update({f"ft.{name}": schema for name, schema in options_schemas().items()})
     return out
 
 
@@ -386,3 +386,17 @@ def test_a_bad_max_steps_is_reported_alone(overrides):
     with pytest.raises(ConfigError) as err:
         validate(_compose("+recipe=gpt_tiny", "trainer.max_steps=-5", *overrides))
     assert str(err.value) == "Invalid configuration: trainer.max_steps=-5 must be >= 1."
+
+
+def test_every_process_derives_the_same_heartbeat_deadlines():
+    """The controller reads the composed config, a node agent the JSON it is sent: both derive the deadlines
+    from HeartbeatConfig's properties, so they agree only if the agent gets every heartbeat key."""
+    import json
+
+    from runner.agents.fleet import agent_config
+    from runner.config.schema import HeartbeatConfig
+
+    cfg = _compose("+recipe=gpt_tiny", "heartbeat=flashrecovery")
+    ours = HeartbeatConfig.of(cfg.heartbeat)
+    agents = HeartbeatConfig.of(json.loads(agent_config(cfg, [], None))["config"]["heartbeat"])
+    assert agents == ours and ours.silence_s == 15.0 and ours.controller_lost_after_s == 60.0

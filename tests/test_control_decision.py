@@ -13,7 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from runner.control.decision import decide
-from runner.recovery.registry import BY_NAME, BY_TECHNIQUE
+from runner.recovery import registry
+from runner.recovery.registry import action_class
 
 TECHNIQUES = ("flashrecovery", "deadpool", "ndb", "flash_ckpt")
 MIXES = [list(m) for n in range(len(TECHNIQUES) + 1) for m in combinations(TECHNIQUES, n)]
@@ -68,7 +69,7 @@ def test_every_fault_class_against_every_mix(ft, cls, spent):
     if decision.action == "fail":
         assert decision.reason
     else:
-        assert f"[policy.{cls}]" in decision.reason and BY_NAME[decision.action].does in decision.reason
+        assert f"[policy.{cls}]" in decision.reason and action_class(decision.action).does in decision.reason
         if spent and any(a in BUDGETED and p & set(ft) for a, p in SEEDS[cls][:1]):
             assert "impossible: restart budget spent" in decision.reason  # the blocked one says why
 
@@ -77,7 +78,7 @@ def test_every_fault_class_against_every_mix(ft, cls, spent):
 def test_the_registry_brings_every_action_the_policy_offers_a_mix(ft):
     from runner.config.policy import table
 
-    provided = {cls.name for t in ft for cls in BY_TECHNIQUE[t]}
+    provided = {cls.name for t in ft for cls in registry.TECHNIQUES[t].actions}
     offered = {a for row in table(_cfg(), ft).values() for a in row if a not in ("recompute", "report")}  # no strategy
     assert offered <= provided
 

@@ -31,7 +31,7 @@ from runner.agents.fleet import AgentFleet, agent_config
 from runner.agents.fork_server import ForkServer
 from runner.agents.node_agent import EXIT_CONTROLLER_LOST, EXIT_FENCED
 from runner.callbacks.heartbeat import EXIT_FENCED as EXIT_WORKER_FENCED
-from runner.config.schema import controller_lost_after_s
+from runner.config.schema import HeartbeatConfig
 from runner.control.controller import FORKSERVER_PRELOAD
 from runner.control.records import EXIT_RUN_FAILED
 from runner.plumbing import protocol
@@ -327,7 +327,7 @@ def test_an_agent_whose_controller_stops_answering_stops_its_workers_and_exits(t
         stopped = time.monotonic()
         assert agent.wait(timeout=60) == EXIT_CONTROLLER_LOST
         took = time.monotonic() - stopped
-        bound = controller_lost_after_s(cfg.heartbeat.interval_s, cfg.heartbeat.misses)
+        bound = HeartbeatConfig.of(cfg.heartbeat).controller_lost_after_s
         assert bound <= took < bound + 15, took  # the bound, then the workers' kill and the host's shutdown
         assert not _alive({worker})
         [lost] = [e for e in _events_of(tmp_path, "controller_lost") if e["rank"] == "agent-0"]

@@ -78,7 +78,7 @@ def test_stage_parameters_add_up_to_the_model_and_tensor_parallel_splits_the_blo
 
 def test_memory_items_follow_the_precision_zero_and_pipeline():
     def memory(precision="bf16-mixed", **layout):
-        args = {"tp": 8, "pp": 1, "dp": 8, "zero": 1, "micro_batch": 1, "micro_batches": 16, "deadpool": False,
+        args = {"tp": 8, "pp": 1, "dp": 8, "zero": 1, "micro_batch": 1, "micro_batches": 16, "replicates_shards": False,
                 **layout}
         return rank_memory(GPT13B, PRECISIONS[precision], Layout(**args))
 
@@ -89,7 +89,7 @@ def test_memory_items_follow_the_precision_zero_and_pipeline():
     assert memory(zero=0).moments == pytest.approx(8 * mixed.moments)
     assert memory("32-true").activations > mixed.activations > mixed.recomputed
     assert memory("bf16-true").params == pytest.approx(mixed.params / 2)
-    assert mixed.replicas == 0 and memory(deadpool=True).replicas > 0
+    assert mixed.replicas == 0 and memory(replicates_shards=True).replicas > 0
     # 1F1B: the first stage keeps pp micro-batches in flight, the last stage one
     first, last = (stage_memory(GPT13B, PRECISIONS["bf16-mixed"], Layout(8, 4, 2, 1, 1, 16, False), s) for s in (0, 3))
     assert first.pipeline >= 3 * first.activations

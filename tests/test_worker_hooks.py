@@ -6,7 +6,8 @@ import pytest
 from lightning.pytorch import Callback
 
 from runner.recovery.common.hooks import WorkerHooks
-from runner.recovery.worker_registry import WORKER_SIDES, combine
+from runner.recovery.registry import TECHNIQUES
+from runner.recovery.worker_registry import combine
 
 
 class _Technique:
@@ -18,7 +19,8 @@ class _Technique:
 
 
 def test_every_technique_has_a_worker_side():
-    assert sorted(WORKER_SIDES) == ["deadpool", "flash_ckpt", "flashrecovery", "ndb"]
+    assert sorted(TECHNIQUES) == ["deadpool", "flash_ckpt", "flashrecovery", "ndb"]
+    assert all(callable(getattr(t.worker_side(), "hooks", None)) for t in TECHNIQUES.values())
 
 
 def test_hooks_of_several_techniques_are_merged_in_ft_order():

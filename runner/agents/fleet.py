@@ -43,6 +43,7 @@ from runner.agents import auth, node_agent
 from runner.agents.fork_server import ForkedProcess, ForkServer
 from runner.agents.node_agent import await_key
 from runner.config import ConfigError
+from runner.config.schema import HeartbeatConfig
 from runner.config.validate import all_faults
 from runner.control.records import exit_code
 from runner.plumbing import protocol
@@ -128,7 +129,7 @@ class AgentFleet:
         self._publish_config(cfg, Path(run_dir), preload, persist)
         here = set(range(nodes) if started_here is None else started_here)
         gpus = _gpu_shares(nodes, cfg.parallel.procs_per_node) if started_here is None else []
-        self.silence_s = silence_s = cfg.heartbeat.interval_s * cfg.heartbeat.misses
+        self.silence_s = silence_s = HeartbeatConfig.of(cfg.heartbeat).silence_s
         self.zygote = ForkServer.exec_preloaded(ZYGOTE_PRELOAD + preload)
         self.agents: list[AgentHandle] = []
         try:

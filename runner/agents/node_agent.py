@@ -8,7 +8,7 @@ signal one; shut down), each verified against the job's secret
 carried out. Every worker exit is reported the moment it happens. It owns its host's flash-checkpoint
 persister. It dies with its launcher, and its fork server and every process that forks die with it
 (``runner.agents.spawned``), so killing an agent is a real host loss. When the controller's store goes
-away, or does not answer for ``runner.config.schema.controller_lost_after_s`` (its host went silent: the store
+away, or does not answer for ``HeartbeatConfig.controller_lost_after_s`` (its host went silent: the store
 calls block, ``runner.plumbing.contact``), it kills its workers and exits non-zero (``EXIT_CONTROLLER_LOST``). Once the
 controller declared its host lost it stays lost: the agent reads the signed fence (``protocol.node_fence_key``)
 with its next beat when it is heard again, kills its workers and exits non-zero (``EXIT_FENCED``); the host may
@@ -46,7 +46,7 @@ from torch.distributed import DistError, DistStoreError
 
 from runner.agents import auth, spawned
 from runner.agents.fork_server import ForkedProcess, ForkServer
-from runner.config.schema import controller_lost_after_s
+from runner.config.schema import HeartbeatConfig
 from runner.plumbing import protocol
 from runner.plumbing.contact import ControllerContact
 from runner.plumbing.events import EventLog
@@ -201,8 +201,8 @@ class NodeAgent:
                     "the same command, with the same hydra.run.dir)")
         agent_cfg = json.loads(raw)
         self.cfg_dict = agent_cfg["config"]
-        self.interval_s = float(self.cfg_dict["heartbeat"]["interval_s"])
-        self.lost_after_s = controller_lost_after_s(self.interval_s, int(self.cfg_dict["heartbeat"]["misses"]))
+        self.heartbeat = HeartbeatConfig.of(self.cfg_dict["heartbeat"])
+        self.interval_s, self.lost_after_s = self.heartbeat.interval_s, self.heartbeat.controller_lost_after_s
         for module in agent_cfg["preload"]:
             importlib.import_module(module)
         self.fork_server = ForkServer.fork()  # from the main thread, which lives as long as the agent
@@ -263,7 +263,7 @@ class NodeAgent:
         beats = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
         key, fence = protocol.agent_key(self.node, "hb"), protocol.node_fence_key(self.node)
         try:
-            while not self._stop_beat.wait(self.interval_s / 2):  # a beat seen at most half an interval old
+            while not self._stop_beat.wait(self.heartbeat.agent_beat_s):
                 self.contact.asking()
                 beats.set(key, repr(time.time()))  # when: a beat seen late still proves life only until then
                 if beats.check([fence]):

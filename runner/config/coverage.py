@@ -6,7 +6,7 @@ function the controller uses, on a static model of the job: ranks on their initi
 and restart budgets used up as the actions before would use them. Faults at the same step hit
 together. A fault whose decision would be ``fail`` makes the config invalid. ``ft=[]`` is a
 baseline without fault tolerance and faces nothing (a fault ends it by design), except silent
-corruption, which the gradient guard handles without a strategy. ``policy.reject_unhandled=false``
+corruption, which the gradient guard handles without a technique. ``policy.reject_unhandled=false``
 turns the fault check off, to watch a mix fail at run time.
 """
 
@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import policy
-from runner.control.decision import Decision, decide, restart_owner
+from runner.control.decision import Decision, decide
 from runner.planning.topology import spare_count
+from runner.recovery.registry import offering, restart_owner, with_
 
 STOP_EVERY_RANK = ("kill_all", "wipe_shm", "corrupt_snapshot")
 
@@ -40,9 +41,11 @@ def mix_problems(cfg: DictConfig, ft: list[str], faults: list[DictConfig], dp: i
     out = policy.row_problems(cfg, ft)
     if out:
         return out  # the replay would only repeat the rows' problems
-    if "deadpool" in ft and not spare_count(cfg) and not policy.table(cfg, ft)["node_loss_no_spare"]:
-        out.append("ft=deadpool swaps failed ranks for hot spares, but parallel.spares=0 and nothing after it in ft "
-                   "handles a lost node: set parallel.spares >= 1 (or add ft=ndb or ft=flash_ckpt).")
+    spare_users = with_(ft, "uses_spares")
+    if spare_users and not spare_count(cfg) and not policy.table(cfg, ft)["node_loss_no_spare"]:
+        others = " or ".join(f"ft={n}" for n in (*offering("covers_ranks"), *offering("restarts_from_snapshots")))
+        out.append(f"ft={spare_users[0]} swaps failed ranks for hot spares, but parallel.spares=0 and nothing after it "
+                   f"in ft handles a lost node: set parallel.spares >= 1 (or add {others}).")
     if cfg.policy.reject_unhandled:
         out += _unhandled_faults(cfg, ft, faults, dp)
     return out
@@ -79,9 +82,9 @@ def _unhandled_faults(cfg: DictConfig, ft: list[str], faults: list[DictConfig], 
 
 
 def _fresh(cfg: DictConfig, ft: list[str]) -> _Job:
-    owner = restart_owner(ft)
+    owner, snapshots = restart_owner(ft), with_(ft, "restarts_from_snapshots")
     return _Job(spares=spare_count(cfg), restarts=cfg.ft[owner].max_restarts if owner else 0,
-                full_restarts=cfg.ft.flash_ckpt.max_restarts if "flash_ckpt" in ft else 0)
+                full_restarts=cfg.ft[snapshots[0]].max_restarts if snapshots else 0)
 
 
 def _in_trigger_order(labelled: list[tuple[str, DictConfig]]) -> list[list[tuple[str, DictConfig]]]:

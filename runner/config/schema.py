@@ -10,12 +10,13 @@ reads the ``Annotated`` base type, and ``runner.config.validate`` checks the val
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 
 from hydra.core.config_store import ConfigStore
 
-from runner.config.ft_schema import FT_SCHEMAS
+from runner.recovery.registry import options_schemas
 
 Backend = Annotated[str, Literal["auto", "gloo", "nccl"]]
 ZeroStage = Annotated[int, Literal[0, 1]]
@@ -121,12 +122,36 @@ class HeartbeatConfig:
     false = always wait decide_window_s, e.g. when the hosts' clocks may disagree by more than interval_s (the
     early decision compares workers' heartbeat times across hosts)."""
 
+    @classmethod
+    def of(cls, group: Mapping[str, Any]) -> HeartbeatConfig:
+        """The typed settings from the composed group, a DictConfig or the plain dict a node agent reads, so that
+        every process derives its deadlines from the properties below and from nowhere else."""
+        return cls(**{f.name: group[f.name] for f in fields(cls) if f.name in group})
 
-def controller_lost_after_s(interval_s: float, misses: int) -> float:
-    """How long a node agent or a worker that cannot reach the controller goes on before it stops its processes and
-    exits non-zero: four times the controller's own silence rule (``interval_s × misses``), at least 5 s. The one
-    place this bound is computed (``runner.plumbing.contact``)."""
-    return max(5.0, 4 * interval_s * misses)
+    @property
+    def silence_s(self) -> float:
+        """A worker whose heartbeat has not changed, or an agent whose beat is older, for this long is hung or
+        silent: ``interval_s × misses`` (the controller's detection and its view of each host)."""
+        return self.interval_s * self.misses
+
+    @property
+    def controller_lost_after_s(self) -> float:
+        """How long a node agent or a worker that cannot reach the controller goes on before it stops its processes
+        and exits non-zero (``runner.plumbing.contact``): four times the controller's own silence rule, at least
+        5 s, so that the controller always decides first."""
+        return max(5.0, 4 * self.silence_s)
+
+    @property
+    def agent_beat_s(self) -> float:
+        """How often a node agent beats: twice an interval, so a beat read by the controller is at most half an
+        interval old."""
+        return self.interval_s / 2
+
+    @property
+    def controller_wait_s(self) -> float:
+        """The longest the controller's loop waits for an exit before a round: an interval, at most 50 ms (an exit
+        an agent reports is looked at within that)."""
+        return min(self.interval_s, 0.05)
 
 
 @dataclass
@@ -188,7 +213,7 @@ class FaultConfig:
 class PolicyConfig:
     """For each fault class, the recovery actions to try, in order (``runner/config/policy.py``).
 
-    A row left null follows the seeds, restricted to the strategies in ``ft``: transient [retry,
+    A row left null follows the seeds, restricted to the techniques in ``ft``: transient [retry,
     restart_all]; process_crash and hang [restart_rank, takeover, restart_all] (swap_spare first with
     ft.deadpool.crash_action=swap); node_loss_spare_free [swap_spare, takeover, restart_all];
     node_loss_no_spare [takeover, restart_all]; replica_lost [restart_all]; silent_corruption
@@ -408,12 +433,13 @@ class RunnerConfig:
 
 @dataclass
 class RootConfig:
-    """The whole config; ``ft`` is open because it is a list-valued group (each option checked against FT_SCHEMAS)."""
+    """The whole config; ``ft`` is open because it is a list-valued group (each option checked against its
+    technique's options schema)."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Process layout."""
     ft: dict[str, Any] = field(default_factory=dict)
-    """The fault-tolerance strategies, in order: one key per option of group ft (runner/config/ft_schema.py)."""
+    """The fault-tolerance techniques, in order: one key per option of group ft (each technique's ``config.py``)."""
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
     """Detection."""
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -447,5 +473,5 @@ def register_schema() -> None:
     fault-tolerance schema as ``schema/ft/NAME`` (each ``conf/ft/NAME.yaml`` lists its own first)."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RootConfig)
-    for name, schema in FT_SCHEMAS.items():
+    for name, schema in options_schemas().items():
         cs.store(group="schema/ft", name=name, node={name: schema})

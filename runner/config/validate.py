@@ -23,7 +23,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.config.coverage import mix_problems
 from runner.config.errors import ConfigError
-from runner.config.ft_schema import FT_SCHEMAS, DeadPoolConfig
 from runner.config.registry import recipe_names
 from runner.config.schema import (
     ChaosKind,
@@ -39,6 +38,7 @@ from runner.config.schema import (
 from runner.control.stragglers import config_problems as straggler_config_problems
 from runner.launch.objective import LOGGED
 from runner.planning.topology import Topology, spare_count
+from runner.recovery.registry import TECHNIQUES, offering, options_schemas, titles, with_
 
 RANK_FAULTS = ("kill_rank", "hang_rank", "transient", "slow_rank", "bitflip", "param_bitflip", "slow_link", "partition",
                "kill_all", "wipe_shm", "corrupt_snapshot")
@@ -84,7 +84,7 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
     if schema:  # the rules below read the keys the schema declares, with values in range
         raise ConfigError("Invalid configuration: " + " ".join(problems + schema))
     problems += layout_problems(cfg, for_training)
-    problems += _ft_problems(cfg)
+    problems += _ft_problems(cfg, for_training)
     problems += _misc_problems(cfg)
     problems += straggler_config_problems(cfg)
     problems += ignored_key_problems(cfg)
@@ -153,14 +153,13 @@ def layout_problems(cfg: DictConfig, for_training: bool) -> list[str]:
         out += replica_group_problems(cfg)
         out += zero_problems(cfg)
         out += master_weight_problems(cfg)
-        if spare_count(cfg) and "deadpool" not in ft_names(cfg):
-            out.append(f"parallel.spares={p.spares} starts hot spares that only DeadPool uses: add ft=deadpool or set "
-                       "parallel.spares=0.")
+        if spare_count(cfg) and not with_(ft_names(cfg), "uses_spares"):
+            users = " or ".join(f"ft={n}" for n in offering("uses_spares"))
+            out.append(f"parallel.spares={p.spares} starts hot spares that only {users.removeprefix('ft=')} uses: add "
+                       f"{users} or set parallel.spares=0.")
     if for_training:
         out += tp_problems(cfg)
         out += pp_problems(cfg)
-        out += deadpool_layout_problems(cfg)
-        out += standby_problems(cfg)
         if p.pp > 1 and not out:
             out += _pipeline_batch_problems(cfg, dp)
     if p.pp == 1 and cfg.trainer.micro_batches:
@@ -222,40 +221,7 @@ def _split_model_problems(cfg: DictConfig, dim: str, *, split: str, lacks: str, 
     return out
 
 
-def deadpool_layout_problems(cfg: DictConfig) -> list[str]:
-    """DeadPool with tp*pp > 1: a spare takes each lost rank's state from the DP replica at the rank's (pp, tp)
-    coordinate, so every coordinate needs a replica on another node; and a spare host takes a whole lost host's
-    ranks, so a TP group stays on one host, which swapping a single crashed rank for a spare would break."""
-    p = cfg.parallel
-    if "deadpool" not in ft_names(cfg) or p.tp * p.pp <= 1:
-        return []
-    topology = _topology(cfg)
-    if topology is None:
-        return []  # the layout's own problem is reported where it is checked
-    out = []
-    if any(len({topology.node_of(r) for r in topology.dp_group(rank)}) < 2 for rank in range(topology.world)):
-        out.append(f"ft=deadpool with parallel.tp={p.tp} parallel.pp={p.pp} gives a spare each lost rank's slice of "
-                   "the model from the data-parallel replica at the same (pp, tp) coordinate, but with "
-                   f"dp={topology.dp} on {p.nodes} node(s) some coordinate has no replica on another node: use "
-                   "dp >= 2 replicas on parallel.nodes >= 2 (more ranks, or a smaller tp*pp).")
-    if p.tp > 1 and cfg.ft.deadpool.crash_action == "swap":
-        out.append(f"ft.deadpool.crash_action=swap with parallel.tp={p.tp}: a crashed rank would move alone to a spare "
-                   "host and its tensor-parallel group would span two hosts; set ft.deadpool.crash_action="
-                   "restart_in_place (a lost host's ranks still move to a spare host together).")
-    return out
-
-
-def standby_problems(cfg: DictConfig) -> list[str]:
-    """A FlashRecovery standby is forked before it knows which slot of its host it will take, so it cannot pick
-    that slot's GPU; it runs on CPU hosts only."""
-    if "flashrecovery" not in ft_names(cfg) or not cfg.ft.flashrecovery.standby or cfg.runner.device == "cpu":
-        return []
-    return [f"ft.flashrecovery.standby=true with runner.device={cfg.runner.device}: a standby is started before it "
-            "knows which slot of its host (and so which GPU) it takes; set runner.device=cpu or "
-            "ft.flashrecovery.standby=false."]
-
-
-def _topology(cfg: DictConfig) -> Optional[Topology]:
+def layout_topology(cfg: DictConfig) -> Optional[Topology]:
     """The config's Topology, or None when its layout is invalid (reported by the layout checks)."""
     try:
         return Topology.from_cfg(cfg)
@@ -275,59 +241,57 @@ def replica_groups(cfg: DictConfig) -> int:
 
 
 def replica_group_problems(cfg: DictConfig) -> list[str]:
-    """``parallel.dp_group_size``: replica groups (HSDP) exist for ZeRO-1's shards, and only FlashRecovery and
-    flash_ckpt recover with them."""
-    p, names = cfg.parallel, ft_names(cfg)
-    if not p.dp_group_size:
+    """``parallel.dp_group_size``: replica groups (HSDP) exist for ZeRO-1's shards (a technique that replicates
+    shards itself refuses them in its own checks)."""
+    p = cfg.parallel
+    if not p.dp_group_size or p.zero == 1:
         return []
-    out = []
-    if p.zero != 1:
-        out.append(f"parallel.dp_group_size={p.dp_group_size} splits the data-parallel replicas into groups within "
-                   f"which ZeRO-1 shards the optimizer state, but parallel.zero={p.zero} shards nothing: set "
-                   "parallel.zero=1 or parallel.dp_group_size=0.")
-    elif replica_groups(cfg) > 1 and "deadpool" in names:
-        out.append(f"parallel.dp_group_size={p.dp_group_size} with ft=deadpool: DeadPool replicates each rank's shard "
-                   "to the rank one node on, which with DP replica groups holds another shard; the replica groups "
-                   "already hold a copy of every shard (ft=flashrecovery restores a restarted rank's shard from "
-                   "them): remove deadpool from ft or set parallel.dp_group_size=0.")
-    return out
+    return [f"parallel.dp_group_size={p.dp_group_size} splits the data-parallel replicas into groups within "
+            f"which ZeRO-1 shards the optimizer state, but parallel.zero={p.zero} shards nothing: set "
+            "parallel.zero=1 or parallel.dp_group_size=0."]
 
 
 def zero_problems(cfg: DictConfig) -> list[str]:
     """ZeRO-1 state lives in one place per shard within a DP replica group: a failed rank's shard comes back only
-    from the same shard in another replica group (``parallel.dp_group_size`` below dp), from DeadPool's per-step
-    replica on a neighbour, or, with every rank restarting, from its flash snapshot."""
+    from the same shard in another replica group (``parallel.dp_group_size`` below dp), from a technique's per-step
+    replica on a neighbour (DeadPool's), or, with every rank restarting, from its snapshot (the flash checkpoint's)."""
     p, names = cfg.parallel, ft_names(cfg)
     if p.zero != 1 or not names:
         return []
     out = []
     grouped = replica_groups(cfg) > 1
+    replicating, covering = with_(names, "replicates_shards"), with_(names, "covers_ranks")
+    snapshots, alone = with_(names, "restarts_from_snapshots"), with_(names, "restarts_rank_alone")
+    replicator = " or ".join(offering("replicates_shards"))  # what to add, and in prose
+    replicas, snapshotter = titles(offering("replicates_shards")), " or ".join(offering("restarts_from_snapshots"))
     groups = (f"set parallel.dp_group_size to a divisor of the data-parallel size {dp_size(cfg)} below it (each "
               "replica group of that many ranks then holds a copy of every shard"
               + (f"; parallel.dp_group_size={p.dp_group_size} is the whole DP dimension, one group)"
                  if p.dp_group_size else ")"))
-    if "ndb" in names and "deadpool" not in names:
-        out.append("parallel.zero=1 with ft=ndb: a neighbour taking over a failed rank's micro-batches leaves that "
-                   "rank's ZeRO-1 optimizer shard (its Adam moments, and fp32 masters with trainer.master_weights) "
-                   "without an owner, and only DeadPool's per-step replica keeps a copy of it: add deadpool to ft (the "
-                   "holder of the replica then updates the shard in the failed rank's place), or set parallel.zero=0.")
-    if "deadpool" not in names and "flash_ckpt" not in names and not (grouped and "flashrecovery" in names):
+    if covering and not replicating:
+        out.append(f"parallel.zero=1 with ft={covering[0]}: a neighbour taking over a failed rank's micro-batches "
+                   "leaves that rank's ZeRO-1 optimizer shard (its Adam moments, and fp32 masters with "
+                   f"trainer.master_weights) without an owner, and only {replicas}'s per-step replica keeps a copy of "
+                   f"it: add {replicator} to ft (the holder of the replica then updates the shard in the failed rank's "
+                   "place), or set parallel.zero=0.")
+    if not replicating and not snapshots and not (grouped and alone):
         out.append(f"parallel.zero=1 shards the optimizer state, so a failed rank's shard exists nowhere else and "
-                   f"ft={names} cannot rebuild it: add deadpool to ft (it replicates every shard to a neighbour each "
-                   f"step), or flash_ckpt (every rank restarts from its snapshot), or {groups}, or set "
+                   f"ft={names} cannot rebuild it: add {replicator} to ft (it replicates every shard to a neighbour "
+                   f"each step), or {snapshotter} (every rank restarts from its snapshot), or {groups}, or set "
                    "parallel.zero=0.")
-    elif "deadpool" not in names and "flashrecovery" in names and not grouped:
-        out.append(f"ft=flashrecovery restarts a failed rank alone, and with parallel.zero=1 only DeadPool's replicas "
-                   f"hold its optimizer shard: add deadpool to ft, or {groups}, or leave flash_ckpt alone to restart "
-                   "every rank from its snapshot.")
-    if "deadpool" in names and p.nodes < 2:
-        out.append("parallel.zero=1 with ft=deadpool keeps each shard's replica on another node, but parallel.nodes=1: "
-                   "use parallel.nodes >= 2 (e.g. parallel.nodes=2 parallel.procs_per_node=1).")
-    elif "deadpool" in names and (topology := _topology(cfg)) is not None and not topology.replicas_off_node:
-        out.append(f"parallel.zero=1 with ft=deadpool keeps each shard's replica at the same (pp, tp) coordinate in "
-                   f"another data-parallel replica on another node, but with parallel.tp={p.tp} parallel.pp={p.pp} on "
-                   f"{p.nodes} x {p.procs_per_node} ranks no shift of the replicas puts every replica on another node: "
-                   "make tp*pp a divisor or a multiple of parallel.procs_per_node.")
+    elif not replicating and alone and not grouped:
+        out.append(f"ft={alone[0]} restarts a failed rank alone, and with parallel.zero=1 only {replicas}'s replicas "
+                   f"hold its optimizer shard: add {replicator} to ft, or {groups}, or leave {snapshotter} alone to "
+                   "restart every rank from its snapshot.")
+    if replicating and p.nodes < 2:
+        out.append(f"parallel.zero=1 with ft={replicating[0]} keeps each shard's replica on another node, but "
+                   "parallel.nodes=1: use parallel.nodes >= 2 (e.g. parallel.nodes=2 parallel.procs_per_node=1).")
+    elif replicating and (topology := layout_topology(cfg)) is not None and not topology.replicas_off_node:
+        out.append(f"parallel.zero=1 with ft={replicating[0]} keeps each shard's replica at the same (pp, tp) "
+                   "coordinate in another data-parallel replica on another node, but with "
+                   f"parallel.tp={p.tp} parallel.pp={p.pp} on {p.nodes} x {p.procs_per_node} ranks no shift of the "
+                   "replicas puts every replica on another node: make tp*pp a divisor or a multiple of "
+                   "parallel.procs_per_node.")
     return out
 
 
@@ -348,23 +312,19 @@ def master_weight_problems(cfg: DictConfig) -> list[str]:
     return out
 
 
-def _ft_problems(cfg: DictConfig) -> list[str]:
+def _ft_problems(cfg: DictConfig, for_training: bool) -> list[str]:
+    """Each technique's options against its schema, then its own checks (its descriptor's ``checks``)."""
     out: list[str] = []
     for name in ft_names(cfg):
         restarts = cfg.ft[name].get("max_restarts", 0)
         if restarts < 0:
             out.append(f"ft.{name}.max_restarts={restarts} must be >= 0.")
         try:
-            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FT_SCHEMAS[name]), cfg.ft[name]))
+            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(options_schemas()[name]), cfg.ft[name]))
         except (OmegaConfBaseException, ValueError) as err:
             out.append(f"ft.{name}: {str(err).splitlines()[0].rstrip('.')}; see docs/configuration.md for its keys.")
-        if name == "flash_ckpt":
-            out += _flash_ckpt_problems(cfg.ft.flash_ckpt)
-        if name == "deadpool":
-            out += _deadpool_replication_problems(cfg)
-        if name == "ndb" and cfg.model._target_:
-            out.append("ft=ndb approximates the built-in GPT's attention and FFN branches; it cannot drive "
-                       f"model._target_={cfg.model._target_}: use ft=flashrecovery for your own module.")
+        else:
+            out += TECHNIQUES[name].config_problems()(cfg, for_training)
     return out
 
 
@@ -378,36 +338,6 @@ def _chaos_problems(f: DictConfig, where: str) -> list[str]:
     if f.mtbf_s <= 0 or f.max_faults < 1 or f.until_s <= 0:
         out.append(f"fault.mtbf_s ({f.mtbf_s}) and fault.until_s ({f.until_s}) must be > 0 and fault.max_faults "
                    f"({f.max_faults}) >= 1.")
-    return out
-
-
-def _deadpool_replication_problems(cfg: DictConfig) -> list[str]:
-    """ft.deadpool.replication and verify_every_n_steps: how ZeRO-1 shards are replicated, so parallel.zero=1 only."""
-    dp, out = cfg.ft.deadpool, []
-    every = dp.get("verify_every_n_steps", 1)
-    if not isinstance(every, int) or every < 1:
-        out.append(f"ft.deadpool.verify_every_n_steps={every} must be >= 1 (the replicas kept by replay are compared "
-                   "with their owners' shards every that many updates).")
-    changed = [k for k in _changed(dp, DeadPoolConfig) if k in ("replication", "verify_every_n_steps")]
-    if changed and cfg.parallel.zero != 1:
-        out.append(f"ft.deadpool.{changed[0]}={_show(dp[changed[0]])} is about the replicas of ZeRO-1 optimizer "
-                   f"shards, but parallel.zero={cfg.parallel.zero} shards nothing: set parallel.zero=1, or drop it.")
-    elif "verify_every_n_steps" in changed and dp.get("replication") == "copy":
-        out.append(f"ft.deadpool.verify_every_n_steps={every} verifies replicas kept by replay, but "
-                   "ft.deadpool.replication=copy sends the whole shard every step: drop it, or use replication=replay.")
-    return out
-
-
-def _flash_ckpt_problems(fc: DictConfig) -> list[str]:
-    every, persist = fc.get("every_n_steps", 1), fc.get("persist_every_n_steps", 0)
-    out = []
-    if not isinstance(every, int) or every < 1:
-        out.append(f"ft.flash_ckpt.every_n_steps={every} must be >= 1 (a snapshot every that many steps).")
-    elif not isinstance(persist, int) or persist < 0 or persist % every:
-        out.append(f"ft.flash_ckpt.persist_every_n_steps={persist} must be 0 (never to disk) or a multiple of "
-                   f"ft.flash_ckpt.every_n_steps={every}: only snapshots are persisted.")
-    if isinstance(fc.get("keep", 1), int) and fc.get("keep", 1) < 1:
-        out.append(f"ft.flash_ckpt.keep={fc.keep} must be >= 1 (persisted checkpoints kept on disk).")
     return out
 
 
@@ -441,13 +371,10 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         if one.during == "recovery" and one.kind not in ("kill_rank", "hang_rank"):
             out.append(f"{where}: during=recovery is for kill_rank and hang_rank faults.")
         if one.during == "replication" and (one.kind != "kill_rank" or one.step < 0 or not cfg.parallel.zero
-                                            or "deadpool" not in ft_names(cfg)):
+                                            or not with_(ft_names(cfg), "replicates_shards")):
+            replicator = " or ".join(f"ft={n}" for n in offering("replicates_shards"))
             out.append(f"{where}: during=replication kills a rank while its ZeRO-1 shard is being copied: it needs "
-                       "kind=kill_rank, a fault.step, parallel.zero=1 and ft=deadpool.")
-        elif one.during == "replication" and cfg.ft.deadpool.get("replication") != "copy":
-            out.append(f"{where}: during=replication kills a rank while its ZeRO-1 shard's copy after an update is in "
-                       "flight, but ft.deadpool.replication=replay copies no shard after an update (its holder replays "
-                       "the update): add ft.deadpool.replication=copy.")
+                       f"kind=kill_rank, a fault.step, parallel.zero=1 and {replicator}.")
         if one.kind == "param_bitflip" and (cfg.parallel.zero or dp_size(cfg) < 2 or one.during != "step"):
             out.append(f"{where}: param_bitflip makes one data-parallel replica's parameters differ from the others'; "
                        f"it needs parallel.zero=0 (ZeRO-1's parameter sync overwrites or spreads the flipped element), "
@@ -473,7 +400,7 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
 
 
 def _join_problems(cfg: DictConfig) -> list[str]:
-    """``launcher.join``: a host that joins a running per_host job, as a spare host for DeadPool."""
+    """``launcher.join``: a host that joins a running per_host job, as a spare host (DeadPool's)."""
     join = cfg.launcher.join
     if not join:
         return []
@@ -487,9 +414,11 @@ def _join_problems(cfg: DictConfig) -> list[str]:
                    f"launcher.kind={cfg.launcher.kind} launcher.mode={cfg.launcher.mode}: repeat the job's own "
                    "overrides (launcher.mode=per_host included); a launcher=local job cannot be joined (its control "
                    "plane listens on loopback and its controller starts its hosts' agents itself).")
-    if "deadpool" not in ft_names(cfg):
-        out.append("launcher.join adds a spare host, and only ft=deadpool uses spare hosts (its warm spares take a "
-                   "lost host's ranks); this job's ft has no deadpool, so a joining host would never be used.")
+    if not with_(ft_names(cfg), "uses_spares"):
+        users = offering("uses_spares")
+        out.append(f"launcher.join adds a spare host, and only {' or '.join(f'ft={n}' for n in users)} uses spare "
+                   f"hosts (its warm spares take a lost host's ranks); this job's ft has no {' or '.join(users)}, so "
+                   "a joining host would never be used.")
     return out
 
 
@@ -531,10 +460,10 @@ def _walk(node: DictConfig, schema: type, where: str) -> list[str]:
         value = node.get(key)
         if schema is RootConfig and key == "ft":
             for name in value or {}:
-                if name in FT_SCHEMAS:
-                    out += _walk(value[name], FT_SCHEMAS[name], f"ft.{name}.")
+                if name in options_schemas():
+                    out += _walk(value[name], options_schemas()[name], f"ft.{name}.")
                 else:
-                    out.append(_unknown_key(f"ft.{name}", list(FT_SCHEMAS), "ft."))
+                    out.append(_unknown_key(f"ft.{name}", list(options_schemas()), "ft."))
         else:
             out += _value_problems(value, hints[key], f"{where}{key}")
     return out
@@ -581,16 +510,16 @@ def ignored_key_problems(cfg: DictConfig) -> list[str]:
         if f.kind == "none":  # a sweep's fault-free job shares the fault keys of the others (fault=none,kill_rank)
             continue
         where = "fault" if i == 0 else f"fault.extra[{i - 1}]"
-        for key in _changed(f, FaultConfig):
+        for key in changed_keys(f, FaultConfig):
             users = _FAULT_KEY_USERS.get(key)
             if users is not None and f.kind not in users:
-                out.append(f"{where}.{key}={_show(f[key])} is ignored by kind={f.kind}: it applies to "
+                out.append(f"{where}.{key}={shown(f[key])} is ignored by kind={f.kind}: it applies to "
                            f"{', '.join(users)}; drop it or change the kind.")
     d, own_data = cfg.data, cfg.model._target_ is not None or cfg.data._target_ is not None
     if own_data:
-        out += [f"data.{key}={_show(d[key])} is ignored: with "
+        out += [f"data.{key}={shown(d[key])} is ignored: with "
                 f"{'data._target_' if d._target_ else 'model._target_'} set the built-in data is not used; drop it."
-                for key in _changed(d, DataConfig) if key in ("kind", "path", "val_path")]
+                for key in changed_keys(d, DataConfig) if key in ("kind", "path", "val_path")]
     elif d.kind == "memmap" and not (d.path and os.path.isfile(d.path)):
         out.append(f"data.kind=memmap reads data.path, but data.path={d.path} is not a file: point it at a "
                    "nanoGPT-style uint16 token .bin file.")
@@ -607,16 +536,13 @@ def ignored_key_problems(cfg: DictConfig) -> list[str]:
         if cfg[group].kwargs and not cfg[group]._target_:
             out.append(f"{group}.kwargs are passed to {group}._target_, which is not set: set it or drop the kwargs.")
     if cfg.logger.kind != "wandb":
-        out += [f"logger.{key}={_show(cfg.logger[key])} is ignored with logger.kind={cfg.logger.kind}: it is a W&B "
-                "setting; drop it or use logger=wandb." for key in _changed(cfg.logger, LoggerConfig) if key != "kind"]
-    names = ft_names(cfg)
-    if "deadpool" in names and "flashrecovery" in names and "max_restarts" in _changed(cfg.ft.deadpool, DeadPoolConfig):
-        out.append(f"ft.deadpool.max_restarts={cfg.ft.deadpool.max_restarts} is ignored with flashrecovery in ft, "
-                   "whose ft.flashrecovery.max_restarts bounds in-place restarts: set that one instead.")
+        out += [f"logger.{key}={shown(cfg.logger[key])} is ignored with logger.kind={cfg.logger.kind}: it is a W&B "
+                "setting; drop it or use logger=wandb."
+                for key in changed_keys(cfg.logger, LoggerConfig) if key != "kind"]
     return out
 
 
-def _changed(node: DictConfig, schema: type) -> list[str]:
+def changed_keys(node: DictConfig, schema: type) -> list[str]:
     """The keys of ``node`` whose value differs from ``schema``'s default."""
     defaults = {f.name: f.default_factory() if callable(f.default_factory) else f.default for f in fields(schema)}
     plain = OmegaConf.to_container(node, resolve=True)
@@ -624,7 +550,7 @@ def _changed(node: DictConfig, schema: type) -> list[str]:
     return [str(k) for k, v in plain.items() if k in defaults and v != defaults[k]]
 
 
-def _show(value: Any) -> str:
+def shown(value: Any) -> str:
     return str(OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value)
 
 

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.agents.fleet import AgentFleet
 from runner.agents.joins import HostJoins
 from runner.config import policy
+from runner.config.schema import HeartbeatConfig
 from runner.config.validate import ft_names
 from runner.control.console import RecoveryConsole
 from runner.control.context import RunContext
@@ -179,8 +180,8 @@ class Controller:
 
     def _loop(self) -> None:
         deadline = time.monotonic() + self.cfg.launcher.run_timeout_s
-        interval_s = self.cfg.heartbeat.interval_s
-        idle_s = min(interval_s, 0.05)
+        heartbeat = HeartbeatConfig.of(self.cfg.heartbeat)
+        interval_s, idle_s = heartbeat.interval_s, heartbeat.controller_wait_s
         next_hb = time.monotonic()
         while self.record.status == "running":
             try:

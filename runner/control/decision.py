@@ -15,8 +15,8 @@ from typing import Optional
 
 from runner.config import policy
 from runner.planning.topology import Topology
-from runner.recovery.actions import Situation, restart_owner
-from runner.recovery.registry import BY_NAME, replicates_shards
+from runner.recovery.actions import Situation
+from runner.recovery.registry import action_class, offering, replicates_shards, restart_owner, with_
 
 __all__ = ["Decision", "classify", "decide", "restart_owner", "shards_without_copy"]  # restart_owner: the config check
 
@@ -54,11 +54,13 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
     lost_shards = shards_without_copy(cfg, ft, victims, covered=no_snapshots)
     if lost_shards and cls != "transient":
         cls = "replica_lost"  # ZeRO-1: no live process holds these ranks' optimizer shards
-    if replicates_shards(ft) and no_snapshots:
-        copies = (f"any copy: DeadPool's replication is suspended while NDB covers logical rank(s) "
-                  f"{sorted(no_snapshots)}, so a failure after the takeover cannot be recovered from a replica")
-    elif replicates_shards(ft) or not lost_shards or Topology.from_cfg(cfg).replica_groups == 1:
-        copies = "their only copy (DeadPool's replica on the next node)"
+    replicator = ", ".join(with_(ft, "replicates_shards"))
+    if replicator and no_snapshots:
+        copies = (f"any copy: {replicator}'s replication is suspended while {', '.join(with_(ft, 'covers_ranks'))} "
+                  f"covers logical rank(s) {sorted(no_snapshots)}, so a failure after the takeover cannot be recovered "
+                  "from a replica")
+    elif replicator or not lost_shards or Topology.from_cfg(cfg).replica_groups == 1:
+        copies = f"their only copy ({replicator or _add('replicates_shards')}'s replica on the next node)"
     else:
         copies = "every copy (the same shard in the other DP replica groups)"
     what = _what(fault, cls, victims, lost_nodes, spares, lost_shards, copies)
@@ -68,7 +70,7 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
                           nodes_up=nodes_up, no_snapshots=list(no_snapshots))
     skipped: list[str] = []
     for action in row:
-        taker = BY_NAME[action]
+        taker = action_class(action)
         why_not = taker.obstacle(situation)
         if why_not is None:
             passed = f" ({'; '.join(skipped)})" if skipped else ""
@@ -78,14 +80,14 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
         return Decision(fault, "fail", victims, f"{what}, and no action of policy.{cls}={row} can act: "
                         f"{'; '.join(skipped)}", cls)
     if lost_shards:
-        return Decision(fault, "fail", victims, f"{what}, so there is nothing to rebuild them from: add ft=flash_ckpt "
-                        "for snapshots to fall back on", cls)
+        return Decision(fault, "fail", victims, f"{what}, so there is nothing to rebuild them from: add "
+                        f"{_add('restarts_from_snapshots')} for snapshots to fall back on", cls)
     return Decision(fault, "fail", victims, _unhandled(fault, cls, victims, lost_nodes, spares, ft), cls)
 
 
 def shards_without_copy(cfg, ft: list[str], victims: list[int], covered: Sequence[int] = ()) -> list[int]:
     """ZeRO-1: the failed ranks whose optimizer shard no live process holds. Its copies are the replica
-    a strategy in ``ft`` keeps on the holder (``Topology.replica_holder``), if one does, else the same shard
+    a technique in ``ft`` keeps on the holder (``Topology.replica_holder``), if one does, else the same shard
     in the other DP replica groups (``Topology.shard_copies``), if there are any. While NDB neighbours compute
     the ``covered`` ranks, the holders of their replicas carry their shards and DeadPool replicates nothing
     (``ShardReplication``): no failed rank's shard has a copy."""
@@ -113,22 +115,29 @@ def _what(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spare
 
 
 def _unhandled(fault: str, cls: str, victims: list[int], lost_nodes: list[int], spares: int, ft: list[str]) -> str:
-    """The reason when the class's row is empty: what happened and which strategy would handle it."""
+    """The reason when the class's row is empty: what happened and which technique would handle it."""
     mix = f"ft=[{','.join(ft)}]"
+    snapshots, takeover, rank_alone = _add("restarts_from_snapshots"), _add("covers_ranks"), _add("restarts_rank_alone")
     if cls == "transient":
-        return (f"a collective failed and {mix} does not retry transient errors: add ft=flashrecovery (with "
-                "retry_transient) or ft=flash_ckpt")
+        retry = " or ".join(f"ft={n}" for n in offering("restarts_rank_alone"))
+        return (f"a collective failed and {mix} does not retry transient errors: add {retry} (with "
+                f"retry_transient) or {snapshots}")
     if cls == "replica_lost":
         return (f"every data-parallel replica of the model and optimizer state was lost (logical ranks {victims}); "
-                "FlashRecovery rebuilds from a surviving replica, so there is nothing to restore from: add "
-                "ft=flash_ckpt for a snapshot to fall back on")
-    if fault == "node_loss" and "deadpool" in ft:
-        return (f"node(s) {lost_nodes} lost with logical ranks {victims}, but DeadPool has only {spares} ready "
-                "spare(s) and nothing after it in ft handles node loss: raise parallel.spares or add ft=ndb "
-                "(or ft=flash_ckpt)")
+                f"{rank_alone} rebuilds from a surviving replica, so there is nothing to restore from: add "
+                f"{snapshots} for a snapshot to fall back on")
+    if fault == "node_loss" and (spare_users := with_(ft, "uses_spares")):
+        return (f"node(s) {lost_nodes} lost with logical ranks {victims}, but ft={spare_users[0]} has only {spares} "
+                f"ready spare(s) and nothing after it in ft handles node loss: raise parallel.spares or add {takeover} "
+                f"(or {snapshots})")
     if fault == "node_loss":
         return (f"node(s) {lost_nodes} lost with logical ranks {victims}; a process restart in place needs the node, "
-                "and no strategy in ft handles node loss: add hot spares (parallel.spares with ft=deadpool), a "
-                "takeover strategy (ft=ndb) or flash snapshots (ft=flash_ckpt)")
-    return (f"logical rank(s) {victims} failed ({fault}) and {mix} has no strategy for it; add ft=flashrecovery to "
+                f"and no technique in ft handles node loss: add hot spares (parallel.spares with "
+                f"{_add('uses_spares')}), a takeover ({takeover}) or flash snapshots ({snapshots})")
+    return (f"logical rank(s) {victims} failed ({fault}) and {mix} has no technique for it; add {rank_alone} to "
             "restart the failed rank in place")
+
+
+def _add(capability: str) -> str:
+    """What a message tells a user to add to ``ft`` for ``capability``: every registered technique that has it."""
+    return " or ".join(f"ft={name}" for name in offering(capability))

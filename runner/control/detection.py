@@ -17,6 +17,7 @@ from typing import Optional
 
 from torch.distributed import PrefixStore
 
+from runner.config.schema import HeartbeatConfig
 from runner.control.incidents import Incidents, short
 from runner.control.membership import Membership
 from runner.control.records import Recovery, Worker
@@ -31,7 +32,7 @@ class Detector:
 
     def __init__(self, cfg, members: Membership, incidents: Incidents, fleet, store, events: EventLog,
                  fail: Callable[[str], None]) -> None:
-        self.cfg, self.hb = cfg, cfg.heartbeat
+        self.cfg, self.hb = cfg, HeartbeatConfig.of(cfg.heartbeat)
         self.members, self.incidents = members, incidents
         self.fleet, self.store, self.events, self.fail = fleet, store, events, fail
         self.reports_seen = 0
@@ -77,7 +78,7 @@ class Detector:
         judging = now - self._last_hb_poll < 2 * interval
         self._last_hb_poll = now
         for node, last_beat in self.fleet.node_beats().items():
-            if judging and node not in self.silent_reported and now - last_beat > interval * misses:
+            if judging and node not in self.silent_reported and now - last_beat > self.hb.silence_s:
                 self.silent_reported.add(node)
                 self.incidents.symptom("node_silent", node=node, t=time.time())
         beating = []
@@ -103,7 +104,7 @@ class Detector:
                 w.first_step = hb["step"]
             if not judging:
                 continue
-            if now - w.hb_change > interval * misses:
+            if now - w.hb_change > self.hb.silence_s:
                 node_beat = self.fleet.node_beats().get(w.node)
                 if node_beat is not None and now - node_beat > 2 * interval:  # its node went silent with it
                     self.silent_reported.add(w.node)
@@ -166,12 +167,12 @@ class Detector:
         return all(wall - json.loads(raw)["t"] <= 2 * interval for raw in self.store.multi_get(keys))
 
     def silent_nodes_now(self) -> set[int]:
-        limit = self.hb.interval_s * self.hb.misses
+        limit = self.hb.silence_s
         return {node for node, beat in self.fleet.node_beats().items() if time.monotonic() - beat > limit}
 
     def silent_nodes(self, rec: Recovery, now: float) -> list[int]:
         """Nodes silent now or named silent by the recovery, whose loss is not decided yet."""
-        limit = self.hb.interval_s * self.hb.misses
+        limit = self.hb.silence_s
         silent = {node for node, beat in self.fleet.node_beats().items() if now - beat > limit}
         silent |= {s["node"] for s in rec.symptoms if s["kind"] == "node_silent"}
         return sorted(silent - self.nodes_lost)
@@ -196,7 +197,7 @@ class Detector:
         workers = self.members.workers
         missing = [wid for rank, wid in enumerate(self.members.layouts[gen].members)
                    if not rendezvous.check([f"arrived/{rank}"]) and not workers[wid].dead]
-        grace = self.hb.interval_s * self.hb.misses  # healthy members arrive in milliseconds
+        grace = self.hb.silence_s  # healthy members arrive in milliseconds
         if missing and now - self.members.published_at[gen] < grace:
             return True
         for wid in missing:

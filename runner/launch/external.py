@@ -33,6 +33,7 @@ from runner.launch.attempt_log import AttemptLog, read_attempts
 from runner.launch.termination import PromptTermination
 from runner.plumbing import protocol
 from runner.plumbing.events import EventLog
+from runner.recovery.registry import with_
 from runner.training.worker import WorkerSpec, run_reporting
 
 LEAVE_WAIT_S = 5.0  # rank 0 keeps the store it hosts up this long for the others to leave: they do at once
@@ -141,7 +142,8 @@ def run_rank(cfg: DictConfig, run_dir: Path, kind: str) -> dict | None:
                 launcher_restarted=env.restarted)
     events.close()
     restarted = attempt > 1 or env.restarted
-    role = resume_role(cfg, store, env, run_dir) if restarted and "flash_ckpt" in ft_names(cfg) else "initial"
+    snapshots = with_(ft_names(cfg), "restarts_from_snapshots")
+    role = resume_role(cfg, store, env, run_dir) if restarted and snapshots else "initial"
     if env.rank != 0:
         PromptTermination().install()
         code = _train(cfg, env, run_dir, namespace, role, store)

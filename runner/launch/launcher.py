@@ -18,6 +18,7 @@ from runner.checkpoint.resume import module_arguments, resume_checkpoint
 from runner.config import ConfigError
 from runner.config.validate import all_faults
 from runner.control.controller import Controller
+from runner.recovery.registry import standby_options
 
 CONTROLLER_CARRIED = ("kill_rank", "hang_rank")  # rank faults the controller carries out by signalling the victim
 NO_PER_RANK = ("kill_node", "kill_all", "wipe_shm", "corrupt_snapshot", "chaos")  # need a process on every host
@@ -84,10 +85,10 @@ def check_mode(cfg: DictConfig, kind: str) -> None:
         raise ConfigError(f"launcher.secret_file={cfg.launcher.secret_file} signs the commands to node agents, and "
                           "launcher.mode=per_rank starts none (the launcher owns the processes): drop "
                           "launcher.secret_file.")
-    if (cfg.get("ft") or {}).get("flashrecovery", {}).get("standby"):
-        raise ConfigError(f"ft.flashrecovery.standby=true keeps a warm replacement on each host's node agent, and "
+    for option in standby_options(list(cfg.get("ft") or {}), cfg.get("ft") or {}):
+        raise ConfigError(f"{option}=true keeps a warm replacement on each host's node agent, and "
                           f"launcher.mode=per_rank starts none (under {kind} the launcher restarts ranks itself): set "
-                          "ft.flashrecovery.standby=false, or launcher.mode=per_host.")
+                          f"{option}=false, or launcher.mode=per_host.")
     ppn = cfg.parallel.procs_per_node
     for f in all_faults(cfg):
         if f.kind in NO_PER_RANK:

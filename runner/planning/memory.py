@@ -91,9 +91,10 @@ class Layout:
     zero: int
     micro_batch: int  # samples in one forward
     micro_batches: int  # forwards per step and rank
-    deadpool: bool  # ft has deadpool (with zero=1 it replicates every shard)
+    replicates_shards: bool  # a technique in ft replicates every ZeRO-1 shard (DeadPool, with zero=1)
     dp_group_size: int = 0  # ZeRO-1 shards within DP replica groups of this many ranks; 0 = one group of dp
-    ndb: bool = False  # ft has ndb (with deadpool and zero=1 a replica's holder carries a covered rank's shard)
+    covers_ranks: bool = False  # a technique in ft covers failed ranks (NDB; with replicated shards and zero=1 a
+    # replica's holder carries a covered rank's shard)
 
     @property
     def shards(self) -> int:
@@ -167,10 +168,10 @@ def stage_memory(gpt: GPTConfig, precision: Precision, layout: Layout, stage: in
     sharded = lay.shards if lay.zero else 1  # ZeRO-1 keeps the moments and masters of the rank's own shard only
     moments = n * precision.moments / sharded
     replicas = carried = 0.0
-    if lay.deadpool and lay.zero:
+    if lay.replicates_shards and lay.zero:
         shard = n / lay.shards  # the optimizer's own weights are the masters where there are any
         replicas = 3 * shard * ((precision.master or precision.weights) + precision.moments) + shard * precision.grads
-        if lay.ndb:  # the carried shard's own moments and masters; without masters it steps the module's weights
+        if lay.covers_ranks:  # the carried shard's moments and masters; without masters it steps the module's weights
             carried = shard * (precision.master + precision.moments)
     return RankMemory(
         stage=stage, params=n * precision.weights, grads=n * precision.grads, master=n * precision.master / sharded,

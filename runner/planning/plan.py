@@ -32,6 +32,7 @@ from runner.config.validate import (
 from runner.planning.memory import GiB, Layout, RankMemory, precision_of, rank_memory
 from runner.planning.model_cost import count_params, flops_per_token
 from runner.planning.topology import spare_count
+from runner.recovery.registry import replicates_shards, with_
 
 
 @dataclass
@@ -54,7 +55,8 @@ class Plan:
         p, lay, mem = cfg.parallel, self.layout, self.memory
         spares = f"spares={self.spares}"
         if self.spares_by_default:
-            spares += " (one spare node by default for ft=deadpool; parallel.spares=0 for none)"
+            users = " or ".join(f"ft={n}" for n in with_(list(cfg.ft), "uses_spares"))
+            spares += f" (one spare node by default for {users}; parallel.spares=0 for none)"
         where = "" if lay.pp == 1 else f", pipeline stage {mem.stage} of {lay.pp}"
         return "\n".join([
             f"plan for recipe {cfg.recipe_name}:",
@@ -101,8 +103,8 @@ def make_plan(cfg: DictConfig) -> Plan:
         micro_batch = max(1, per_rank // micro_batches)
     groups = int(p.dp_group_size) if p.dp_group_size > 0 and dp % p.dp_group_size == 0 else 0
     ft = ft_names(cfg)
-    layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches, "deadpool" in ft, groups,
-                    "ndb" in ft)
+    layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches,
+                    replicates_shards(ft), groups, bool(with_(ft, "covers_ranks")))
     name, precision = precision_of(cfg.trainer.precision, bool(cfg.trainer.master_weights))
     return Plan(n, world_size(cfg), layout, precision.describe(name), rank_memory(gpt, precision, layout),
                 flops_per_token(gpt), host_gpus(cfg.runner.device), spare_count(cfg),

@@ -31,12 +31,14 @@ ORDER = "-".join(DIMENSIONS)  # the default placement: TP innermost (inside a no
 
 
 def spare_count(cfg) -> int:
-    """``parallel.spares``, or when it is null (the default) one spare node, ``procs_per_node`` spares, if ``ft``
-    has deadpool (the one technique that uses spares), else none."""
+    """``parallel.spares``, or when it is null (the default) one spare node, ``procs_per_node`` spares, if a
+    technique in ``ft`` uses spares (DeadPool), else none."""
+    from runner.recovery.registry import with_  # the registry's techniques import this module's users
+
     spares = cfg.parallel.get("spares")
     if spares is not None:
         return int(spares)
-    return int(cfg.parallel.procs_per_node) if "deadpool" in (cfg.get("ft") or {}) else 0
+    return int(cfg.parallel.procs_per_node) if with_(list(cfg.get("ft") or {}), "uses_spares") else 0
 
 
 @dataclass(frozen=True)

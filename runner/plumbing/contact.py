@@ -6,7 +6,7 @@ connection up (about 15 minutes of TCP retransmissions), and a stopped controlle
 So the deadline is not left to the calls: the thread that beats marks each round of its store calls
 (``asking``, then ``answered`` once the controller's store replied), and a watchdog thread of its own, which makes no
 store call, calls ``lost`` once a round has gone unanswered for ``after_s``
-(``runner.config.schema.controller_lost_after_s``), however the calls are blocked. ``lost`` ends the process.
+(``HeartbeatConfig.controller_lost_after_s``), however the calls are blocked. ``lost`` ends the process.
 """
 
 from __future__ import annotations

@@ -17,14 +17,6 @@ if TYPE_CHECKING:
     from runner.control.decision import Decision
     from runner.planning.topology import Topology
 
-BUDGET_OWNERS = ("flashrecovery", "deadpool")
-
-
-def restart_owner(ft: list[str]) -> Optional[str]:
-    """The technique whose ``max_restarts`` bounds in-place restarts."""
-    return next((n for n in BUDGET_OWNERS if n in ft), None)
-
-
 @dataclass(frozen=True)
 class NodePersist:
     """A node service a technique asks every node agent to run beside its workers (flash_ckpt's persister):
@@ -68,8 +60,8 @@ class RecoveryAction:
 
     name: ClassVar[str]
     does: ClassVar[str]
+    handles: ClassVar[tuple[str, ...]]  # the fault classes (runner/config/policy.py) a policy row may give it
     publishes_survivors: ClassVar[bool] = True  # False: no survivors-only generation (nobody holds state)
-    replicates_shards: ClassVar[bool] = False  # its strategy keeps a copy of each ZeRO-1 shard on another node
 
     def __init__(self, cfg, topo: Topology, run_dir: Path) -> None:
         self.cfg, self.topo, self.run_dir = cfg, topo, run_dir

@@ -1,32 +1,20 @@
-"""The registry of worker sides: each ``ft`` name to the ``TechniqueWorker`` of its package.
-
-Adding a technique's worker side is adding its package's ``worker`` module and one line here.
-"""
+"""The worker sides of the techniques in ``ft`` (each descriptor names its package's ``worker`` module), and their
+hooks combined into one ``WorkerHooks``: imported by a worker only (torch and Lightning)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from lightning.pytorch import LightningModule
 
 from runner.recovery.common.hooks import TechniqueWorker, WorkerContext, WorkerHooks
-from runner.recovery.deadpool.worker import DeadPoolWorker
-from runner.recovery.flash_ckpt.worker import FlashCkptWorker
-from runner.recovery.flashrecovery.worker import FlashRecoveryWorker
-from runner.recovery.ndb.worker import NDBWorker
-
-WORKER_SIDES: dict[str, Callable[[WorkerContext], TechniqueWorker]] = {
-    "flashrecovery": FlashRecoveryWorker,
-    "deadpool": DeadPoolWorker,
-    "flash_ckpt": FlashCkptWorker,
-    "ndb": NDBWorker,
-}
+from runner.recovery.registry import TECHNIQUES
 
 
 def technique_workers(ft: Iterable[str], ctx: WorkerContext) -> list[TechniqueWorker]:
     """The worker side of every technique in ``ft``, in its order."""
-    return [WORKER_SIDES[name](ctx) for name in ft]
+    return [TECHNIQUES[name].worker_side()(ctx) for name in ft]
 
 
 def combine(workers: list[TechniqueWorker], module: LightningModule) -> WorkerHooks:

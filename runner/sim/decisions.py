@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from runner.config import policy
 from runner.control.decision import Decision, decide
+from runner.recovery.registry import restart_owner, with_
 from runner.sim.errors import ConfigError
 from runner.sim.failures import FaultClass
 
@@ -60,10 +61,9 @@ class RunnerPolicy:
         self.g, self.nodes = gpus_per_node, nodes
         self.has_replica = dp_degree >= 2
         self.can_restart = decision_conf.launcher in OWN_PROCESSES
-        # whose max_restarts bounds in-place restarts: the first strategy able to restart a rank
-        owner = next((s for s in policy.ACTIONS["restart_rank"][1] if s in self.ft), None)
+        owner, snapshots = restart_owner(self.ft), with_(self.ft, "restarts_from_snapshots")
         self.max_restarts = self.cfg.ft[owner].max_restarts if owner else 0
-        self.max_full_restarts = self.cfg.ft.flash_ckpt.max_restarts if "flash_ckpt" in self.ft else 0
+        self.max_full_restarts = self.cfg.ft[snapshots[0]].max_restarts if snapshots else 0
         self.sdc_row = policy.table(self.cfg, self.ft)["silent_corruption"]
         self._memo: dict[tuple, Decision] = {}
         self._providers: dict[str, str] = {}

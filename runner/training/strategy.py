@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -47,7 +48,7 @@ from runner.parallel.generation_group import GenerationGroup
 from runner.parallel.pipeline import GPTStage, OneFOneB
 from runner.parallel.tensor import clip_grads_, grad_squares
 from runner.plumbing.events import EventLog
-from runner.recovery.common.hooks import MicroBatchTakeover, UpdateReplication
+from runner.recovery.common.hooks import WorkerHooks
 from runner.recovery.sdc import GradientGuard
 from runner.training.checksum import state_checksum
 from runner.training.comm import CollectiveFailure, Comm
@@ -56,7 +57,6 @@ from runner.training.divergence import ReplicaDivergence
 from runner.training.environment import RunnerEnvironment
 from runner.training.packed import from_bytes, to_bytes
 from runner.training.reducer import trainable_params
-from runner.training.state import ReplicaState
 from runner.training.status import WorkerStatus
 from runner.training.transfer import TrainerState
 from runner.training.update import CommittedUpdate
@@ -68,39 +68,38 @@ from runner.training.zero import ZeroOne
 PEER_CKPT = "peer://replica"  # ckpt_path a replacement passes to fit(): state comes from a live replica
 SNAPSHOT_CKPT = "flash://snapshot"  # ckpt_path of a restarted rank: the newest snapshot every rank holds
 
-RestoreSnapshot = Callable[[ReplicaState], dict]
-ShardReplicationFactory = Callable[[ZeroOne], UpdateReplication]
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """What the strategy is told by the config and by the worker's role, built in one function
+    (``runner.training.worker.strategy_options``)."""
+
+    seed: int
+    micro_batch: int  # samples per micro-batch on each rank
+    bucket_mb: float  # gradient bucket size of the reduction
+    first_gen: int = 0  # the first generation this worker may belong to
+    joining: bool = False  # a replacement: Lightning's set-up collectives stay local until it is in sync
+    join_after_setup: bool = False  # it builds its optimizer and Lightning's set-up before it joins a generation
+    start_timeout_s: float = 120.0  # how long it waits for its first generation
+    zero_stage: int = 0
+    master_weights: bool = False  # ZeRO-1 keeps fp32 masters of 16-bit parameters (``runner.training.zero``)
+    accumulate: int = 1  # micro-batches per optimizer step on each rank
+    pipeline_micro_batches: int = 1
+    replica_check_every_n_steps: int = 0  # 0: no replica check during training
+    val_check_interval: int = 0  # steps between validations (0: never)
+    limit_val_batches: int = 0  # validation batches over all DP ranks (0: all)
+    sdc_factor: float = 0.0  # the gradient corruption guard's factor (0: no guard)
+    sdc_window: int = 0
 
 
 class ResilientStrategy(ParallelStrategy):
     strategy_name = "resilient"
 
-    def __init__(
-        self,
-        comm: Comm,
-        *,
-        seed: int,
-        micro_batch: int,
-        bucket_mb: float,
-        events: EventLog,
-        status: WorkerStatus,
-        recover: Recover | None = None,
-        restore_snapshot: RestoreSnapshot | None = None,
-        on_commit: OnCommit | None = None,
-        joining: bool = False,
-        join_after_setup: bool = False,
-        takeover: MicroBatchTakeover | None = None,
-        guard: GradientGuard | None = None,
-        first_gen: int = 0,
-        start_timeout_s: float = 120.0,
-        zero_stage: int = 0,
-        master_weights: bool = False,
-        shard_replication: ShardReplicationFactory | None = None,
-        accumulate: int = 1,
-        validation: StepValidation | None = None,
-        pipeline_micro_batches: int = 1,
-        replica_check_every_n_steps: int = 0,
-    ) -> None:
+    def __init__(self, comm: Comm, options: StrategyOptions, hooks: WorkerHooks, *, events: EventLog,
+                 status: WorkerStatus, recover: Recover | None = None, on_commit: OnCommit | None = None) -> None:
+        """``hooks``: what the techniques in ``ft`` add to the step (``runner.recovery.worker_registry.combine``);
+        ``recover``: the worker's recovery loop; ``on_commit``: what a committed step reports (metrics)."""
         super().__init__(
             accelerator=None,
             parallel_devices=[comm.device],
@@ -109,41 +108,40 @@ class ResilientStrategy(ParallelStrategy):
             precision_plugin=None,
         )
         self.comm = comm
-        self.seed = seed
-        self.micro_batch = micro_batch
+        self.options = options
+        self.seed, self.micro_batch = options.seed, options.micro_batch
         self.events = events
         self.status = status
         self._recover = recover
-        self._restore_snapshot = restore_snapshot
-        self.joining = joining  # a replacement: Lightning's setup collectives stay local until it is in sync
-        # a replacement that builds its optimizer and Lightning's set-up before it joins a generation (and a spare,
-        # before it is given a rank): it waits for its generation where it restores (``load_checkpoint``)
-        self.join_after_setup = join_after_setup
-        self.first_gen = first_gen  # the first generation this worker may belong to
-        self.start_timeout_s = start_timeout_s
-        self.zero_stage = zero_stage
-        self.master_weights = master_weights  # ZeRO-1 keeps fp32 masters of 16-bit parameters (training.zero)
-        self._shard_replication = shard_replication  # a technique copies each updated shard elsewhere
+        self._restore_snapshot = hooks.restore_snapshot
+        self.joining = options.joining  # a replacement: Lightning's setup collectives stay local until it is in sync
+        self.join_after_setup = options.join_after_setup
+        self.first_gen = options.first_gen  # the first generation this worker may belong to
+        self.start_timeout_s = options.start_timeout_s
+        self.zero_stage = options.zero_stage
+        self.master_weights = options.master_weights  # ZeRO-1 keeps fp32 masters of 16-bit parameters
+        self._shard_replication = hooks.shard_replication  # a technique copies each updated shard elsewhere
         self._source: Optional[BatchSource] = None  # the step-indexed batch source, for taken-over micro-batches
-        self.accumulate = accumulate  # micro-batches per optimizer step on each rank
-        self.validation = validation or StepValidation(0, 0)
+        self.accumulate = options.accumulate  # micro-batches per optimizer step on each rank
+        self.validation = StepValidation(options.val_check_interval, options.limit_val_batches)
+        guard = GradientGuard(options.sdc_factor, options.sdc_window) if options.sdc_factor > 0 else None
         self._micros: MicroBatches = MicroBatches()  # the current step's micro-batches (accumulation)
         self._batch_idx = 0
         self._failed = False
         self.full_checksum: Optional[str] = None  # tp*pp > 1: the gathered model's, set at teardown
-        self.pipeline_micro_batches = pipeline_micro_batches
+        self.pipeline_micro_batches = options.pipeline_micro_batches
         self._pipeline: Optional[OneFOneB] = None  # pp > 1: this stage's schedule, built at setup
         self._pipeline_batch: Any = None  # pp > 1: the step's batch, kept for the schedule
         self.update = CommittedUpdate(lambda: self._module.trainer.global_step)
         self.state = TrainerState(lambda: self._module, lambda: self.optimizers, self.update, guard)
-        check = ReplicaDivergence(comm, events, self.state, replica_check_every_n_steps,
+        check = ReplicaDivergence(comm, events, self.state, options.replica_check_every_n_steps,
                                   lambda: trainable_params(self._module)[::-1],
                                   lambda: comm.replica_size == 1 and self.update.zero is None)
         self.commit = StepCommit(comm, events, status, self.state, self.update, lambda: self._module,
-                                 bucket_bytes=int(bucket_mb * 2**20), guard=guard, takeover=takeover,
+                                 bucket_bytes=int(options.bucket_mb * 2**20), guard=guard, takeover=hooks.takeover,
                                  recover=recover, on_commit=on_commit,
                                  agree=self._agree_on_step if comm.replica_size > 1 else None,
-                                 replica_check=check if replica_check_every_n_steps > 0 else None)
+                                 replica_check=check if options.replica_check_every_n_steps > 0 else None)
         self._full_grad_norm = torch.zeros(())  # tp*pp > 1: the full model's gradient norm of the committed step
 
     # -- identity -------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from runner.callbacks.heartbeat import Heartbeat
 from runner.callbacks.lightning_checkpoint import LightningCheckpoint
 from runner.callbacks.metrics import CommitMetrics
 from runner.callbacks.progress import StepProgressBar
-from runner.config.schema import controller_lost_after_s
+from runner.config.schema import HeartbeatConfig
 from runner.config.validate import all_faults, dp_size, ft_names, world_size
 from runner.data import BatchSource, HeldOutSplit, MemmapTokens, SyntheticTokens
 from runner.faults.comm_faults import FaultInjectingComm
@@ -44,14 +44,14 @@ from runner.plumbing import protocol
 from runner.plumbing.events import EventLog, JsonLines
 from runner.recovery.common.hooks import WorkerContext
 from runner.recovery.common.rejoin import ReplicaRecovery
-from runner.recovery.sdc import GradientGuard
+from runner.recovery.registry import with_
 from runner.recovery.worker_registry import combine, technique_workers
 from runner.training import stack_dumps
 from runner.training.checksum import param_checksum
 from runner.training.comm import Comm, RunAborted, RunFailedError
 from runner.training.status import WorkerStatus
-from runner.training.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy
-from runner.training.validation import StepValidation, warn_unscheduled
+from runner.training.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy, StrategyOptions
+from runner.training.validation import warn_unscheduled
 
 EXIT_ABORTED = 3  # the controller ended the run
 EXIT_FAILED = 4  # recovery impossible
@@ -128,7 +128,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                       step=lambda: status.step)
     stack_dumps.arm(run_dir, spec.wid)  # where everyone was, should a rank hang (runner.control.diagnosis)
     heartbeat = Heartbeat(spec.host, spec.port, spec.namespace, status, cfg.heartbeat.interval_s,
-                          controller_lost_after_s(cfg.heartbeat.interval_s, cfg.heartbeat.misses), events, comm=comm)
+                          HeartbeatConfig.of(cfg.heartbeat).controller_lost_after_s, events, comm=comm)
     heartbeat.start()
     events.emit("worker_started", wid=spec.wid, node=spec.node, role=spec.role, pid=os.getpid())
     # Workers never decide a run's fate: even without fault tolerance a failed collective is reported
@@ -139,6 +139,9 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     techniques = technique_workers(cfg.ft, WorkerContext(cfg, spec.run_dir, spec.node, spec.logical_rank, spec.role,
                                                          comm, events, status, recovery))
     micro_batch = cfg.trainer.global_batch_size // dp
+    options = strategy_options(cfg, spec.role, spec.first_gen, micro_batch, set_up_before_rank(cfg, topology),
+                               topology.pp)
+    joining = options.joining
     module, datamodule = build_module_and_data(cfg, micro_batch)
     if spec.role == "spare" and device.type == "cpu":
         warm_up(module, micro_batch)
@@ -149,26 +152,13 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         placement.append(SparePlacement(lambda: place_model(module, comm, topology, comm.logical_rank)))
     hooks = combine(techniques, module)
     comm.want_side_group = hooks.side_group
-    joining = spec.role in ("joiner", "spare", "restore")  # none holds the state yet: setup collectives stay local
     if cfg.model._target_ and spec.logical_rank == 0 and not joining:
         warn_unscheduled(module, cfg.trainer.val_check_interval)
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, comm,
                             tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
                             tp=topology.tp * topology.pp)
-    strategy = ResilientStrategy(
-        comm, seed=cfg.seed, micro_batch=micro_batch, bucket_mb=cfg.trainer.bucket_mb, events=events, status=status,
-        recover=recovery, restore_snapshot=hooks.restore_snapshot, on_commit=metrics.on_commit, joining=joining,
-        join_after_setup=spec.role in ("joiner", "spare") and set_up_before_rank(cfg, topology),
-        takeover=hooks.takeover, first_gen=spec.first_gen,
-        guard=GradientGuard(cfg.trainer.sdc_factor, cfg.trainer.sdc_window) if cfg.trainer.sdc_factor > 0 else None,
-        start_timeout_s=cfg.launcher.run_timeout_s if spec.role == "spare" else cfg.launcher.start_timeout_s,
-        zero_stage=cfg.parallel.zero, master_weights=cfg.trainer.master_weights,
-        shard_replication=hooks.shard_replication,
-        accumulate=cfg.trainer.accumulate_grad_batches,
-        validation=StepValidation(cfg.trainer.val_check_interval, cfg.trainer.limit_val_batches),
-        pipeline_micro_batches=cfg.trainer.micro_batches or topology.pp,
-        replica_check_every_n_steps=cfg.trainer.replica_check_every_n_steps,
-    )
+    strategy = ResilientStrategy(comm, options, hooks, events=events, status=status, recover=recovery,
+                                 on_commit=metrics.on_commit)
     checkpoint = LightningCheckpoint(run_dir, cfg.checkpoint.every_n_steps, cfg.seed, events)
     is_rank0 = spec.logical_rank == 0
     progress_bar = bool(cfg.trainer.progress_bar and is_rank0 and not joining)
@@ -229,13 +219,31 @@ class SparePlacement(pl.Callback):
         self.place()
 
 
+def strategy_options(cfg: DictConfig, role: str, first_gen: int, micro_batch: int, set_up_first: bool,
+                     pp: int) -> StrategyOptions:
+    """The strategy's settings from the config and this worker's role: the one place they are read.
+    ``set_up_first``: a replacement of this layout may build its optimizer and Lightning's set-up before it knows
+    its logical rank (``set_up_before_rank``)."""
+    t = cfg.trainer
+    return StrategyOptions(
+        seed=cfg.seed, micro_batch=micro_batch, bucket_mb=t.bucket_mb, first_gen=first_gen,
+        joining=role in ("joiner", "spare", "restore"),  # none holds the state yet: set-up collectives stay local
+        join_after_setup=role in ("joiner", "spare") and set_up_first,
+        start_timeout_s=cfg.launcher.run_timeout_s if role == "spare" else cfg.launcher.start_timeout_s,
+        zero_stage=cfg.parallel.zero, master_weights=t.master_weights, accumulate=t.accumulate_grad_batches,
+        pipeline_micro_batches=t.micro_batches or pp, replica_check_every_n_steps=t.replica_check_every_n_steps,
+        val_check_interval=t.val_check_interval, limit_val_batches=t.limit_val_batches,
+        sdc_factor=t.sdc_factor, sdc_window=t.sdc_window)
+
+
 def set_up_before_rank(cfg: DictConfig, topology: Topology) -> bool:
     """Whether a replacement can build its optimizer and Lightning's set-up before it knows its logical rank, and so
     join (a spare: wait for a rank) after them: only where nothing built at set-up depends on the rank. Not with
     tp*pp > 1 (the rank's part of the model is cut before the optimizer is built over it), ZeRO-1 (its optimizer is
     sharded for the rank), flash checkpoints (their snapshots are named by the rank at set-up), nor with a user's
     LightningModule or DataModule (their ``setup`` hooks may read the rank)."""
-    return (topology.tp * topology.pp == 1 and not cfg.parallel.zero and "flash_ckpt" not in ft_names(cfg)
+    return (topology.tp * topology.pp == 1 and not cfg.parallel.zero
+            and not with_(ft_names(cfg), "restarts_from_snapshots")
             and not cfg.model._target_ and not cfg.data._target_)
 
 

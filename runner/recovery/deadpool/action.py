@@ -19,8 +19,8 @@ class SwapSpare(RecoveryAction):
     """Warm spares take the failed logical ranks."""
 
     name = "swap_spare"
+    handles = ("process_crash", "hang", "node_loss_spare_free")
     does = "warm spares take their places, state from a replica (DeadPool)"
-    replicates_shards = True  # each rank's ZeRO-1 optimizer shard has a copy one node on
 
     def __init__(self, cfg, topo, run_dir) -> None:
         super().__init__(cfg, topo, run_dir)

@@ -22,6 +22,8 @@ class RestartAll(RecoveryAction):
     """Kill what is left and restart every logical rank from the snapshots."""
 
     name = "restart_all"
+    handles = ("transient", "process_crash", "hang", "node_loss_spare_free", "node_loss_no_spare",
+               "replica_lost")
     does = "restart every rank from the newest flash snapshot all of them hold (flash_ckpt)"
     publishes_survivors = False  # nobody holds state to wait with: only the complete generation is published
 

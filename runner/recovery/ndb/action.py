@@ -25,6 +25,7 @@ class Takeover(RecoveryAction):
     """Live neighbours take over the failed ranks' micro-batches; nobody restarts."""
 
     name = "takeover"
+    handles = ("process_crash", "hang", "node_loss_spare_free", "node_loss_no_spare")
     does = "live neighbours take over their micro-batches (NDB); nobody restarts"
 
     def __init__(self, cfg, topo, run_dir) -> None:

@@ -1,8 +1,9 @@
-"""FlashRecovery's controller side: retry a transient collective error; restart a failed rank in place.
+"""Retry a transient collective error; restart a failed rank in place: the controller actions FlashRecovery
+brings, and DeadPool too (it restarts a crashed rank in place rather than spend a spare).
 
 A retry publishes a new generation of the same members; a restart spawns the failed rank again where
 it last ran (a joiner: its state comes from a live replica). In-place restarts are bounded by
-``max_restarts`` of the strategy that owns the budget (FlashRecovery, else DeadPool, which restarts a
+``max_restarts`` of the technique that owns the budget (FlashRecovery, else DeadPool, which restarts a
 crashed rank the same way).
 
 With ``ft.flashrecovery.standby`` each host keeps one warm replacement (a worker started as a spare:
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from runner.recovery.actions import LAUNCHER_OWNS, RecoveryAction, Situation, restart_owner
+from runner.recovery.actions import LAUNCHER_OWNS, RecoveryAction, Situation
 
 
 class Retry(RecoveryAction):
     """A collective failed with every process alive: rebuild the group and retry the step."""
 
     name = "retry"
+    handles = ("transient",)
     does = "rebuild the group and retry the step; nobody restarts"
 
 
@@ -30,12 +32,15 @@ class RestartRank(RecoveryAction):
     """Restart each failed rank in place, on the node and slot of whoever computed it last."""
 
     name = "restart_rank"
+    handles = ("process_crash", "hang")
     does = "restart in place, state from a surviving replica"
 
     def __init__(self, cfg, topo, run_dir) -> None:
         super().__init__(cfg, topo, run_dir)
         self.restarts = 0
-        self.standby = bool(cfg.ft.flashrecovery.get("standby", False)) if "flashrecovery" in cfg.ft else False
+        from runner.recovery.registry import standby_options  # the registry lists the techniques built on this
+
+        self.standby = bool(standby_options(list(cfg.ft), cfg.ft))
         self.standbys: dict[int, int] = {}  # node -> the wid of its parked standby (ready or still starting)
         self.used: dict[int, int] = {}  # node -> the wid that took its standby's place, until it trains
 
@@ -78,11 +83,15 @@ class RestartRank(RecoveryAction):
         if not s.can_restart:
             return LAUNCHER_OWNS
         if s.restarts_left < len(s.victims):
+            from runner.recovery.registry import restart_owner
+
             return (f"restart budget spent (ft.{restart_owner(s.ft)}.max_restarts); raise it if failures are expected "
                     "this often")
         return None
 
     def decide_inputs(self, ctx, lost_nodes: list[int]) -> dict:
+        from runner.recovery.registry import restart_owner
+
         owner = restart_owner(ctx.ft)
         return {"restarts_left": (self.cfg.ft[owner].max_restarts if owner else 0) - self.restarts}
 
