@@ -20,8 +20,8 @@ _WITH_SURVIVORS = ("transient", *_RANK_LOSS, "node_loss_spare_free", "node_loss_
 # action -> (the classes it can handle, the strategies that carry it out)
 ACTIONS = {
     "retry": (("transient",), ("flashrecovery", "deadpool")),
-    "restart_rank": (_RANK_LOSS, ("flashrecovery", "deadpool")),
-    "swap_spare": ((*_RANK_LOSS, "node_loss_spare_free"), ("deadpool",)),
+    "restart_rank": ((*_RANK_LOSS, "straggler"), ("flashrecovery", "deadpool")),
+    "swap_spare": ((*_RANK_LOSS, "node_loss_spare_free", "straggler"), ("deadpool",)),
     "takeover": ((*_RANK_LOSS, "node_loss_spare_free", "node_loss_no_spare"), ("ndb",)),
     "restart_all": ((*_WITH_SURVIVORS, "replica_lost"), ("flash_ckpt",)),
     "recompute": (("silent_corruption",), ()),  # the gradient guard (trainer.sdc_factor > 0), no strategy
@@ -36,7 +36,7 @@ SEED_TABLE = {
     "node_loss_no_spare": ["takeover", "restart_all"],
     "replica_lost": ["restart_all"],
     "silent_corruption": ["recompute"],
-    "straggler": ["report"],
+    "straggler": ["report"],  # also with spares: a swap spends a spare a node loss may need (docs/recovery.md)
 }
 
 
@@ -88,6 +88,11 @@ def row_problems(cfg: DictConfig, ft: list[str]) -> list[str]:
                 need = " or ".join(f"ft={s}" for s in ACTIONS[action][1])
                 extra = " with ft.flashrecovery.retry_transient=true" if action == "retry" else ""
                 out.append(f"{where}, which needs {need}{extra}: add it to ft or take {action} out of the row.")
+        if cls == "straggler" and "swap_spare" in row and "deadpool" in ft and _spares(cfg) < _host_ranks(cfg):
+            out.append(f"policy.straggler lists swap_spare, which moves every rank of the straggler's host to a warm "
+                       f"spare host, but parallel.spares={_spares(cfg)} is fewer than the {_host_ranks(cfg)} rank(s) "
+                       f"of a host: set parallel.spares={_host_ranks(cfg)} (a spare host) or take swap_spare out of "
+                       "the row.")
         if len(set(row)) != len(row):
             out.append(f"policy.{cls}={list(row)} lists an action twice; list each once, in the order to try them.")
     if cfg.policy.get("silent_corruption") == [] and _guard_on(cfg):
@@ -99,3 +104,11 @@ def row_problems(cfg: DictConfig, ft: list[str]) -> list[str]:
 def _guard_on(cfg: DictConfig) -> bool:
     trainer = cfg.get("trainer")
     return trainer is None or trainer.get("sdc_factor", 1.0) > 0
+
+
+def _spares(cfg: DictConfig) -> int:
+    return int(cfg.get("parallel", {}).get("spares", 0))
+
+
+def _host_ranks(cfg: DictConfig) -> int:
+    return int(cfg.get("parallel", {}).get("procs_per_node", 1))
