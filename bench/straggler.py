@@ -20,8 +20,7 @@ import statistics
 
 from common import median_spread, run_cli
 
-JOB = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[deadpool]",
-       "trainer.progress_bar=false"]
+JOB = ["+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=2", "parallel.spares=2", "ft=[deadpool]"]
 SLOW = ["straggler.window_steps=5", "policy.straggler=[swap_spare,report]", "fault=slow_rank", "fault.rank=3",
         "fault.step=5"]
 TARGET = 0.90

@@ -171,7 +171,7 @@ class Controller:
                               self.store, self.fleet, tuple(self.actions.values()))
         self.executor = Executor(self.ctx, self.actions, self._fail)
         self.handover = Handover(self.ctx, self.actions, self.executor.after_change)
-        self.stragglers = StragglerWatch(cfg, self.topo, self.events, self.handover.decide)
+        self.stragglers = StragglerWatch(cfg, self.topo, self.events, self.handover.decide, self.handover.act)
         self.detector.beat_readers.append(self.stragglers.read)
         memory_job = next((j for a in self.actions.values() if (j := a.memory_job()) is not None), None)
         self.injector = FaultInjector(cfg, self.ctx, memory_job)
@@ -214,8 +214,7 @@ class Controller:
             self.detector.poll_heartbeats()
             training = [w for w in self.members.live() if w.synced and not w.done]
             whole = self.incidents.active is None and len({w.logical for w in training}) == self.topo.world
-            for finding, decision in self.stragglers.poll(training, whole):
-                self.handover.act(finding, decision)
+            self.stragglers.poll(training, whole)
             if self.joins is not None:
                 for node in self.joins.poll():  # a spare host: no generation changes, training goes on
                     for action in self.actions.values():

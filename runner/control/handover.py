@@ -33,6 +33,7 @@ class Handover:
         self.quarantined: dict[int, tuple[float, list[int]]] = {}  # host -> (rejoins at, monotonic; released wids)
 
     def decide(self, finding: Finding) -> Decision:
+        """The straggler row's action for ``finding`` now (judged only while no recovery is open)."""
         members = self.ctx.members
         host_ranks = sorted(w.logical for w in members.live() if w.node == finding.host)
         inputs: dict = {"restarts_left": 0, "spares": 0}
@@ -45,7 +46,7 @@ class Handover:
     def act(self, finding: Finding, decision: Decision) -> None:
         """Release the straggler's workers and give their ranks to the decided action (nothing for ``report``)."""
         ctx = self.ctx
-        if decision.action == "report" or ctx.incidents.active is not None:
+        if decision.action == "report":
             return
         members = ctx.members
         rec = ctx.incidents.planned("straggler", node=finding.host, why=finding.kind)

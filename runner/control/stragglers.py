@@ -209,15 +209,17 @@ def config_problems(cfg) -> list[str]:
 
 class StragglerWatch:
     """The controller's side: reads the timings from the heartbeats detection already fetched, judges them
-    after each heartbeat round, and emits ``straggler_detected`` with the action ``decide`` gives for the finding
+    after each heartbeat round, emits ``straggler_detected`` with the action ``decide`` gives for the finding
     (the policy table's ``straggler`` row: ``runner.control.handover``; ``report``: the event and the console line,
-    nothing else)."""
+    nothing else) and has ``act`` carry it out. A hand-over changes who computes the ranks: the findings left of
+    that round, and every timing and streak so far, are about workers that no longer hold them, and are dropped."""
 
-    def __init__(self, cfg, topo: Topology, events: EventLog, decide: Callable[[Finding], Decision]) -> None:
+    def __init__(self, cfg, topo: Topology, events: EventLog, decide: Callable[[Finding], Decision],
+                 act: Callable[[Finding, Decision], None]) -> None:
         s = cfg.straggler
         self.enabled = s.enabled
         self.judge = StragglerJudge(s.factor, s.window_steps, s.min_excess_s, role=lambda rank: topo.coords(rank)[1:])
-        self.events, self.decide = events, decide
+        self.events, self.decide, self.act = events, decide, act
 
     def read(self, w: Worker, hb: dict) -> None:
         records = hb.get("timing")
@@ -225,9 +227,9 @@ class StragglerWatch:
             self.judge.add(w.logical, w.node, records)
 
     def poll(self, training: list[Worker], whole: bool) -> list[tuple[Finding, Decision]]:
-        """Judge the steps every training rank timed; ``training``: the live workers computing the job's logical
-        ranks; ``whole``: every logical rank has its own worker and no recovery is open. Returns each finding with
-        the decision taken on it."""
+        """Judge the steps every training rank timed, and act on each finding; ``training``: the live workers
+        computing the job's logical ranks; ``whole``: every logical rank has its own worker and no recovery is
+        open. Returns each finding with the decision taken on it."""
         if not self.enabled:
             return []
         if not whole:
@@ -239,7 +241,11 @@ class StragglerWatch:
             self.events.emit("straggler_detected", straggler=f.kind, rank=f.rank, host=f.host, ranks=f.ranks,
                              factor=f.factor, first_step=f.steps[0], at_step=f.steps[1], evidence=f.evidence,
                              action=decision.action, reason=decision.reason, fault_class="straggler")
+            self.act(f, decision)
             out.append((f, decision))
+            if decision.action != "report":
+                self.judge.pause()
+                break
         return out
 
 
