@@ -31,8 +31,11 @@ from runner.training.comm import Comm
 
 
 class FaultTrigger(Callback):
-    def __init__(self, faults: list, comm: Comm, status, events, release_timeout_s: float) -> None:
+    def __init__(self, faults: list, comm: Comm, status, events, release_timeout_s: float,
+                 initial: bool = True) -> None:
+        """``initial``: this process started as its logical rank (not a replacement), the one a slow_rank slows."""
         self.faults = list(enumerate(faults))
+        self.initial = initial
         self.comm, self.status, self.events = comm, status, events
         self.release_timeout_s = release_timeout_s
         self._t_start: float | None = None
@@ -64,8 +67,8 @@ class FaultTrigger(Callback):
             if (not self._targets_me(fault) or fault.during not in ("step", "after_reduce")
                     or fault.kind in ("bitflip", "param_bitflip")):
                 continue
-            if fault.kind == "slow_rank":
-                if step >= max(fault.step, 0):
+            if fault.kind == "slow_rank":  # the slowness is its process's or its host's: a replacement is not slow
+                if step >= max(fault.step, 0) and self.initial:
                     time.sleep(fault.delay_s)  # the fault itself: a straggler
                 continue
             if not self._due(fault, step) or self.comm.store.add(f"fault/claim/{i}", 1) != 1:

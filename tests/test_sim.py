@@ -108,10 +108,36 @@ def test_every_second_is_accounted_for():
     cfg = small("cluster.gpus=4096", "mixes=[[ndb,flash_ckpt]]")
     point = next(iter(simulate(cfg, {}).points.values()))
     for r in point.runs:
-        parts = r.progress_s + r.rework_s + r.downtime_s + r.checkpoint_s + r.degraded_s
+        parts = r.progress_s + r.rework_s + r.downtime_s + r.checkpoint_s + r.degraded_s + r.straggler_s
         assert math.isclose(parts, r.wall_s, rel_tol=1e-9)
         assert r.wall_s == pytest.approx(cfg.job.days * 86400)
     assert any(r.degraded_s > 0 for r in point.runs)  # NDB ran at reduced speed
+
+
+def test_stragglers_cost_their_pace_until_a_swap_and_leave_the_failures_unchanged():
+    """With stragglers on, ``report`` runs at the slow host's pace until a restart of every process brings fresh
+    nodes; ``swap_spare`` hands it to warm spares once the window found it. The failures each mix meets are the same
+    with and without stragglers (their own RNG stream)."""
+    mix = ["mixes=[[flashrecovery,deadpool]]", "cluster.gpus=16384", "stragglers.enabled=true"]
+    swap_row = "+decision.policy.straggler=[swap_spare,report]"
+    runs = {name: next(iter(simulate(cfg, {}).points.values())).runs
+            for name, cfg in {"off": small(*mix[:2]), "report": small(*mix),
+                              "swap": small(*mix, swap_row)}.items()}
+    for name, rs in runs.items():
+        for r in rs:
+            parts = r.progress_s + r.rework_s + r.downtime_s + r.checkpoint_s + r.degraded_s + r.straggler_s
+            assert math.isclose(parts, r.wall_s, rel_tol=1e-9), name
+    assert all(r.stragglers == r.straggler_s == 0 for r in runs["off"])
+    assert all(r.stragglers > 0 and r.straggler_s > 0 and r.straggler_swaps == 0 for r in runs["report"])
+    assert all(r.straggler_swaps > 0 for r in runs["swap"])
+    for off, rep, swap in zip(runs["off"], runs["report"], runs["swap"]):
+        n = min(len(off.events), len(rep.events), len(swap.events))
+        assert [e.cause for e in off.events][:n] == [e.cause for e in rep.events][:n] == \
+            [e.cause for e in swap.events][:n]
+        assert rep.events[0].t_s == pytest.approx(off.events[0].t_s)
+        assert swap.straggler_s < rep.straggler_s and swap.ettr > rep.ettr < off.ettr
+    with pytest.raises(ConfigError, match="which needs ft=deadpool"):
+        simulate(small("mixes=[[flashrecovery]]", "cluster.gpus=1024", swap_row), {})
 
 
 @pytest.mark.slow

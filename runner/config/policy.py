@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from runner.planning.topology import spare_count
 from runner.recovery import registry
 
 FAULT_CLASSES = ("transient", "process_crash", "hang", "node_loss_spare_free", "node_loss_no_spare", "replica_lost",
@@ -38,7 +39,7 @@ SEED_TABLE = {
     "node_loss_no_spare": ["takeover", "restart_all"],
     "replica_lost": ["restart_all"],
     "silent_corruption": ["recompute"],
-    "straggler": ["report"],
+    "straggler": ["report"],  # also with spares: a swap spends a spare a node loss may need (docs/recovery.md)
 }
 
 
@@ -91,6 +92,12 @@ def row_problems(cfg: DictConfig, ft: list[str]) -> list[str]:
                 extra = "".join(f" with ft.{n}.{registry.TECHNIQUES[n].switched_by[action]}=true"
                                 for n in registry.able(action) if action in registry.TECHNIQUES[n].switched_by)
                 out.append(f"{where}, which needs {need}{extra}: add it to ft or take {action} out of the row.")
+        spares, host = spare_count(cfg), _host_ranks(cfg)
+        if cls == "straggler" and "swap_spare" in row and providers("swap_spare", cfg, ft) and spares < host:
+            out.append(f"policy.straggler lists swap_spare, which moves every rank of the straggler's host to a warm "
+                       f"spare host, but parallel.spares={spares} is fewer than the {host} rank(s) "
+                       f"of a host: set parallel.spares={_host_ranks(cfg)} (a spare host) or take swap_spare out of "
+                       "the row.")
         if len(set(row)) != len(row):
             out.append(f"policy.{cls}={list(row)} lists an action twice; list each once, in the order to try them.")
     if cfg.policy.get("silent_corruption") == [] and _guard_on(cfg):
@@ -102,3 +109,7 @@ def row_problems(cfg: DictConfig, ft: list[str]) -> list[str]:
 def _guard_on(cfg: DictConfig) -> bool:
     trainer = cfg.get("trainer")
     return trainer is None or trainer.get("sdc_factor", 1.0) > 0
+
+
+def _host_ranks(cfg: DictConfig) -> int:
+    return int(cfg.get("parallel", {}).get("procs_per_node", 1))

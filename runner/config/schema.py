@@ -172,6 +172,9 @@ class StragglerConfig:
     """For this many consecutive committed steps; >= 1."""
     min_excess_s: float = 0.005
     """And by at least this many seconds per step, so that the jitter of a millisecond step is no straggler; >= 0."""
+    quarantine_s: float = 600.0
+    """A host released by ``policy.straggler=[swap_spare]`` holds no rank for this many seconds, then its slots get
+    warm spares again (it rejoins the pool); >= 0."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ from runner.control.context import RunContext
 from runner.control.detection import Detector
 from runner.control.diagnosis import Diagnoser
 from runner.control.execution import Executor
+from runner.control.handover import Handover
 from runner.control.incidents import Incidents
 from runner.control.membership import Membership
 from runner.control.records import RunRecord
@@ -165,14 +166,14 @@ class Controller:
                                   self.fleet, self.events, (self.host, self.port), self.namespace)
         self.incidents = Incidents(self.record, self.events, cfg.heartbeat.decide_window_s)
         self.detector = Detector(cfg, self.members, self.incidents, self.fleet, self.store, self.events, self._fail)
-        straggler_row = policy.table(cfg, self.ft)["straggler"]
-        self.stragglers = StragglerWatch(cfg, self.topo, self.events, straggler_row[0] if straggler_row else "none")
-        self.detector.beat_readers.append(self.stragglers.read)
         self.detector.diagnose = Diagnoser(self.run_dir, self.members, self.fleet, self.store, cfg.heartbeat.interval_s,
                                            self.events).collect
         self.ctx = RunContext(cfg, self.ft, self.topo, self.members, self.detector, self.incidents, self.events,
                               self.store, self.fleet, tuple(self.actions.values()))
         self.executor = Executor(self.ctx, self.actions, self._fail)
+        self.handover = Handover(self.ctx, self.actions, self.executor.after_change)
+        self.stragglers = StragglerWatch(cfg, self.topo, self.events, self.handover.decide, self.handover.act)
+        self.detector.beat_readers.append(self.stragglers.read)
         memory_job = next((j for a in self.actions.values() if (j := a.memory_job()) is not None), None)
         self.injector = FaultInjector(cfg, self.ctx, memory_job)
         self.chaos: Optional[ChaosInjector] = (ChaosInjector(cfg, self.ctx, self.injector, self.executor.judge)
@@ -223,6 +224,7 @@ class Controller:
             self.executor.after_change()
         for action in self.actions.values():
             action.poll(self.ctx, now)
+        self.handover.poll(now)
         if self.incidents.decide_at is not None and now >= self.incidents.decide_at:
             self.executor.decide_due(now)
         if self.incidents.active is None and self.members.all_done():

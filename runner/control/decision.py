@@ -18,7 +18,8 @@ from runner.planning.topology import Topology
 from runner.recovery.actions import Situation
 from runner.recovery.registry import action_class, offering, replicates_shards, restart_owner, with_
 
-__all__ = ["Decision", "classify", "decide", "restart_owner", "shards_without_copy"]  # restart_owner: the config check
+# restart_owner: the config check
+__all__ = ["Decision", "classify", "decide", "decide_straggler", "restart_owner", "shards_without_copy"]
 
 
 @dataclass
@@ -83,6 +84,37 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
         return Decision(fault, "fail", victims, f"{what}, so there is nothing to rebuild them from: add "
                         f"{_add('restarts_from_snapshots')} for snapshots to fall back on", cls)
     return Decision(fault, "fail", victims, _unhandled(fault, cls, victims, lost_nodes, spares, ft), cls)
+
+
+def decide_straggler(*, ft: list[str], cfg, kind: str, rank: int, host_ranks: list[int], can_restart: bool,
+                     restarts_left: int, spares: int) -> Decision:
+    """The straggler row's first action that can act on a straggler of ``kind`` (rank, host, link) at logical
+    ``rank``, whose host computes ``host_ranks``. ``swap_spare`` moves the whole host (a slow GPU, a throttled
+    host, its link: the hardware is the cause); ``restart_rank`` restarts the one rank's process (a leak: the
+    process is the cause), so it passes over a host or link. When nothing in the row can act the straggler is
+    reported: it slows the job, it fails nobody."""
+    row = policy.table(cfg, ft)["straggler"]
+    skipped: list[str] = []
+    what = f"{kind} straggler at logical rank {rank}"
+    for action in row:
+        if action == "report":
+            break
+        victims = host_ranks if action == "swap_spare" else [rank]
+        if action == "restart_rank" and kind != "rank":
+            skipped.append(f"restart_rank impossible: a restart does not make a slow {kind} faster")
+            continue
+        situation = Situation(ft=ft, cfg=cfg, can_restart=can_restart, victims=victims, lost_nodes=[],
+                              restarts_left=restarts_left, spares=spares)
+        why_not = action_class(action).obstacle(situation)
+        if why_not is None:
+            passed = f" ({'; '.join(skipped)})" if skipped else ""
+            moved = f"logical ranks {victims}" if action == "swap_spare" else f"logical rank {rank}"
+            return Decision("straggler", action, victims, f"{what}, {moved} handed over at a committed step: "
+                            f"{action_class(action).does} [policy.straggler]{passed}", "straggler")
+        skipped.append(f"{action} impossible: {why_not}")
+    passed = f" ({'; '.join(skipped)})" if skipped else ""
+    return Decision("straggler", "report", [], f"{what}: reported, nothing done [policy.straggler]{passed}",
+                    "straggler")
 
 
 def shards_without_copy(cfg, ft: list[str], victims: list[int], covered: Sequence[int] = ()) -> list[int]:

@@ -52,6 +52,16 @@ class Incidents:
         if kind == "exit":
             self.decide_at = now  # an exit the agent saw may settle it: look this round, not at the window's end
 
+    def planned(self, kind: str, **details) -> Recovery:
+        """Open a recovery the controller itself starts (a straggler's hand-over): decided at once, no window."""
+        rec = Recovery(id=self.opened, t_detect=time.time(), t_detect_mono=time.monotonic())
+        self.opened += 1
+        self.record.recoveries.append(rec)
+        self.active = rec
+        rec.symptoms.append({"kind": kind, **details})
+        self.events.emit("fault_detected", recovery=rec.id, symptom=kind, **short(details))
+        return rec
+
     def hold(self, until: float, rule: str = "") -> None:
         """Look at the open recovery again at ``until``; ``rule``: what keeps the decision waiting past the
         window (recorded as the rule that closed the decision once it is made)."""

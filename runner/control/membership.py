@@ -84,6 +84,22 @@ class Membership:
                     "wid": w.wid, "logical": w.logical, "gen": self.gen,
                     "reason": f"worker {w.wid} (logical rank {w.logical}) was written off after generation {self.gen}"})
 
+    def release(self, workers: list[Worker], recovery: int, reason: str) -> None:
+        """A planned hand-over writes these workers off without killing them: each is told in the store before the
+        generation that replaces it, and ends its training cleanly when it sees that generation (``Comm.await_layout``).
+        The release stands in for the fence (``fence_written_off``), and their exits are no symptom (dead)."""
+        for w in workers:
+            w.dead = True
+            self._fenced.add(w.wid)
+            protocol.set_json(self.store, protocol.released_key(w.wid), {
+                "wid": w.wid, "logical": w.logical, "gen": self.gen, "recovery": recovery, "reason": reason})
+
+    def exited(self, wids: list[int]) -> bool:
+        """Every one of these workers' exits was seen by its node agent (under a launcher that owns the processes
+        nothing here can tell: True)."""
+        agents = getattr(self.fleet, "agents", None)
+        return not agents or all(agents[self.workers[w].node].exit_reported(w) for w in wids)
+
     def starting(self) -> bool:
         """Some worker holding a logical rank has not said it is ready yet (a replacement starting)."""
         return any(not w.ready for w in self.live())

@@ -27,6 +27,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Optional
 
+from runner.control.decision import Decision
 from runner.control.records import Worker
 from runner.planning.topology import Topology
 from runner.plumbing.events import EventLog
@@ -200,39 +201,52 @@ def config_problems(cfg) -> list[str]:
                    "straggler (default 20).")
     if s.min_excess_s < 0:
         out.append(f"straggler.min_excess_s ({s.min_excess_s}) must be >= 0 (default 0.005).")
+    if s.quarantine_s < 0:
+        out.append(f"straggler.quarantine_s ({s.quarantine_s}) must be >= 0: the seconds a host released by a "
+                   "straggler swap (policy.straggler=[swap_spare]) waits before it rejoins as a spare (default 600).")
     return out
 
 
 class StragglerWatch:
     """The controller's side: reads the timings from the heartbeats detection already fetched, judges them
-    after each heartbeat round, and emits ``straggler_detected`` with the action the policy table's
-    ``straggler`` row gives (``report``: the event and the console line, nothing else)."""
+    after each heartbeat round, emits ``straggler_detected`` with the action ``decide`` gives for the finding
+    (the policy table's ``straggler`` row: ``runner.control.handover``; ``report``: the event and the console line,
+    nothing else) and has ``act`` carry it out. A hand-over changes who computes the ranks: the findings left of
+    that round, and every timing and streak so far, are about workers that no longer hold them, and are dropped."""
 
-    def __init__(self, cfg, topo: Topology, events: EventLog, action: str) -> None:
+    def __init__(self, cfg, topo: Topology, events: EventLog, decide: Callable[[Finding], Decision],
+                 act: Callable[[Finding, Decision], None]) -> None:
         s = cfg.straggler
         self.enabled = s.enabled
         self.judge = StragglerJudge(s.factor, s.window_steps, s.min_excess_s, role=lambda rank: topo.coords(rank)[1:])
-        self.events, self.action = events, action
+        self.events, self.decide, self.act = events, decide, act
 
     def read(self, w: Worker, hb: dict) -> None:
         records = hb.get("timing")
         if self.enabled and records:
             self.judge.add(w.logical, w.node, records)
 
-    def poll(self, training: list[Worker], whole: bool) -> list[Finding]:
-        """Judge the steps every training rank timed; ``training``: the live workers computing the job's logical
-        ranks; ``whole``: every logical rank has its own worker and no recovery is open."""
+    def poll(self, training: list[Worker], whole: bool) -> list[tuple[Finding, Decision]]:
+        """Judge the steps every training rank timed, and act on each finding; ``training``: the live workers
+        computing the job's logical ranks; ``whole``: every logical rank has its own worker and no recovery is
+        open. Returns each finding with the decision taken on it."""
         if not self.enabled:
             return []
         if not whole:
             self.judge.pause()
             return []
-        found = self.judge.judge({w.logical for w in training})
-        for f in found:
+        out = []
+        for f in self.judge.judge({w.logical for w in training}):
+            decision = self.decide(f)
             self.events.emit("straggler_detected", straggler=f.kind, rank=f.rank, host=f.host, ranks=f.ranks,
                              factor=f.factor, first_step=f.steps[0], at_step=f.steps[1], evidence=f.evidence,
-                             action=self.action, fault_class="straggler")
-        return found
+                             action=decision.action, reason=decision.reason, fault_class="straggler")
+            self.act(f, decision)
+            out.append((f, decision))
+            if decision.action != "report":
+                self.judge.pause()
+                break
+        return out
 
 
 def straggler_line(event: dict) -> str:

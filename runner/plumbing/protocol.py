@@ -25,6 +25,8 @@ Keys (all under the job's store, or a namespace of it under torchrun):
   fault/released/<i>  the controller carried fault i out
   done/<wid>          a worker finished training (JSON: step, checksum, logical rank); counter done_count
   fenced/worker/<wid> worker wid was written off (JSON: wid, logical, gen, reason): heard again, it exits at once
+  released/<wid>      worker wid was released in a planned hand-over (a straggler's ranks moved, or its process
+                      restarted: JSON wid, logical, gen, recovery, reason): it leaves cleanly at its next regroup
   abort               the run is over (controller to all): the reason
   stop                checkpoint at the next committed step and stop (controller to all, on SIGINT/SIGTERM)
 """
@@ -55,6 +57,11 @@ def node_fence_key(node: int) -> str:
 def worker_fence_key(wid: int) -> str:
     """Worker ``wid`` was written off: it must not act again."""
     return f"fenced/worker/{wid}"
+
+
+def released_key(wid: int) -> str:
+    """Worker ``wid`` was released (``runner.control.handover``): it ends its training cleanly, exit code 0."""
+    return f"released/{wid}"
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 from runner.control.records import Attempt, Recovery, RunRecord
 from runner.planning.model_cost import mfu
@@ -62,6 +63,7 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
         "takeovers": [{"wid": wid, **d["takeover"]} for wid, d in done.items() if "takeover" in d],
         **_replication(done),
         "sdc_recomputed_steps": [e["step"] for e in events if e["kind"] == "sdc_detected"],
+        "stragglers": _stragglers(events, committed, recoveries),
         "replica_divergences": [{k: e[k] for k in ("step", "ranks", "action") if k in e}
                                 for e in events if e["kind"] == "replica_diverged"],
         "steps_redone": len(metrics) - len(committed),
@@ -70,6 +72,37 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     summary["effective_training_time_ratio"] = _ettr(train_s, recoveries)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _stragglers(events: list[dict], committed: list[dict], recoveries: list[dict]) -> list[dict]:
+    """One entry per ``straggler_detected``: what was found and done, the step its hand-over took effect at (the
+    first step committed by the new generation), and the run's pace in steps/s before the slowness began, while
+    it lasted, and after the hand-over (from the first commit after it, so the regroup itself, which the recovery's
+    RTO accounts for, is not in it): the same run's before and after compare the hand-over's result."""
+    out = []
+    for e in (e for e in events if e["kind"] == "straggler_detected"):
+        rec = next((r for r in recoveries if r["fault"] == "straggler" and r["t_detect"] >= e["t"]), None)
+        start = rec["t_first_commit"] if rec is not None else None
+        slow_end = rec["t_detect"] if rec is not None else float("inf")
+        out.append({
+            "kind": e["straggler"], "rank": e["rank"], "host": e["host"], "ranks": e["ranks"], "factor": e["factor"],
+            "first_step": e["first_step"], "at_step": e["at_step"], "action": e["action"],
+            "recovery": rec["id"] if rec is not None else None,
+            "handover_step": next((m["step"] for m in committed if start is not None and m["t"] >= start), None),
+            "steps_per_s": {
+                "before": _pace([m for m in committed if m["step"] < e["first_step"]]),
+                "slow": _pace([m for m in committed if m["step"] >= e["first_step"] and m["t"] <= slow_end]),
+                "after": _pace([m for m in committed if start is not None and m["t"] >= start]),
+            },
+        })
+    return out
+
+
+def _pace(metrics: list[dict]) -> Optional[float]:
+    """Steps per second over these commits (one per step, in order): None for fewer than three."""
+    if len(metrics) < 3 or metrics[-1]["t"] <= metrics[0]["t"]:
+        return None
+    return (len(metrics) - 1) / (metrics[-1]["t"] - metrics[0]["t"])
 
 
 def _last_per_step(metrics: list[dict]) -> list[dict]:

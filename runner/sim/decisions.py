@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from omegaconf import OmegaConf
 
 from runner.config import policy
-from runner.control.decision import Decision, decide
+from runner.control.decision import Decision, decide, decide_straggler
 from runner.recovery.registry import restart_owner, with_
 from runner.sim.errors import ConfigError
 from runner.sim.failures import FaultClass
@@ -21,9 +21,10 @@ OWN_PROCESSES = ("local", "auto")
 LAUNCHERS = (*OWN_PROCESSES, "torchrun", "slurm")
 
 
-def runner_cfg(decision_conf, nodes: int, mix: Sequence[str]):
-    """The part of the runner's config that `decide` reads, from the simulator's `decision` block.
-    The `ft=[]` baseline has no strategy to carry out any action, so it takes no policy rows."""
+def runner_cfg(decision_conf, nodes: int, mix: Sequence[str], spares: int = 0, gpus_per_node: int = 1):
+    """The part of the runner's config that `decide` reads, from the simulator's `decision` block
+    (``spares``: warm spare ranks). The `ft=[]` baseline has no strategy to carry out any action, so it
+    takes no policy rows."""
     d = decision_conf
     return OmegaConf.create({
         "ft": {
@@ -32,20 +33,20 @@ def runner_cfg(decision_conf, nodes: int, mix: Sequence[str]):
             "deadpool": {"crash_action": d.deadpool.crash_action, "max_restarts": d.deadpool.max_restarts},
             "flash_ckpt": {"max_restarts": d.flash_ckpt.max_restarts},
         },
-        "parallel": {"nodes": nodes, "zero": 0},
+        "parallel": {"nodes": nodes, "zero": 0, "spares": spares, "procs_per_node": gpus_per_node},
         "policy": dict(d.policy) if mix else {},
         "trainer": {"sdc_factor": 100.0 if d.sdc_guard else 0.0},
     })
 
 
-def check(decision_conf, mix: Sequence[str]) -> None:
+def check(decision_conf, mix: Sequence[str], spares: int = 0, gpus_per_node: int = 1) -> None:
     """Rows of `decision.policy` the runner would refuse for this mix, as one ConfigError."""
     if decision_conf.launcher not in LAUNCHERS:
         raise ConfigError(f"decision.launcher={decision_conf.launcher!r}: use one of {', '.join(LAUNCHERS)}")
     if decision_conf.deadpool.crash_action not in ("restart_in_place", "swap"):
         raise ConfigError(f"decision.deadpool.crash_action={decision_conf.deadpool.crash_action!r}: "
                           "use restart_in_place or swap")
-    problems = policy.row_problems(runner_cfg(decision_conf, 2, mix), list(mix))
+    problems = policy.row_problems(runner_cfg(decision_conf, 2, mix, spares, gpus_per_node), list(mix))
     if problems:
         raise ConfigError(f"decision.policy with ft={list(mix)}: {' '.join(problems)}")
 
@@ -55,9 +56,10 @@ class RunnerPolicy:
     describes it: a crashed rank on node 1, or node 1 lost with its ranks; data-parallel
     survivors exist when the job has at least two model replicas."""
 
-    def __init__(self, decision_conf, mix: Sequence[str], gpus_per_node: int, nodes: int, dp_degree: int):
+    def __init__(self, decision_conf, mix: Sequence[str], gpus_per_node: int, nodes: int, dp_degree: int,
+                 spares: int = 0):
         self.ft = list(mix)
-        self.cfg = runner_cfg(decision_conf, nodes, mix)
+        self.cfg = runner_cfg(decision_conf, nodes, mix, spares, gpus_per_node)
         self.g, self.nodes = gpus_per_node, nodes
         self.has_replica = dp_degree >= 2
         self.can_restart = decision_conf.launcher in OWN_PROCESSES
@@ -99,6 +101,15 @@ class RunnerPolicy:
             nodes_up=self.nodes - 1 if lost else self.nodes,
             no_snapshots=[2 * self.g] if takeovers else [],
         )
+
+    def straggler(self, *, restarts_left: int, spare_ranks: int) -> str:
+        """The action on a straggling host (node 1), as the controller decides it: the policy's straggler row."""
+        key = ("straggler", restarts_left, spare_ranks)
+        if key not in self._memo:
+            self._memo[key] = decide_straggler(
+                ft=self.ft, cfg=self.cfg, kind="host", rank=self.g, host_ranks=list(range(self.g, 2 * self.g)),
+                can_restart=self.can_restart, restarts_left=restarts_left, spares=spare_ranks)
+        return self._memo[key].action
 
     def table(self, spare_ranks: int) -> dict[str, Decision]:
         """The action for every policy fault class with full budgets, no takeover running."""

@@ -1,9 +1,18 @@
 """Discrete-event simulation of one long job under one strategy mix.
 
 Time advances from event to event (failure, checkpoint, snapshot, a node or
-spare coming back, end of job). Every wall-clock second lands in exactly one
-bucket (useful progress, rework, downtime, checkpoint stall or degraded-speed
-loss), so ETTR = progress / wall time is an accounting identity, not a formula.
+spare coming back, a straggler turning up or being found, end of job). Every
+wall-clock second lands in exactly one bucket (useful progress, rework,
+downtime, checkpoint stall, degraded-speed loss or straggler loss), so ETTR =
+progress / wall time is an accounting identity, not a formula.
+
+Stragglers are a Poisson process of their own (per node, in wall time, with an
+RNG stream of their own, so the failures a mix meets do not change): while a
+slow host is in the job, the job runs at its pace (step time x
+``stragglers.slowdown``). ``window_steps`` slow steps later the runner has found
+it, and the policy's straggler row decides: ``report`` leaves it until a restart
+of every process brings fresh nodes; ``swap_spare`` (DeadPool, enough warm
+spares) hands the host's ranks to spares at a committed step.
 
 Each fault is decided by the runner's own decision function (decisions.py)
 with the budgets and spares left at that moment, and priced by strategies.py.
@@ -43,6 +52,9 @@ class JobPlan:
     snapshot_stall_s: float
     degraded_speed: float
     repair_s: float
+    straggler_rate_per_s: float = 0.0  # straggling hosts turning up, per node and wall second
+    straggler_slowdown: float = 1.0  # the job's step time x this while one is in the job
+    straggler_detect_s: float = 0.0  # the runner's straggler window, in slow steps
 
     @property
     def nodes(self) -> int:
@@ -74,6 +86,9 @@ def make_plan(cfg, model: CostModel, failures: FailureModel, gpus: int, mix: Seq
         snapshot_stall_s=cfg.costs.snapshot_block_s,
         degraded_speed=1.0 - cfg.costs.ndb_throughput_loss,
         repair_s=model.repair_s,
+        straggler_rate_per_s=cfg.stragglers.per_node_day / 86400.0 if cfg.stragglers.enabled else 0.0,
+        straggler_slowdown=cfg.stragglers.slowdown,
+        straggler_detect_s=cfg.stragglers.window_steps * cfg.job.step_s * cfg.stragglers.slowdown,
     )
 
 
@@ -96,6 +111,9 @@ class RunResult:
     downtime_s: float = 0.0
     checkpoint_s: float = 0.0
     degraded_s: float = 0.0
+    straggler_s: float = 0.0  # progress lost to running at a straggler's pace
+    stragglers: int = 0  # straggling hosts that turned up
+    straggler_swaps: int = 0  # of them, handed over to spares
     events: list[Event] = field(default_factory=list)
 
     @property
@@ -114,8 +132,11 @@ class Job:
     spares, takeovers) and the clock with its accounting."""
 
     def __init__(self, plan: JobPlan, policy: RunnerPolicy, pricing: Pricing, failures: FailureModel,
-                 rng: random.Random):
+                 rng: random.Random, straggler_rng: Optional[random.Random] = None):
         self.plan, self.policy, self.pricing, self.failures, self.rng = plan, policy, pricing, failures, rng
+        self.straggler_rng = straggler_rng or random.Random(0)
+        self.slow_hosts = 0  # straggling hosts in the job now
+        self.slow_epoch = 0  # a restart of every process brings fresh nodes: stragglers found later are gone
         self.gpus = plan.gpus
         self.spares = plan.spares
         self.dp_degree = plan.nodes // plan.model_parallel_nodes
@@ -129,6 +150,7 @@ class Job:
         # progress at the next save; with snapshots the agent persists a snapshot instead (no save event)
         self.next_disk = math.inf if plan.snapshot_interval_s else plan.checkpoint_interval_s
         self.next_snap = plan.snapshot_interval_s or math.inf
+        self._next_straggler()
 
     # NDB neighbours -----------------------------------------------------------
     def neighbour(self, node: int) -> Optional[int]:
@@ -147,13 +169,20 @@ class Job:
 
     # time accounting ------------------------------------------------------------
     def _speed(self) -> float:
+        return self._ndb_speed() * self._straggler_speed()
+
+    def _ndb_speed(self) -> float:
         return self.plan.degraded_speed if self.takeovers else 1.0
 
+    def _straggler_speed(self) -> float:
+        return 1.0 / self.plan.straggler_slowdown if self.slow_hosts else 1.0
+
     def _train(self, dt: float) -> None:
-        speed = self._speed()
+        ndb, slow = self._ndb_speed(), self._straggler_speed()
         self.t += dt
-        self.r.progress_s += speed * dt
-        self.r.degraded_s += (1.0 - speed) * dt
+        self.r.progress_s += ndb * slow * dt
+        self.r.degraded_s += (1.0 - ndb) * dt
+        self.r.straggler_s += ndb * (1.0 - slow) * dt
 
     def _stall(self, seconds: float) -> float:
         """Advance the clock without progress, never past the end of the job."""
@@ -237,6 +266,7 @@ class Job:
             self.restarts = self.full_restarts = 0
         if rec.restarts_all:
             self.takeovers.clear()
+            self.slow_hosts, self.slow_epoch = 0, self.slow_epoch + 1
         if rec.spare_ranks:
             self.spares -= rec.spare_ranks
             self._later(t_fail + rec.spare_back_s, self._spare_back, rec.spare_ranks)
@@ -255,6 +285,33 @@ class Job:
             if out <= node:
                 node += 1
         return node
+
+    # stragglers -------------------------------------------------------------------
+    def _next_straggler(self) -> None:
+        rate = self.plan.straggler_rate_per_s * self.plan.nodes
+        if rate > 0:
+            self._later(self.t + self.straggler_rng.expovariate(rate), self._straggler_arrives)
+
+    def _straggler_arrives(self) -> None:
+        self.slow_hosts += 1
+        self.r.stragglers += 1
+        self._later(self.t + self.plan.straggler_detect_s, self._straggler_found, self.slow_epoch)
+        self._next_straggler()
+
+    def _straggler_found(self, epoch: int) -> None:
+        """The runner's straggler window is over: the policy's straggler row acts (``report``: nothing)."""
+        if epoch != self.slow_epoch:
+            return  # a restart of every process replaced the host already
+        action = self.policy.straggler(restarts_left=self.policy.max_restarts - self.restarts,
+                                       spare_ranks=self.spares)
+        if action != "swap_spare":
+            return
+        rec = self.pricing.straggler_swap()
+        self.r.downtime_s += self._stall(rec.phases.total)
+        self.spares -= rec.spare_ranks
+        self._later(self.t + rec.spare_back_s, self._spare_back, rec.spare_ranks)
+        self.slow_hosts -= 1
+        self.r.straggler_swaps += 1
 
     def _spare_back(self, ranks: int) -> None:
         self.spares += ranks
@@ -308,6 +365,7 @@ def run_point(plan: JobPlan, policy: RunnerPolicy, pricing: Pricing, failures: F
     """`runs` independent histories. The RNG stream depends on (seed, N, run)
     only, so every mix at one size meets the same failures in running time."""
     return [
-        Job(plan, policy, pricing, failures, random.Random(f"{seed}:{plan.gpus}:{i}")).run()
+        Job(plan, policy, pricing, failures, random.Random(f"{seed}:{plan.gpus}:{i}"),
+            random.Random(f"{seed}:{plan.gpus}:{i}:stragglers")).run()
         for i in range(runs)
     ]

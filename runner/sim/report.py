@@ -57,8 +57,10 @@ def _point_summary(point) -> dict:
         ),
         "hours_per_run": {
             key: statistics.fmean(getattr(r, f"{key}_s") for r in runs) / hours
-            for key in ("rework", "downtime", "checkpoint", "degraded")
+            for key in ("rework", "downtime", "checkpoint", "degraded", "straggler")
         },
+        "stragglers_per_run": statistics.fmean(r.stragglers for r in runs),
+        "straggler_swaps_per_run": statistics.fmean(r.straggler_swaps for r in runs),
         "failures_per_run": len(events) / len(runs),
         "mean_rto_s": statistics.fmean(e.phases.total for e in events) if events else 0.0,
         "checkpoint_interval_min": point.plan.checkpoint_interval_s / 60.0,
@@ -93,6 +95,9 @@ def constants(cfg, overrides) -> dict[str, dict]:
         key = f"costs.{f.name}"
         value = getattr(cfg.costs, f.name)
         out[key] = {"value": getattr(value, "value", value), "source": cfg.sources[key]}
+    for name in ("per_node_day", "slowdown"):
+        key = f"stragglers.{name}"
+        out[key] = {"value": getattr(cfg.stragglers, name), "source": cfg.sources[key]}
     for strategy, phases in overrides.items():
         for phase, value in phases.items():
             key = f"phases.{strategy}.{phase}_s"
@@ -167,7 +172,7 @@ def format_text(summary: dict, cfg) -> str:
         + ", ".join(f"{k} {v:.0%}" for k, v in f["class_shares"].items()),
         "",
         "ETTR per mix (mean of runs) and GPU-hours lost per run (downtime + rework + "
-        "checkpoint stalls + degraded speed)",
+        "checkpoint stalls + degraded speed + straggler pace)",
         "mix".ljust(width) + "".join(f"{g:>11,} GPUs".rjust(24) for g in sizes),
         "".ljust(width) + "".join(f"{'ETTR':>10}{'lost GPU-h':>14}" for _ in sizes),
     ]

@@ -87,6 +87,16 @@ class CostsConf:
 
 
 @dataclass
+class StragglersConf:
+    """Slow hosts (fail-slow): they fail nothing, the synchronous job runs at the slowest one's pace."""
+
+    enabled: bool = MISSING  # false: no stragglers (the failure-only results)
+    per_node_day: float = MISSING  # arrivals per node and day (a Poisson process of its own)
+    slowdown: float = MISSING  # the job's step time x this while a straggling host is in it (>= 1)
+    window_steps: int = MISSING  # the runner's straggler.window_steps: slow steps before it is found
+
+
+@dataclass
 class FlashRecoveryDecisionConf:
     max_restarts: int = MISSING
     retry_transient: bool = MISSING
@@ -124,6 +134,7 @@ class SimConf:
     job: JobConf = field(default_factory=JobConf)
     failures: FailuresConf = field(default_factory=FailuresConf)
     costs: CostsConf = field(default_factory=CostsConf)
+    stragglers: StragglersConf = field(default_factory=StragglersConf)
     sources: dict[str, str] = MISSING  # "costs.x": "published|fitted|measured|derived|guess: where from"
     decision: DecisionConf = field(default_factory=DecisionConf)
     ft: Optional[list[str]] = MISSING  # one mix to compare against the baseline
@@ -167,6 +178,9 @@ def check_ranges(cfg) -> None:
     bad = [k for k, v in positive.items() if v <= 0]
     if bad:
         raise ConfigError(f"{', '.join(bad)} must be > 0")
+    if cfg.stragglers.per_node_day < 0 or cfg.stragglers.slowdown < 1 or cfg.stragglers.window_steps < 1:
+        raise ConfigError("stragglers.per_node_day must be >= 0 (0: none), stragglers.slowdown >= 1 (the job's "
+                          "step time x this while a straggler is in it) and stragglers.window_steps >= 1")
     if cfg.cluster.spares_nodes < 0 or not 0 <= cfg.costs.ndb_throughput_loss < 1:
         raise ConfigError(
             "cluster.spares_nodes must be >= 0 and costs.ndb_throughput_loss in [0, 1)"
@@ -180,7 +194,8 @@ def source_kind(text: str) -> str:
 
 def check_sources(cfg) -> None:
     """Every cost constant says where it comes from, with one of SOURCE_KINDS."""
-    missing = [f"costs.{f.name}" for f in fields(cfg.costs) if f"costs.{f.name}" not in cfg.sources]
+    keys = [f"costs.{f.name}" for f in fields(cfg.costs)] + ["stragglers.per_node_day", "stragglers.slowdown"]
+    missing = [k for k in keys if k not in cfg.sources]
     bad = [k for k, v in cfg.sources.items() if source_kind(v) not in SOURCE_KINDS]
     if missing or bad:
         raise ConfigError(

@@ -69,6 +69,17 @@ class Pricing:
             self._priced[key] = self._price(action, strategy, fault)
         return self._priced[key]
 
+    def straggler_swap(self) -> Recovery:
+        """A straggling host handed over to warm spares at a committed step (the runner's planned swap_spare): it was
+        found by the straggler window, not by a failure, so nothing is detected or lost; the group is rebuilt and
+        the spares take the state from a replica. The released host rejoins the pool after a repair's time."""
+        key = ("swap_spare", "deadpool", "straggler")
+        if key not in self._priced:
+            ph = self.phases("deadpool", rebuild=self.m.group_rebuild(self.gpus), restore=self.m.peer_copy())
+            self._priced[key] = Recovery("deadpool", "swap_spare", ph, Rollback.STEP, spare_ranks=self.g,
+                                         spare_back_s=self.m.repair_s)
+        return self._priced[key]
+
     def _requeue(self, fault: FaultClass) -> Recovery:
         """Kill the job, decide (a stack that diagnoses first spends decide_s on it), requeue every
         node, initialise every communicator, load from disk."""

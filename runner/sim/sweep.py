@@ -60,7 +60,8 @@ def mixes_of(cfg) -> list[Mix]:
     unique: list[Mix] = []
     for names in chosen:
         check_mix(names)
-        decisions.check(cfg.decision, names)
+        decisions.check(cfg.decision, names, cfg.cluster.spares_nodes * cfg.cluster.gpus_per_node,
+                        cfg.cluster.gpus_per_node)
         if tuple(names) not in unique:
             unique.append(tuple(names))
     return unique
@@ -70,7 +71,7 @@ def policy_for(cfg, gpus: int, mix: Sequence[str]) -> RunnerPolicy:
     """The runner's decisions for this mix on a job of `gpus` GPUs."""
     nodes = gpus // cfg.cluster.gpus_per_node
     return RunnerPolicy(cfg.decision, mix, cfg.cluster.gpus_per_node, nodes,
-                        nodes // cfg.cluster.model_parallel_nodes)
+                        nodes // cfg.cluster.model_parallel_nodes, cfg.cluster.spares_nodes * cfg.cluster.gpus_per_node)
 
 
 def simulate(cfg, overrides: Mapping[str, Mapping[str, float]]) -> Sweep:

@@ -46,6 +46,15 @@ class RunAborted(RuntimeError):
     """The controller ended the run, or no usable generation came in time."""
 
 
+class WorkerReleased(RuntimeError):
+    """The controller released this worker in a planned hand-over: its ranks train elsewhere from the next
+    generation on, and it ends cleanly (``protocol.released_key``)."""
+
+    def __init__(self, record: dict) -> None:
+        super().__init__(record.get("reason", "released"))
+        self.record = record
+
+
 class RunFailedError(RuntimeError):
     """Recovery cannot succeed; the worker reports it and the run ends 'failed'."""
 
@@ -179,6 +188,8 @@ class Comm:
             layout = protocol.latest_layout(self.store, at_least=newer_than + 1)
             if self.wid in layout.members:
                 return layout
+            if self.store.check([protocol.released_key(self.wid)]):  # written before the generation without it
+                raise WorkerReleased(protocol.get_json(self.store, protocol.released_key(self.wid)))
             newer_than = layout.gen
 
     def join(self, layout: Layout, timeout_s: float | None = None) -> None:

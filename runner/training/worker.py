@@ -48,7 +48,7 @@ from runner.recovery.registry import with_
 from runner.recovery.worker_registry import combine, technique_workers
 from runner.training import stack_dumps
 from runner.training.checksum import param_checksum
-from runner.training.comm import Comm, RunAborted, RunFailedError
+from runner.training.comm import Comm, RunAborted, RunFailedError, WorkerReleased
 from runner.training.status import WorkerStatus
 from runner.training.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy, StrategyOptions
 from runner.training.validation import warn_unscheduled
@@ -102,6 +102,8 @@ def run_reporting(spec: WorkerSpec, cfg: DictConfig) -> int:
     try:
         run(spec, cfg)
         return 0
+    except WorkerReleased:  # its ranks train elsewhere now (a planned hand-over): a clean end
+        return 0
     except RunAborted:
         return EXIT_ABORTED
     except RunFailedError as err:
@@ -133,7 +135,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     events.emit("worker_started", wid=spec.wid, node=spec.node, role=spec.role, pid=os.getpid())
     # Workers never decide a run's fate: even without fault tolerance a failed collective is reported
     # and the controller answers (here: ends the run naming the fault).
-    faults = FaultTrigger(injected, comm, status, events, release_timeout_s=cfg.launcher.recovery_timeout_s)
+    faults = FaultTrigger(injected, comm, status, events, release_timeout_s=cfg.launcher.recovery_timeout_s,
+                          initial=spec.role == "initial")
     recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s, on_start=faults.on_recovery_start)
     # before the model: a technique's worker side may start work that overlaps building it
     techniques = technique_workers(cfg.ft, WorkerContext(cfg, spec.run_dir, spec.node, spec.logical_rank, spec.role,

@@ -30,8 +30,9 @@ import torch
 
 from runner.plumbing import protocol
 from runner.plumbing.events import EventLog
+from runner.plumbing.protocol import Layout
 from runner.recovery.common.reconcile import reconcile_shards
-from runner.training.comm import CollectiveFailure, Comm, RunFailedError
+from runner.training.comm import CollectiveFailure, Comm, RunFailedError, WorkerReleased
 from runner.training.state import ReplicaState
 from runner.training.status import WorkerStatus
 from runner.training.transfer import exchange
@@ -56,7 +57,7 @@ class ReplicaRecovery:
         while True:
             try:
                 if need_new_group:
-                    layout = self.comm.await_layout(self.recovery_timeout_s, newer_than=self.comm.gen)
+                    layout = self._await_layout()
                     t0 = time.time()
                     self.comm.join(layout)
                     self._emit_once("group_formed", gen=layout.gen, members=len(layout.members),
@@ -69,6 +70,16 @@ class ReplicaRecovery:
             except CollectiveFailure as err:
                 self.abandon(state, f"during recovery: {err}")
                 need_new_group = True
+
+    def _await_layout(self) -> Layout:
+        """The next generation with this worker in it; a worker released in a planned hand-over says so and leaves."""
+        try:
+            return self.comm.await_layout(self.recovery_timeout_s, newer_than=self.comm.gen)
+        except WorkerReleased as released:
+            self.events.emit("worker_released", wid=self.status.wid, logical=released.record.get("logical"),
+                             committed_steps=self.status.step, recovery=released.record.get("recovery"),
+                             reason=str(released))
+            raise
 
     def abandon(self, state: ReplicaState, reason: str) -> None:
         self._drop_groups()

@@ -32,7 +32,7 @@ class RestartRank(RecoveryAction):
     """Restart each failed rank in place, on the node and slot of whoever computed it last."""
 
     name = "restart_rank"
-    handles = ("process_crash", "hang")
+    handles = ("process_crash", "hang", "straggler")
     does = "restart in place, state from a surviving replica"
 
     def __init__(self, cfg, topo, run_dir) -> None:

@@ -19,7 +19,7 @@ class SwapSpare(RecoveryAction):
     """Warm spares take the failed logical ranks."""
 
     name = "swap_spare"
-    handles = ("process_crash", "hang", "node_loss_spare_free")
+    handles = ("process_crash", "hang", "node_loss_spare_free", "straggler")
     does = "warm spares take their places, state from a replica (DeadPool)"
 
     def __init__(self, cfg, topo, run_dir) -> None:
