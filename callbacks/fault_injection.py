@@ -64,7 +64,7 @@ class FaultTrigger(Callback):
             else:
                 self._arm_link_fault(order["index"], order["kind"], delay_s=0.0, duration_s=order["duration_s"])
         for i, fault in self.faults:
-            if (not self._targets_me(fault) or fault.during not in ("step", "after_reduce")
+            if (not self._targets_me(fault) or fault.during not in ("step", "after_reduce", "agreement")
                     or fault.kind in ("bitflip", "param_bitflip")):
                 continue
             if fault.kind == "slow_rank":  # the slowness is its process's or its host's: a replacement is not slow
@@ -152,6 +152,13 @@ class FaultTrigger(Callback):
         if fault.kind in ("transient", "slow_link", "partition"):
             self._arm_link_fault(i, fault.kind, fault.delay_s, fault.duration_s, fault.during)
             return
+        if fault.during == "agreement":  # the kill lands inside the step, once its agreement completed here
+            self._injecting.strike_after_next_agreement(partial(self._announce, i, fault, step))
+            return
+        self._announce(i, fault, step)
+
+    def _announce(self, i: int, fault, step: int) -> None:
+        """Tell the controller the victim reached its fault, and wait until it was carried out (or not)."""
         protocol.set_json(self.comm.store, f"fault/hit/{i}", {"wid": self.comm.wid, "step": step, "t": time.time()})
         try:  # the controller acts now; this wait ends only if it does not
             self.comm.store.wait([f"fault/released/{i}"], timedelta(seconds=self.release_timeout_s))
@@ -163,6 +170,8 @@ class FaultTrigger(Callback):
         comm = self._injecting
         if kind == "transient" and during == "after_reduce":
             comm.fail_next_reduction()  # the others commit the step; the victim alone lags
+        elif kind == "transient" and during == "agreement":
+            comm.strike_after_next_agreement()  # the others commit the step; the victim's slice misses it here
         elif kind == "transient":
             comm.fail_next_collective()
         elif kind == "slow_link":

@@ -25,7 +25,7 @@ FaultKind = Annotated[str, Literal["none", "kill_rank", "kill_node", "hang_rank"
                                    "corrupt_snapshot", "chaos"]]
 ChaosKind = Annotated[str, Literal["transient", "kill_rank", "hang_rank", "kill_node", "bitflip", "partition",
                                    "kill_all"]]
-FaultMoment = Annotated[str, Literal["step", "recovery", "replication", "after_reduce"]]
+FaultMoment = Annotated[str, Literal["step", "recovery", "replication", "after_reduce", "agreement"]]
 LoggerKind = Annotated[str, Literal["wandb", "csv", "none"]]
 WandbMode = Annotated[str, Literal["offline", "online", "disabled"]]
 LauncherKind = Annotated[str, Literal["auto", "local", "torchrun", "slurm"]]
@@ -192,7 +192,9 @@ class FaultConfig:
     during: FaultMoment = "step"
     """step: at the start of `step`; recovery: when the victim enters its next recovery (kill_rank, hang_rank);
     replication: while the victim's ZeRO-1 shard copy after `step`'s update is in flight (kill_rank, DeadPool);
-    after_reduce: the victim's link fails just after `step`'s reduction completed everywhere (transient)."""
+    after_reduce: the victim's link fails just after `step`'s reduction completed everywhere (transient);
+    agreement: once `step`'s agreement (tp*pp > 1) completed on the victim, it fails there alone (transient) or the
+    victim is killed before it commits (kill_rank, kill_node)."""
     after_s: float = -1.0
     """Or inject after this many seconds of the victim's training; -1 = use step."""
     delay_s: float = 0.0

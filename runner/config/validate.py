@@ -328,6 +328,19 @@ def _ft_problems(cfg: DictConfig, for_training: bool) -> list[str]:
     return out
 
 
+def _agreement_fault_problems(cfg: DictConfig, f: DictConfig, where: str) -> list[str]:
+    """``during: agreement`` strikes inside a step's agreement, which only a split model has."""
+    split = cfg.parallel.tp * cfg.parallel.pp
+    missing = ([f"parallel.tp or parallel.pp above 1 (this run has tp*pp = {split})"] if split <= 1 else []) + (
+        ["a fault.step"] if f.step < 0 else []) + (
+        [f"kind transient, kill_rank or kill_node (not {f.kind})"]
+        if f.kind not in ("transient", "kill_rank", "kill_node") else [])
+    if not missing:
+        return []
+    return [f"{where}: during=agreement strikes inside a step's agreement, the all-reduce over every rank that follows "
+            f"the gradient reductions when the model is split: it needs {' and '.join(missing)}."]
+
+
 def _chaos_problems(f: DictConfig, where: str) -> list[str]:
     out = []
     if where != "fault":
@@ -368,6 +381,8 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         if one.during == "after_reduce" and one.kind != "transient":
             out.append(f"{where}: during=after_reduce is for transient faults (the victim alone misses a reduction "
                        "that completed everywhere else).")
+        if one.during == "agreement":
+            out += _agreement_fault_problems(cfg, one, where)
         if one.during == "recovery" and one.kind not in ("kill_rank", "hang_rank"):
             out.append(f"{where}: during=recovery is for kill_rank and hang_rank faults.")
         if one.during == "replication" and (one.kind != "kill_rank" or one.step < 0 or not cfg.parallel.zero

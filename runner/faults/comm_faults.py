@@ -8,6 +8,9 @@ failed launch or wait (``CollectiveFailure``) of the main group, or a failed ren
 * ``fail_next_collective``: the next launched collective fails (a transient connection error);
 * ``fail_next_reduction``: the next gradient reduction completes on every peer, then fails here
   only (``after_reduce``: the others commit the step, the victim lags);
+* ``strike_after_next_agreement``: once the next step agreement (tp*pp > 1) completed here, it fails here
+  alone, or the victim announces its kill and waits for it (``during: agreement``): the agreement
+  completed on one model slice and failed on another, held deterministically;
 * ``slow_links``: a delay before every batch of collectives (like a ``tc`` delay);
 * ``partition``: collectives and rendezvous fail until the partition ends;
 * ``hold_next_shard_copy``: the side group's next shard message (DeadPool's ZeRO-1 replication) waits
@@ -18,8 +21,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 from torch.distributed import PrefixStore
 
@@ -38,6 +42,7 @@ class FaultInjectingComm(Comm):
         self._after_reduction = False  # the next gradient reduction fails here only, once complete
         self._link_delay_s = 0.0  # added before every batch of collectives
         self._partitioned_until = 0.0  # collectives and rendezvous fail until then
+        self._after_agreement: Optional[Callable[[], None]] = None  # run once the next agreement completed here
 
     # -- arming, by the fault trigger ------------------------------------------------------------
     def fail_next_collective(self) -> None:
@@ -45,6 +50,14 @@ class FaultInjectingComm(Comm):
 
     def fail_next_reduction(self) -> None:
         self._after_reduction = True
+
+    def strike_after_next_agreement(self, strike: Optional[Callable[[], None]] = None) -> None:
+        """Once the next step agreement completed here: ``strike`` (a kill announced and waited for), or without
+        one the agreement fails here alone, every peer's having completed."""
+        self._after_agreement = strike or self._fail_agreement
+
+    def _fail_agreement(self) -> None:
+        self._raise_on("injected connection error after the step agreement completed on every peer")
 
     def slow_links(self, delay_s: float) -> None:
         self._link_delay_s = delay_s
@@ -83,6 +96,12 @@ class FaultInjectingComm(Comm):
             if self._link_delay_s and not self._in_flight:
                 time.sleep(self._link_delay_s)  # the fault itself: a slow link, once per batch of collectives
         super().launch(op)
+
+    def agree(self, tensors: list) -> None:
+        super().agree(tensors)
+        strike, self._after_agreement = self._after_agreement, None
+        if strike is not None:
+            strike()
 
     def wait_reduction(self) -> None:
         failure = self._drain()

@@ -422,6 +422,10 @@ class Comm:
         opts = _opts(op)
         self._run([lambda pg, t=t: pg.allreduce([t], opts) for t in tensors])
 
+    def agree(self, tensors: list[torch.Tensor]) -> None:
+        """A step's agreement (tp*pp > 1): the all-reduce over the world group that follows the DP reductions."""
+        self.allreduce(tensors)
+
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         self._run([lambda pg: pg.allgather([out], [tensor])])

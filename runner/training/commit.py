@@ -114,8 +114,10 @@ class StepCommit:
         With tp*pp > 1 every rank recomputes its gradients after a recovery: the ranks of a replica compute
         them together, and a replacement (or a survivor whose TP collective failed) computes them anew. Each
         TP slice is reduced in a DP group of its own, so one group may complete while another fails; the
-        ``agree`` collective over the world group after it fails on every rank unless every group completed,
-        so the step commits on all slices or on none."""
+        ``agree`` collective over the world group after it fails on every rank unless every group completed.
+        Like any all-reduce it can complete on some members and fail on others; a member whose agreement failed
+        keeps its reduced gradients (``awaiting_agreement``), and the recovery rolls its step forward if another
+        member committed it (``runner.recovery.common.roll_forward``), so every slice commits the step or none does."""
         step = self._module().trainer.global_step
         t0 = time.perf_counter()
         launched_s = self.reducer.launch_s  # launched from backward: in the reduction, not in compute
@@ -129,6 +131,7 @@ class StepCommit:
                 return False
             redo = True
         while True:
+            self.update.awaiting_agreement = False  # reduced (again) before any agreement
             try:
                 if redo:  # the own gradients first: the closure zeroes every gradient, a taken-over one too
                     self.status.phase = "compute"
@@ -147,9 +150,11 @@ class StepCommit:
                         self.takeover.reset()
                     continue
                 if self.guard is None or self._guard_accepts(grads):
-                    if self.agree is not None:  # the DP groups reduce apart: every TP slice commits the step, or none
+                    if self.agree is not None:  # the DP groups reduce apart: every model slice commits the step
                         self._write_back()
+                        self.update.awaiting_agreement = True  # a recovery may roll this step forward
                         self.agree()
+                        self.update.awaiting_agreement = False
                     break
                 closure()  # recompute this rank's gradients (every rank reached the same verdict)
                 if self.takeover is not None:
@@ -177,7 +182,8 @@ class StepCommit:
         return True
 
     def _write_back(self) -> None:
-        """The reduced sums become means in ``.grad`` (a failed agreement after it redoes the step anyway)."""
+        """The reduced sums become means in ``.grad`` (before the agreement: a member whose agreement failed updates
+        with them if the step committed elsewhere, else it redoes the step)."""
         divisor = None
         if self.takeover is not None:
             divisor = self.takeover.divisor(self.dp_size, self.comm.covered_replicas)

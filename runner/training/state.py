@@ -46,7 +46,19 @@ class ReplicaState(Protocol):
         """Steps whose update this replica holds (a laggard that already adopted the newest one counts it)."""
 
     def dump_state(self) -> dict:
-        """This replica's full checkpoint, for a peer to restore or adopt."""
+        """This replica's full checkpoint, for a peer to restore or adopt (``UPDATE_APPLIED`` set in it when its model
+        and optimizer already hold the update of the step Lightning has yet to count: a laggard's or a rolled-forward
+        member's)."""
+
+    def awaiting_agreement(self) -> bool:
+        """tp*pp > 1: the in-flight step's reduced gradients are in place, but its agreement failed here."""
+
+    def step_norm(self) -> Any:
+        """tp*pp > 1: the full model's gradient norm of the newest committed step (from its agreement)."""
+
+    def roll_forward(self, norm: Any) -> None:
+        """tp*pp > 1: the in-flight step committed elsewhere: apply its update here with this rank's own reduced
+        gradients, clipped by the full model's gradient norm ``norm`` of that step, and skip the own update."""
 
     def adopt_committed_state(self, ckpt: dict) -> None:
         """A lagging survivor takes a peer's post-step state and skips its own update."""

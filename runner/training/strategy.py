@@ -142,7 +142,6 @@ class ResilientStrategy(ParallelStrategy):
                                  recover=recover, on_commit=on_commit,
                                  agree=self._agree_on_step if comm.replica_size > 1 else None,
                                  replica_check=check if options.replica_check_every_n_steps > 0 else None)
-        self._full_grad_norm = torch.zeros(())  # tp*pp > 1: the full model's gradient norm of the committed step
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -261,7 +260,7 @@ class ResilientStrategy(ParallelStrategy):
         plugin = self.precision_plugin
 
         def clip(optimizer: Any, clip_val: float) -> None:
-            clip_grads_(plugin.main_params(optimizer), clip_val, self._full_grad_norm)
+            clip_grads_(plugin.main_params(optimizer), clip_val, self.update.full_grad_norm)
 
         plugin.clip_grad_by_norm = clip  # type: ignore[method-assign]
 
@@ -275,8 +274,8 @@ class ResilientStrategy(ParallelStrategy):
         if self._pipeline is None:
             squares = grad_squares(self._module)
             sharded = squares[:1].to(self.root_device)
-            self.comm.allreduce([sharded])
-            self._full_grad_norm = (sharded.cpu()[0] / self.comm.live_replicas + squares[1]).sqrt()
+            self.comm.agree([sharded])
+            self.update.full_grad_norm = (sharded.cpu()[0] / self.comm.live_replicas + squares[1]).sqrt()
             return
         stage = self._pipeline.stage
         copy = stage.tied_weight() if stage.is_last and not stage.is_first else None
@@ -284,8 +283,8 @@ class ResilientStrategy(ParallelStrategy):
         if self.comm.tp_rank:
             squares[1] = 0.0
         summed = squares.to(self.root_device)
-        self.comm.allreduce([summed])
-        self._full_grad_norm = (summed.cpu().sum() / self.comm.live_replicas).sqrt()
+        self.comm.agree([summed])
+        self.update.full_grad_norm = (summed.cpu().sum() / self.comm.live_replicas).sqrt()
 
     def _shard_optimizer(self) -> None:
         if len(self.optimizers) != 1:
@@ -309,6 +308,8 @@ class ResilientStrategy(ParallelStrategy):
         self._micros = batch if isinstance(batch, MicroBatches) else MicroBatches()
         seed_step(derive_seed(self.seed, step, self.data_rank, 1), self.root_device)
         self.commit.begin(self._micros[0] if self._micros else batch)
+        if self.update.skip_pending:  # a replacement whose restored state already holds this step's update
+            return self._finish_applied_step()
         if self.status.latest_gen > self.comm.gen and self._recover is not None and not self.joining:
             self.commit.regroup()
         if self.update.zero is not None and self.update.zero.stale:
@@ -335,6 +336,17 @@ class ResilientStrategy(ParallelStrategy):
                                "the runner commits one optimizer.step() per training_step: call it exactly once.")
         return out
 
+    def _finish_applied_step(self) -> Tensor:
+        """The step whose update the restored state already holds (``TrainerState.adopt_restored``): no forward, no
+        collective, the optimizer step through the gate (which skips the update) so that Lightning counts the step
+        and steps the LR scheduler, as the member that handed the state over did after its recovery. With manual
+        optimization the module's one ``optimizer.step()`` of the step is called here in its place."""
+        module = self._module
+        if not module.automatic_optimization:
+            optimizers = module.optimizers()
+            (optimizers[0] if isinstance(optimizers, list) else optimizers).step()
+        return torch.zeros((), device=self.root_device, requires_grad=True)
+
     def _validate(self) -> tuple[float, int]:
         """This rank's share of the step's validation: the loss sum and number of its DP coordinate's batches. With
         pp > 1 they run forward only through the replica's stages, and the last stage's sum is summed over the PP
@@ -351,6 +363,8 @@ class ResilientStrategy(ParallelStrategy):
         return float(summed[0]), count
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.update.skip_pending:  # the step's update is already in the restored state: nothing to compute
+            return closure_loss
         if self._pipeline is not None:
             return self._pipeline_backward(closure_loss)
         if not self._module.automatic_optimization:  # manual_backward: the step's loss, before it is committed
@@ -394,6 +408,8 @@ class ResilientStrategy(ParallelStrategy):
 
         def reduced_closure() -> Any:
             nonlocal loss
+            if self.update.skip_pending:  # Lightning's closure runs, without compute; the gate skips the update
+                return closure()
             failed = None
             try:
                 loss = local_gradients(arm=True)
@@ -420,7 +436,7 @@ class ResilientStrategy(ParallelStrategy):
             if self.join_after_setup:
                 self._join_first_generation()
             ckpt = self._recover(self.state, "join")
-            self.state.adopt_guard_history(ckpt)
+            self.state.adopt_restored(ckpt)
             return ckpt  # type: ignore[return-value]
         if checkpoint_path == SNAPSHOT_CKPT:
             assert self._restore_snapshot is not None

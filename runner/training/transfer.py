@@ -22,6 +22,9 @@ from runner.training.update import CommittedUpdate
 from runner.training.zero import ZeroOne
 
 SDC_HISTORY = "resilient_sdc_norms"  # the corruption guard's history, in state handed to a replacement or laggard
+# in a handed-over checkpoint: its model and optimizer already hold the update of the step in flight (``global_step``),
+# whose counting by Lightning (the step counter, the LR scheduler, the loops' progress) is still to come
+UPDATE_APPLIED = "resilient_update_applied"
 
 
 def exchange(comm: Comm, obj: Any, src_pg_rank: int, *, receive: bool) -> Any:
@@ -61,13 +64,42 @@ class TrainerState:
 
     def dump_state(self) -> dict:
         """The full Lightning checkpoint, with the corruption guard's history (its verdicts must stay the
-        same on every rank, a replacement's too)."""
+        same on every rank, a replacement's too). A member whose own update of the in-flight step is skipped
+        (``skip_pending``) holds that update while Lightning's loop and scheduler state do not count the step yet:
+        ``UPDATE_APPLIED`` tells the receiver to finish the step the same way (``adopt_restored``)."""
         module = self._module()
         assert module is not None
         ckpt = module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if self.guard is not None:
             ckpt[SDC_HISTORY] = list(self.guard.norms)
+        if self.update.skip_pending:
+            ckpt[UPDATE_APPLIED] = True
         return ckpt
+
+    def adopt_restored(self, ckpt: Optional[dict]) -> None:
+        """A replacement restored ``ckpt``: the guard's history, and if the checkpoint already holds the update of
+        its in-flight step, that step is finished without compute or collectives (the strategy's ``skip_pending``
+        step): the update skipped, Lightning's step counter and scheduler advanced, as on the member that sent it."""
+        self.adopt_guard_history(ckpt)
+        if ckpt and ckpt.get(UPDATE_APPLIED):
+            self.update.skip_own()
+
+    def awaiting_agreement(self) -> bool:
+        return self.update.awaiting_agreement
+
+    def step_norm(self) -> torch.Tensor:
+        return self.update.full_grad_norm
+
+    def roll_forward(self, norm: torch.Tensor) -> None:
+        """Lightning's own clipping of the step's gradients (by ``norm``, the full model's), then the update."""
+        module = self._module()
+        assert module is not None
+        trainer = module.trainer
+        self.update.full_grad_norm = norm
+        for opt in self._optimizers():
+            trainer.strategy.precision_plugin._clip_gradients(module, opt, trainer.gradient_clip_val,
+                                                              trainer.gradient_clip_algorithm)
+        self.update.roll_forward()
 
     def adopt_committed_state(self, ckpt: dict) -> None:
         self.adopt_replica_state(ckpt)

@@ -2,7 +2,8 @@
 
 ``optimizer.step`` is routed through ``CommittedUpdate.apply`` (``gate``): the update is skipped when
 a recovery already gave this replica the step's committed state (a laggard that adopted a peer's
-state, or finished its update from a peer's final gradients); under ZeRO-1 each rank updates its own
+state, or finished its update from a peer's final gradients, or rolled its own step forward: ``roll_forward``);
+under ZeRO-1 each rank updates its own
 shard (``ZeroOne``) and any shard it carries for a failed rank (NDB), a technique's ``UpdateReplication``
 around it, and everyone's parameters are synced at the next step.
 """
@@ -26,6 +27,10 @@ class CommittedUpdate:
         self.replication: Optional[UpdateReplication] = None  # set with ``zero`` when a technique replicates shards
         self._inner: Optional[Callable[[], Any]] = None  # the optimizer's own step, under the gate
         self._skip = False  # the newest committed step's update is already in this replica's state
+        # tp*pp > 1: the full model's gradient norm of the newest committed step (the agreement's), for clipping
+        self.full_grad_norm = torch.zeros(())
+        # tp*pp > 1: the step's reduced gradients are in ``.grad``, but its agreement did not complete here
+        self.awaiting_agreement = False
 
     def gate(self, optimizer: torch.optim.Optimizer) -> None:
         """Route ``optimizer.step`` through ``apply``."""
@@ -68,11 +73,21 @@ class CommittedUpdate:
         self._inner()
         self.zero.step_carried()
         self.zero.stale = True
-        self._skip = True
+        self.skip_own()
+
+    def roll_forward(self) -> None:
+        """tp*pp > 1: the step's agreement failed here but completed on another member, so every DP group's
+        reduction completed: this rank's update with its own reduced (and clipped) gradients, the very update it
+        would have made; Lightning then only advances the step (``skip_pending``)."""
+        assert self._inner is not None and self.awaiting_agreement
+        self.apply(self._inner)
+        self.skip_own()
 
     def skip_own(self) -> None:
-        """The newest committed step's state was adopted: this replica's own update of it is skipped."""
+        """The newest committed step's state was adopted: this replica's own update of it is skipped (and its own
+        reduced gradients of the step no longer count)."""
         self._skip = True
+        self.awaiting_agreement = False
 
     @property
     def skip_pending(self) -> bool:

@@ -11,11 +11,12 @@ in a complete generation whose members all hold the same committed state:
 3. build that generation's group (a rendezvous with a timeout);
 4. reconcile: every member shares (committed steps, needs state). A member that committed one
    step fewer than the others (the failure hit while some ranks had finished the reduction) is
-   a laggard; replacements are joiners. The lowest-ranked member holding the newest committed
-   state broadcasts its full Lightning checkpoint; joiners restore from it, laggards adopt its
-   model and optimizer state and skip their own update (ZeRO-1: ``deadpool.reconcile``). With
-   tensor parallelism this is done per TP coordinate: a rank's state is its slice of the model, so
-   it comes from the DP replica at the same coordinate;
+   a laggard; replacements are joiners. With tp*pp > 1 a laggard whose step's agreement failed after
+   its DP reduction rolls the step forward first (``runner.recovery.common.roll_forward``). The lowest-ranked
+   member holding the newest committed state broadcasts its full Lightning checkpoint; joiners restore
+   from it, laggards adopt its model and optimizer state and skip their own update (ZeRO-1:
+   ``deadpool.reconcile``). With tensor or pipeline parallelism this is done per (pp, tp) coordinate: a
+   rank's state is its slice of the model, so it comes from the DP replica at the same coordinate;
 5. a survivors-only generation (replacement still starting) waits for the next one.
 Any failure on the way goes back to step 1; every wait is bounded.
 """
@@ -32,6 +33,7 @@ from runner.plumbing import protocol
 from runner.plumbing.events import EventLog
 from runner.plumbing.protocol import Layout
 from runner.recovery.common.reconcile import reconcile_shards
+from runner.recovery.common.roll_forward import roll_forward
 from runner.training.comm import CollectiveFailure, Comm, RunFailedError, WorkerReleased
 from runner.training.state import ReplicaState
 from runner.training.status import WorkerStatus
@@ -98,19 +100,21 @@ class ReplicaRecovery:
 
     def _reconcile(self, state: ReplicaState, joining: bool) -> Optional[dict]:
         committed = -1 if joining else state.committed_steps()
-        mine = torch.tensor([committed, int(joining)], dtype=torch.int64, device=self.comm.device)
+        awaiting = not joining and state.awaiting_agreement()
+        mine = torch.tensor([committed, int(joining), int(awaiting)], dtype=torch.int64, device=self.comm.device)
         table = [t.tolist() for t in self.comm.allgather(mine)]
-        holders = [(c, r) for r, (c, j) in enumerate(table) if not j]
+        holders = [(c, r) for r, (c, j, _) in enumerate(table) if not j]
         if not holders:
             raise RunFailedError(f"every data-parallel replica of the model and optimizer state was lost: no member of "
                                  f"generation {self.comm.gen} holds it")
         sharded = state.sharded
         if sharded is not None:  # sharded optimizer state: laggards and joiners are served differently
-            return reconcile_shards(self.comm, state, sharded, table, self.events)
+            return reconcile_shards(self.comm, state, sharded, [row[:2] for row in table], self.events)
+        table = roll_forward(self.comm, state, table, self.events)
         # with tp*pp > 1 a member's state is its slice of the model: each (pp, tp) coordinate is served by a replica
         # at it
         slot = [self.comm.coords_of(lrank)[1:] for lrank in self.comm.joined.logical]
-        newest = max(c for c, _ in holders)
+        newest = max(c for c, j, _ in table if not j)
         ckpt = None
         for coordinate in sorted(set(slot)):
             members = [r for r in range(len(table)) if slot[r] == coordinate]
