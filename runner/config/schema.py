@@ -25,6 +25,7 @@ FaultKind = Annotated[str, Literal["none", "kill_rank", "kill_node", "hang_rank"
 ChaosKind = Annotated[str, Literal["transient", "kill_rank", "hang_rank", "kill_node", "bitflip", "partition",
                                    "kill_all"]]
 FaultMoment = Annotated[str, Literal["step", "recovery", "replication", "after_reduce"]]
+HangMode = Annotated[str, Literal["sigstop", "stall"]]
 LoggerKind = Annotated[str, Literal["wandb", "csv", "none"]]
 WandbMode = Annotated[str, Literal["offline", "online", "disabled"]]
 LauncherKind = Annotated[str, Literal["auto", "local", "torchrun", "slurm"]]
@@ -105,6 +106,22 @@ class ParallelConfig:
 
 
 @dataclass
+class PhaseTimeoutsConfig:
+    """Per-phase hang timeouts calibrated from the run (``runner/control/phase_timeouts.py``): a worker that stays in
+    one step's compute or checkpoint longer than ``max(floor_s, k x p99)`` of that phase's dwells in this run is hung;
+    before ``warmup_steps``, ``heartbeat.stall_timeout_s``."""
+
+    enabled: bool = True
+    """Calibrate each phase's timeout from the run; false = every phase waits heartbeat.stall_timeout_s."""
+    k: Annotated[float, Range(ge=1)] = 4.0
+    """The timeout is k x the phase's p99 dwell (at least floor_s); >= 1."""
+    floor_s: Positive = 2.0
+    """Never less than this many seconds; at least 2 x heartbeat.interval_s (a dwell is seen through heartbeats)."""
+    warmup_steps: PositiveInt = 20
+    """A phase is calibrated once it was seen at this many distinct steps; before, stall_timeout_s applies."""
+
+
+@dataclass
 class HeartbeatConfig:
     """Detection: worker heartbeats, hang (stall) detection and the decision window."""
 
@@ -113,7 +130,10 @@ class HeartbeatConfig:
     misses: int = 10
     """Missed intervals before a worker is declared hung and killed, or a node silent."""
     stall_timeout_s: float = 10.0
-    """Heartbeats arrive but the step does not advance for this long: a hang."""
+    """The step does not advance in phase compute or checkpoint for this long: a hang (with phase_timeouts on, only
+    before a phase is calibrated)."""
+    phase_timeouts: PhaseTimeoutsConfig = field(default_factory=PhaseTimeoutsConfig)
+    """Per-phase hang timeouts calibrated from the run."""
     decide_window_s: float = 0.05
     """After the first symptom, gather others this long before classifying the fault."""
     decide_at_once: bool = True
@@ -165,6 +185,10 @@ class FaultConfig:
     """step: at the start of `step`; recovery: when the victim enters its next recovery (kill_rank, hang_rank);
     replication: while the victim's ZeRO-1 shard copy after `step`'s update is in flight (kill_rank, DeadPool);
     after_reduce: the victim's link fails just after `step`'s reduction completed everywhere (transient)."""
+    hang: HangMode = "sigstop"
+    """hang_rank: sigstop = the controller stops the whole process (no heartbeats either); stall = the victim's
+    training thread blocks inside its step while its heartbeat thread goes on beating (a deadlock in user code, a
+    kernel that never returns: what the per-phase hang timeouts find); stall needs during=step."""
     after_s: float = -1.0
     """Or inject after this many seconds of the victim's training; -1 = use step."""
     delay_s: float = 0.0
