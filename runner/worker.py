@@ -25,7 +25,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner import protocol, stack_dumps
+from runner import health, protocol, stack_dumps
 from runner.callbacks.fault_injection import FaultTrigger
 from runner.callbacks.heartbeat import Heartbeat
 from runner.callbacks.lightning_checkpoint import LightningCheckpoint
@@ -54,6 +54,10 @@ from runner.training.validation import StepValidation, warn_unscheduled
 
 EXIT_ABORTED = 3  # the controller ended the run
 EXIT_FAILED = 4  # recovery impossible
+
+
+class Unhealthy(Exception):
+    """This worker's host failed its health check (``runner.health``): it is not used."""
 
 
 @dataclass
@@ -103,6 +107,8 @@ def run_reporting(spec: WorkerSpec, cfg: DictConfig) -> int:
         return 0
     except RunAborted:
         return EXIT_ABORTED
+    except Unhealthy:
+        return health.EXIT_UNHEALTHY
     except RunFailedError as err:
         _report_fatal(spec, cfg, str(err))
         return EXIT_FAILED
@@ -125,6 +131,12 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                                                       topology=topology)
     events = EventLog(run_dir / "events.jsonl", rank=lambda: comm.logical_rank if comm.layout else spec.logical_rank,
                       step=lambda: status.step)
+    if spec.role != "initial" and cfg.health.enabled:  # a spare or a replacement proves its host first
+        measured, failures = health.check(cfg.health, device, (spec.host, spec.port))
+        if failures:
+            events.emit("health_check_failed", wid=spec.wid, node=spec.node, role=spec.role,
+                        reason="; ".join(failures), measured=measured)
+            raise Unhealthy("; ".join(failures))
     stack_dumps.arm(run_dir, spec.wid)  # where everyone was, should a rank hang (runner.control.diagnosis)
     heartbeat = Heartbeat(spec.host, spec.port, spec.namespace, status, cfg.heartbeat.interval_s,
                           controller_lost_after_s(cfg.heartbeat.interval_s, cfg.heartbeat.misses), events, comm=comm)

@@ -123,8 +123,9 @@ def test_a_slow_but_steady_phase_is_never_a_hang(two_by_two, run_dir):
     (["heartbeat.phase_timeouts.warmup_steps=0"], "warmup_steps=0 must be >= 1"),
     (["fault=hang_rank", "fault.hang=stall", "fault.during=recovery"], "hang=stall blocks the victim's training"),
     (["fault=kill_rank", "fault.hang=stall"], "fault.hang=stall is ignored by kind=kill_rank"),
+    (["health.matmul_max_s=0"], "health.matmul_max_s=0 must be > 0"),
 ])
-def test_bad_phase_timeout_and_hang_settings_are_refused(overrides, says):
+def test_bad_phase_timeout_health_and_hang_settings_are_refused(overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         validate(_compose("+recipe=gpt_tiny", *overrides))
 

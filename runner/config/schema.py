@@ -170,6 +170,23 @@ class StragglerConfig:
 
 
 @dataclass
+class HealthConfig:
+    """The health check a spare, or a replacement started on a host, runs before it is used (``runner/health.py``):
+    a worker that fails it logs ``health_check_failed`` with the reason and exits, and is never given a rank."""
+
+    enabled: bool = True
+    """Check spares and replacements before they are used; false = use them unchecked."""
+    matmul_size: PositiveInt = 256
+    """The side of the square matmul timed on the worker's device (the CPU without GPUs)."""
+    matmul_max_s: Positive = 0.5
+    """The matmul must finish within this many seconds (a throttled or failing device does not)."""
+    min_free_memory_gib: NonNegative = 0.25
+    """Free host memory (and free memory on the worker's GPU) must be at least this many GiB."""
+    connect_timeout_s: Positive = 2.0
+    """A TCP connection to the control-plane store, the path every peer rendezvouses through, within this."""
+
+
+@dataclass
 class FaultConfig:
     """Which fault to inject, where and when (``recipes/fault/*.yaml``)."""
 
@@ -444,6 +461,8 @@ class RootConfig:
     """The fault to inject."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """Straggler detection."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """The health check of spares and replacements."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Fault class -> ordered recovery actions."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
