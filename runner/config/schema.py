@@ -130,8 +130,8 @@ class HeartbeatConfig:
     misses: int = 10
     """Missed intervals before a worker is declared hung and killed, or a node silent."""
     stall_timeout_s: float = 10.0
-    """The step does not advance in phase compute or checkpoint for this long: a hang (with phase_timeouts on, only
-    before a phase is calibrated)."""
+    """Heartbeats arrive but the step does not advance in phase compute or checkpoint for this long: a hang (with
+    phase_timeouts on, only before a phase is calibrated)."""
     phase_timeouts: PhaseTimeoutsConfig = field(default_factory=PhaseTimeoutsConfig)
     """Per-phase hang timeouts calibrated from the run."""
     decide_window_s: float = 0.05

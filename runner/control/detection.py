@@ -108,17 +108,16 @@ class Detector:
                 w.first_step = hb["step"]
             if not judging:
                 continue
-            silent = now - w.hb_change > interval * misses
-            stall = self.stall(w, now)
-            if silent or (stall is not None and now - w.hb_change > 2 * interval):  # its beats stopped too
+            if now - w.hb_change > interval * misses:
                 node_beat = self.fleet.node_beats().get(w.node)
                 if node_beat is not None and now - node_beat > 2 * interval:  # its node went silent with it
                     self.silent_reported.add(w.node)
                     self.incidents.symptom("node_silent", node=w.node, t=time.time())
-                    continue
-            if silent:
-                self.kill_hung(w, f"{misses} heartbeats missed ({interval}s interval; last phase {w.hb_phase})")
-            elif stall is not None:
+                else:
+                    self.kill_hung(w, f"{misses} heartbeats missed ({interval}s interval; last phase {w.hb_phase})")
+            elif now - w.hb_change <= 2 * interval and (stall := self.stall(w, now)) is not None:
+                # it beats, but its step does not advance (a stopped process is the rule above's: its last phase
+                # as seen may be stale)
                 self.kill_hung(w, *stall)
         self.timeouts.publish()
 
