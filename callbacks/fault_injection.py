@@ -152,6 +152,9 @@ class FaultTrigger(Callback):
         if fault.kind in ("transient", "slow_link", "partition"):
             self._arm_link_fault(i, fault.kind, fault.delay_s, fault.duration_s, fault.during)
             return
+        if fault.kind == "hang_rank" and fault.hang == "stall":
+            self._stall(i, step)
+            return
         if fault.during == "agreement":  # the kill lands inside the step, once its agreement completed here
             self._injecting.strike_after_next_agreement(partial(self._announce, i, fault, step))
             return
@@ -164,6 +167,15 @@ class FaultTrigger(Callback):
             self.comm.store.wait([f"fault/released/{i}"], timedelta(seconds=self.release_timeout_s))
         except Exception:
             self.events.emit("fault_not_carried_out", fault=fault.kind, index=i)
+
+    def _stall(self, i: int, step: int) -> None:
+        """hang=stall: the training thread blocks here, mid-step, while the heartbeat thread goes on beating; the
+        controller's hang rule kills the process long before the bound (``recovery_timeout_s``) ends the wait."""
+        t = time.time()
+        self.events.emit("fault_injected", fault="hang_rank", index=i, victims=[self.comm.logical_rank], t_fault=t,
+                         at_step=step, hang="stall")
+        threading.Event().wait(self.release_timeout_s)
+        self.events.emit("fault_not_carried_out", fault="hang_rank", index=i)
 
     def _arm_link_fault(self, i: int, kind: str, delay_s: float, duration_s: float, during: str = "step") -> None:
         """Network faults: the victim's own links fail once, slow down, or are cut."""

@@ -33,6 +33,7 @@ from runner.checkpoint.writer import CheckpointWriter, cpu_copy
 from runner.checkpoint.zero_state import gather_full_state
 from runner.plumbing.events import EventLog
 from runner.training.comm import CollectiveFailure, Comm
+from runner.training.status import checkpoint_phase
 from runner.training.strategy import ResilientStrategy
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class LightningCheckpoint(Callback):
         stop = strategy.commit.stop_agreed
         every = self.every_n_steps > 0 and step % self.every_n_steps == 0
         if (stop or every or step >= trainer.max_steps) and step != self._saved_step:
-            self._save(trainer, strategy, step)
+            with checkpoint_phase(trainer):
+                self._save(trainer, strategy, step)
         if stop and not self._stopping:
             self._stopping = True
             trainer.should_stop = True

@@ -11,7 +11,7 @@ reads the ``Annotated`` base type, and ``runner.config.validate`` checks the val
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 
 from hydra.core.config_store import ConfigStore
@@ -26,6 +26,7 @@ FaultKind = Annotated[str, Literal["none", "kill_rank", "kill_node", "hang_rank"
 ChaosKind = Annotated[str, Literal["transient", "kill_rank", "hang_rank", "kill_node", "bitflip", "partition",
                                    "kill_all"]]
 FaultMoment = Annotated[str, Literal["step", "recovery", "replication", "after_reduce", "agreement"]]
+HangMode = Annotated[str, Literal["sigstop", "stall"]]
 LoggerKind = Annotated[str, Literal["wandb", "csv", "none"]]
 WandbMode = Annotated[str, Literal["offline", "online", "disabled"]]
 LauncherKind = Annotated[str, Literal["auto", "local", "torchrun", "slurm"]]
@@ -106,6 +107,22 @@ class ParallelConfig:
 
 
 @dataclass
+class PhaseTimeoutsConfig:
+    """Per-phase hang timeouts calibrated from the run (``runner/control/phase_timeouts.py``): a worker that stays in
+    one step's compute or checkpoint longer than ``max(floor_s, k x p99)`` of that phase's dwells in this run is hung;
+    before ``warmup_steps``, ``heartbeat.stall_timeout_s``."""
+
+    enabled: bool = True
+    """Calibrate each phase's timeout from the run; false = every phase waits heartbeat.stall_timeout_s."""
+    k: Annotated[float, Range(ge=1)] = 4.0
+    """The timeout is k x the phase's p99 dwell (at least floor_s); >= 1."""
+    floor_s: Positive = 2.0
+    """Never less than this many seconds; at least 2 x heartbeat.interval_s (a dwell is seen through heartbeats)."""
+    warmup_steps: PositiveInt = 20
+    """A phase is calibrated once it was seen at this many distinct steps; before, stall_timeout_s applies."""
+
+
+@dataclass
 class HeartbeatConfig:
     """Detection: worker heartbeats, hang (stall) detection and the decision window."""
 
@@ -114,7 +131,10 @@ class HeartbeatConfig:
     misses: int = 10
     """Missed intervals before a worker is declared hung and killed, or a node silent."""
     stall_timeout_s: float = 10.0
-    """Heartbeats arrive but the step does not advance for this long: a hang."""
+    """Heartbeats arrive but the step does not advance in phase compute or checkpoint for this long: a hang (with
+    phase_timeouts on, only before a phase is calibrated)."""
+    phase_timeouts: PhaseTimeoutsConfig = field(default_factory=PhaseTimeoutsConfig)
+    """Per-phase hang timeouts calibrated from the run."""
     decide_window_s: float = 0.05
     """After the first symptom, gather others this long before classifying the fault."""
     decide_at_once: bool = True
@@ -126,7 +146,11 @@ class HeartbeatConfig:
     def of(cls, group: Mapping[str, Any]) -> HeartbeatConfig:
         """The typed settings from the composed group, a DictConfig or the plain dict a node agent reads, so that
         every process derives its deadlines from the properties below and from nowhere else."""
-        return cls(**{f.name: group[f.name] for f in fields(cls) if f.name in group})
+        def typed(f: Any) -> Any:
+            nested = f.default_factory
+            return nested(**dict(group[f.name])) if isinstance(nested, type) and is_dataclass(nested) else group[f.name]
+
+        return cls(**{f.name: typed(f) for f in fields(cls) if f.name in group})
 
     @property
     def silence_s(self) -> float:
@@ -178,6 +202,24 @@ class StragglerConfig:
 
 
 @dataclass
+class HealthConfig:
+    """The health check a spare, or a replacement started on a host, runs before it is used
+    (``runner/training/health.py``): a worker that fails it logs ``health_check_failed`` with the reason and exits,
+    and is never given a rank."""
+
+    enabled: bool = True
+    """Check spares and replacements before they are used; false = use them unchecked."""
+    matmul_size: PositiveInt = 256
+    """The side of the square matmul timed on the worker's device (the CPU without GPUs)."""
+    matmul_max_s: Positive = 0.5
+    """The matmul must finish within this many seconds (a throttled or failing device does not)."""
+    min_free_memory_gib: NonNegative = 0.25
+    """Free host memory (and free memory on the worker's GPU) must be at least this many GiB."""
+    connect_timeout_s: Positive = 2.0
+    """A TCP connection to the control-plane store, the path every peer rendezvouses through, within this."""
+
+
+@dataclass
 class FaultConfig:
     """Which fault to inject, where and when (``recipes/fault/*.yaml``)."""
 
@@ -195,6 +237,10 @@ class FaultConfig:
     after_reduce: the victim's link fails just after `step`'s reduction completed everywhere (transient);
     agreement: once `step`'s agreement (tp*pp > 1) completed on the victim, it fails there alone (transient) or the
     victim is killed before it commits (kill_rank, kill_node)."""
+    hang: HangMode = "sigstop"
+    """hang_rank: sigstop = the controller stops the whole process (no heartbeats either); stall = the victim's
+    training thread blocks inside its step while its heartbeat thread goes on beating (a deadlock in user code, a
+    kernel that never returns: what the per-phase hang timeouts find); stall needs during=step."""
     after_s: float = -1.0
     """Or inject after this many seconds of the victim's training; -1 = use step."""
     delay_s: float = 0.0
@@ -451,6 +497,8 @@ class RootConfig:
     """The fault to inject."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """Straggler detection."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """The health check of spares and replacements."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Fault class -> ordered recovery actions."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -35,6 +35,7 @@ from runner.config.schema import (
     choices,
     value_range,
 )
+from runner.control.phase_timeouts import config_problems as phase_timeout_problems
 from runner.control.stragglers import config_problems as straggler_config_problems
 from runner.launch.objective import LOGGED
 from runner.planning.topology import Topology, spare_count
@@ -49,6 +50,7 @@ _FAULT_KEY_USERS = {
     "node": ("kill_node",),
     "step": _TIMED, "after_s": _TIMED, "during": _TIMED,
     "delay_s": ("slow_rank", "slow_link"),
+    "hang": ("hang_rank",),
     "duration_s": ("partition", "chaos"),
     "kinds": ("chaos",), "mtbf_s": ("chaos",), "max_faults": ("chaos",), "until_s": ("chaos",),
 }
@@ -364,6 +366,7 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
     if hb.stall_timeout_s <= hb.interval_s:
         out.append(f"heartbeat.stall_timeout_s ({hb.stall_timeout_s}) must exceed heartbeat.interval_s "
                    f"({hb.interval_s}).")
+    out += phase_timeout_problems(cfg)
     try:
         faults = all_faults(cfg)
     except OmegaConfBaseException as err:
@@ -385,6 +388,9 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
             out += _agreement_fault_problems(cfg, one, where)
         if one.during == "recovery" and one.kind not in ("kill_rank", "hang_rank"):
             out.append(f"{where}: during=recovery is for kill_rank and hang_rank faults.")
+        if one.hang == "stall" and one.during != "step":
+            out.append(f"{where}: hang=stall blocks the victim's training thread at a step: it needs during=step "
+                       "(a stalled recovery only waits, which the recovery's own timeout bounds).")
         if one.during == "replication" and (one.kind != "kill_rank" or one.step < 0 or not cfg.parallel.zero
                                             or not with_(ft_names(cfg), "replicates_shards")):
             replicator = " or ".join(f"ft={n}" for n in offering("replicates_shards"))

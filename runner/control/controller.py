@@ -118,6 +118,7 @@ class Controller:
         if self.record.status == "completed" and stop.stopped_early(self.record.done, self.cfg.trainer.max_steps):
             self.record.status = "stopped"  # at the step SIGINT/SIGTERM asked for, with a checkpoint
         self.record.judge_end()
+        self.record.phase_timeouts = self.detector.timeouts.state()
         self.fleet.shutdown(self.record.status)
         for action in self.actions.values():
             action.on_end(self.ctx)

@@ -2,7 +2,8 @@
 
 Exits arrive at once from the node agents; a worker that caught a collective error reports it in
 the store; heartbeats (workers' in the store, agents' from the fleet) reveal hangs, stalls and
-silent nodes. Before a decision, detection also answers whether everyone proved alive since the
+silent nodes; a step that stays in a phase past that phase's timeout (``runner.control.phase_timeouts``) is a
+hang. Before a decision, detection also answers whether everyone proved alive since the
 first symptom, which nodes are silent, and who did not reach a retried generation's rendezvous.
 """
 
@@ -20,6 +21,7 @@ from torch.distributed import PrefixStore
 from runner.config.schema import HeartbeatConfig
 from runner.control.incidents import Incidents, short
 from runner.control.membership import Membership
+from runner.control.phase_timeouts import PhaseTimeouts
 from runner.control.records import Recovery, Worker
 from runner.plumbing import protocol
 from runner.plumbing.events import EventLog
@@ -41,6 +43,7 @@ class Detector:
         self._last_hb_poll = time.monotonic()
         self.beat_readers: list[Callable[[Worker, dict], None]] = []  # also read each heartbeat (straggler timings)
         self.diagnose: Optional[Callable[[Recovery, Worker], None]] = None  # where everyone was, before a hang kill
+        self.timeouts = PhaseTimeouts(cfg.heartbeat, events)  # how long a step's compute or checkpoint may last
 
     # -- symptoms ---------------------------------------------------------------------------------
     def is_news(self, wid: int, code: int) -> bool:
@@ -98,6 +101,8 @@ class Detector:
             if hb["seq"] != w.hb_seq:
                 w.hb_seq, w.hb_change = hb["seq"], now
             if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:
+                if w.hb_phase:  # the dwell in the (step, phase) it left, as this loop saw it
+                    self.timeouts.observe(w.hb_phase, w.hb_step, now - w.hb_step_change)
                 w.hb_step, w.hb_phase, w.hb_step_change = hb["step"], hb["phase"], now
             w.synced = w.synced or hb["phase"] in TRAINING_PHASES
             if w.first_step < 0 and hb["phase"] in TRAINING_PHASES:
@@ -111,14 +116,29 @@ class Detector:
                     self.incidents.symptom("node_silent", node=w.node, t=time.time())
                 else:
                     self.kill_hung(w, f"{misses} heartbeats missed ({interval}s interval; last phase {w.hb_phase})")
-            elif w.hb_phase == "compute" and now - w.hb_step_change > self.hb.stall_timeout_s:
-                self.kill_hung(w, f"step {w.hb_step} not advancing for {self.hb.stall_timeout_s}s")
+            elif now - w.hb_change <= 2 * interval and (stall := self.stall(w, now)) is not None:
+                # it beats, but its step does not advance (a stopped process is the rule above's: its last phase
+                # as seen may be stale)
+                self.kill_hung(w, *stall)
+        self.timeouts.publish()
 
-    def kill_hung(self, w: Worker, why: str, kind: str = "hang") -> None:
+    def stall(self, w: Worker, now: float) -> Optional[tuple[str, str, dict]]:
+        """Whether ``w`` stayed in one step of a phase of its own work past that phase's timeout: the ``kill_hung``
+        arguments saying so, with the timeout in effect, or None."""
+        limit = self.timeouts.limit(w.hb_phase)
+        if limit is None or now - w.hb_step_change <= limit[0]:
+            return None
+        timeout_s, calibrated = limit
+        source = "calibrated from this run" if calibrated else "heartbeat.stall_timeout_s"
+        why = f"step {w.hb_step} not advancing in phase {w.hb_phase} for {timeout_s:.3g}s ({source})"
+        return why, "hang", {"phase": w.hb_phase, "timeout_s": round(timeout_s, 4), "calibrated": calibrated}
+
+    def kill_hung(self, w: Worker, why: str, kind: str = "hang", rule: Optional[dict] = None) -> None:
+        """``rule``: a stall's phase and the timeout in effect (recorded with the symptom)."""
         if w.killed_for:
             return
         w.killed_for = why
-        self.incidents.symptom(kind, wid=w.wid, why=why, t=time.time())
+        self.incidents.symptom(kind, wid=w.wid, why=why, t=time.time(), **(rule or {}))
         if kind == "hang" and self.diagnose is not None and self.incidents.active is not None:
             self.diagnose(self.incidents.active, w)
         self.events.emit("worker_killed", wid=w.wid, logical=w.logical, reason=why)

@@ -91,6 +91,7 @@ class RunRecord:
     recoveries: list[Recovery] = field(default_factory=list)
     done: dict[int, dict] = field(default_factory=dict)  # wid -> its done record, for each rank's last worker
     attempts: list[Attempt] = field(default_factory=list)  # torchrun/SLURM: the job's earlier attempts, oldest first
+    phase_timeouts: dict[str, dict] = field(default_factory=dict)  # each phase's hang timeout at the end
 
     def judge_end(self) -> None:
         """The run's final verdict, decided once, before anything reports it: a completed run whose replicas ended

@@ -6,8 +6,8 @@ one would, then releases it. Faults configured for the same step (and moment) ar
 carried out together once each victim announced (or ``TOGETHER_WITHIN_S`` after the first did), so
 that the controller decides on all their exits at once, however many milliseconds apart the victims
 reached the step. Faults that damage snapshot memory do so here too (``runner.faults.snapshot_memory``).
-Faults the worker carries out itself (transient, slow_rank, bitflip, param_bitflip, slow_link, partition)
-need nothing here.
+Faults the worker carries out itself (transient, slow_rank, bitflip, param_bitflip, slow_link, partition, and
+hang_rank with hang=stall) need nothing here.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ WORKER_CARRIED = ("transient", "slow_rank", "bitflip", "param_bitflip", "slow_li
 TOGETHER_WITHIN_S = 2.0  # victims of one step's faults announce within milliseconds; this bounds a missing one
 
 
+def worker_carried(fault) -> bool:
+    """The victim carries it out itself (a hang_rank with hang=stall blocks its own training thread)."""
+    return fault.kind in WORKER_CARRIED or (fault.kind == "hang_rank" and fault.hang == "stall")
+
+
 class FaultInjector:
     """Carries out the configured faults (and chaos's controller-side ones) on the run's processes."""
 
@@ -41,7 +46,7 @@ class FaultInjector:
         then release the victims."""
         store = self.ctx.store
         for i, fault in enumerate(self.faults):
-            if i in self.hits or i in self.done or fault.kind in WORKER_CARRIED:
+            if i in self.hits or i in self.done or worker_carried(fault):
                 continue
             if store.check([f"fault/hit/{i}"]):
                 self.hits[i] = protocol.get_json(store, f"fault/hit/{i}")
@@ -61,7 +66,7 @@ class FaultInjector:
     def _group(self, i: int) -> tuple:
         """Faults carried out together: the controller-carried ones of one step and moment; any other alone."""
         fault = self.faults[i]
-        if fault.step < 0 or fault.kind in WORKER_CARRIED:
+        if fault.step < 0 or worker_carried(fault):
             return ("alone", i)
         return ("step", fault.step, fault.during)
 

@@ -67,6 +67,7 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
         "replica_divergences": [{k: e[k] for k in ("step", "ranks", "action") if k in e}
                                 for e in events if e["kind"] == "replica_diverged"],
         "steps_redone": len(metrics) - len(committed),
+        "phase_timeouts": record.phase_timeouts,
         **accounting,
     }
     summary["effective_training_time_ratio"] = _ettr(train_s, recoveries)
@@ -260,5 +261,8 @@ def recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> di
         "t_first_commit": t_commit,
         "diagnosis": rec.diagnosis,  # a hang: where everyone was (runner.control.diagnosis)
         "verdict": rec.verdict,
+        # a stall: the phase and the hang timeout in effect when it was found (runner.control.phase_timeouts)
+        "stall": next(({k: s[k] for k in ("phase", "timeout_s", "calibrated")} for s in rec.symptoms
+                       if s["kind"] == "hang" and "timeout_s" in s), None),
     }
     return entry

@@ -46,7 +46,7 @@ from runner.recovery.common.hooks import WorkerContext
 from runner.recovery.common.rejoin import ReplicaRecovery
 from runner.recovery.registry import with_
 from runner.recovery.worker_registry import combine, technique_workers
-from runner.training import stack_dumps
+from runner.training import health, stack_dumps
 from runner.training.checksum import param_checksum
 from runner.training.comm import Comm, RunAborted, RunFailedError, WorkerReleased
 from runner.training.status import WorkerStatus
@@ -55,6 +55,10 @@ from runner.training.validation import warn_unscheduled
 
 EXIT_ABORTED = 3  # the controller ended the run
 EXIT_FAILED = 4  # recovery impossible
+
+
+class Unhealthy(Exception):
+    """This worker's host failed its health check (``runner.training.health``): it is not used."""
 
 
 @dataclass
@@ -106,6 +110,8 @@ def run_reporting(spec: WorkerSpec, cfg: DictConfig) -> int:
         return 0
     except RunAborted:
         return EXIT_ABORTED
+    except Unhealthy:
+        return health.EXIT_UNHEALTHY
     except RunFailedError as err:
         _report_fatal(spec, cfg, str(err))
         return EXIT_FAILED
@@ -128,6 +134,12 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                                                       topology=topology)
     events = EventLog(run_dir / "events.jsonl", rank=lambda: comm.logical_rank if comm.layout else spec.logical_rank,
                       step=lambda: status.step)
+    if spec.role != "initial" and cfg.health.enabled:  # a spare or a replacement proves its host first
+        measured, failures = health.check(cfg.health, device, (spec.host, spec.port))
+        if failures:
+            events.emit("health_check_failed", wid=spec.wid, node=spec.node, role=spec.role,
+                        reason="; ".join(failures), measured=measured)
+            raise Unhealthy("; ".join(failures))
     stack_dumps.arm(run_dir, spec.wid)  # where everyone was, should a rank hang (runner.control.diagnosis)
     heartbeat = Heartbeat(spec.host, spec.port, spec.namespace, status, cfg.heartbeat.interval_s,
                           HeartbeatConfig.of(cfg.heartbeat).controller_lost_after_s, events, comm=comm)

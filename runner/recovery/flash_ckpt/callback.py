@@ -31,6 +31,7 @@ from runner.recovery.flash_ckpt.persister import PersistClient, connect_persiste
 from runner.recovery.flash_ckpt.replica import Abandonment, backup_to_partner, exchange_with_partners
 from runner.recovery.flash_ckpt.snapshotter import Snapshotter
 from runner.training.comm import Comm
+from runner.training.status import checkpoint_phase
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +149,13 @@ class FlashCheckpoint(Callback):
         step = trainer.global_step
         if step == self._last_step or step % self.every_n_steps:
             return
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        for key in self.exclude_keys:
-            checkpoint.pop(key, None)
-        snap = self._snapshotter
-        save = snap.save_async if self.overlap else snap.save
-        self.blocked_s.append(save(checkpoint, step))
+        with checkpoint_phase(trainer):
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            for key in self.exclude_keys:
+                checkpoint.pop(key, None)
+            snap = self._snapshotter
+            save = snap.save_async if self.overlap else snap.save
+            self.blocked_s.append(save(checkpoint, step))
         self._last_step = step
         self._to_backup = step
         self._to_backup_in = self._comm.layout if self._comm is not None else None
