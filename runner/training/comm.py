@@ -396,7 +396,8 @@ class Comm:
         failed = _wait_each(self._in_flight, self.collective_timeout + _WAIT_MARGIN, self._cut_off_check)
         sent = _wait_each(self._sends, self.collective_timeout + _WAIT_MARGIN, None)
         failure = self._failure or failed or sent
-        self._stuck += [w for w in self._in_flight + self._sends if not w.is_completed()]
+        # a send given up on reads this worker's tensors but never writes them: only receiving work is fenced
+        self._stuck += [w for w in self._in_flight if not w.is_completed()]
         self._in_flight, self._sends, self._failure = [], [], None
         return failure
 
