@@ -15,7 +15,7 @@ import time
 
 import torch
 
-EXIT_UNHEALTHY = 5  # the worker failed its health check before it was used
+EXIT_UNHEALTHY = 72  # the worker failed its health check before it was used (70, 71: controller lost, fenced)
 
 GIB = 1024**3
 
