@@ -16,7 +16,7 @@ DUMP = """Thread 0x00007f4bc1fff6c0 (most recent call first):
 Current thread 0x00007f4be0633b80 (most recent call first):
   File "/home/me/mymodule.py", line 44 in training_step
   File "{site}/lightning/pytorch/core/module.py", line 1368 in step
-  File "{runner}/worker.py", line 190 in run
+  File "{runner}/training/worker.py", line 190 in run
   File "<string>", line 1 in <module>
 """
 
