@@ -9,7 +9,6 @@ out are refused here, before anything starts.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -18,20 +17,12 @@ from runner.checkpoint.resume import module_arguments, resume_checkpoint
 from runner.config import ConfigError
 from runner.config.validate import all_faults
 from runner.control.controller import Controller
+from runner.launch.host import external_launcher, refuse_used_dir
 from runner.recovery.registry import standby_options
 
 CONTROLLER_CARRIED = ("kill_rank", "hang_rank")  # rank faults the controller carries out by signalling the victim
 NO_PER_RANK = ("kill_node", "kill_all", "wipe_shm", "corrupt_snapshot", "chaos")  # need a process on every host
 NO_PER_HOST = ("kill_node", "wipe_shm", "corrupt_snapshot", "chaos")  # lose a host, or act on another host's memory
-
-
-def external_launcher() -> str | None:
-    """torchrun or SLURM (srun with several tasks), detected the way Lightning's environments do."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "LOCAL_RANK" in os.environ):
-        return "torchrun"
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        return "slurm"
-    return None
 
 
 def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
@@ -99,13 +90,3 @@ def check_mode(cfg: DictConfig, kind: str) -> None:
             raise ConfigError(f"fault={f.kind} fault.rank={f.rank} cannot be carried out under {kind} with "
                               f"launcher.mode=per_rank: the controller runs in rank 0 and can signal only the other "
                               f"ranks of its own host (ranks 1..{ppn - 1} with parallel.procs_per_node={ppn}).")
-
-
-def refuse_used_dir(run_dir: Path) -> None:
-    """A run never appends to or writes over another run's outputs (a torchrun/SLURM restart attempt may:
-    it continues the same job)."""
-    used = [name for name in ("summary.json", "events.jsonl", "metrics.jsonl") if (run_dir / name).exists()]
-    if used:
-        raise ConfigError(f"hydra.run.dir={run_dir} already holds a run ({', '.join(used)}), and a new run never "
-                          "writes over another's outputs: choose a new hydra.run.dir (the default is a fresh "
-                          "timestamped directory) or move that run away.")

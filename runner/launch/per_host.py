@@ -34,6 +34,7 @@ from torch.distributed import DistError, TCPStore
 from runner.agents import auth, joins, spawned
 from runner.config import ConfigError
 from runner.config.validate import ft_names
+from runner.launch.host import external_launcher, refuse_used_dir
 from runner.planning.topology import Topology
 from runner.plumbing import protocol
 from runner.plumbing.events import EventLog
@@ -121,7 +122,6 @@ def report_refusal(cfg: DictConfig, reason: str) -> None:
     the reason in summary.json). Nothing outside torchrun and SLURM. The caller checked the mode (not a joining
     host: nobody awaits that one)."""
     from runner.agents.node_agent import REFUSAL_READ_TIMEOUT_S
-    from runner.launch.launcher import external_launcher
 
     kind = external_launcher() if cfg.launcher.kind == "auto" else cfg.launcher.kind
     if kind not in ("torchrun", "slurm"):
@@ -185,7 +185,6 @@ def _require_secret(cfg: DictConfig) -> None:
 
 def _run_controller(cfg: DictConfig, run_dir: Path, env: HostEnv, launcher: TCPStore) -> dict:
     from runner.control.controller import Controller
-    from runner.launch.launcher import refuse_used_dir
 
     refuse_used_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
