@@ -22,8 +22,7 @@ from runner.training.comm import Comm
 from runner.training.status import WorkerStatus
 from runner.training.zero import ZeroOne
 
-if TYPE_CHECKING:  # both depend on this module's interfaces
-    from runner.recovery.common.rejoin import ReplicaRecovery
+if TYPE_CHECKING:
     from runner.training.state import ReplicaState
 
 
@@ -34,6 +33,17 @@ before it abandons it: such an exchange fails within this once its peer is gone 
 
 class ReplicaLost(RuntimeError):
     """A replica's holder cannot produce the requested generation of its partner's state."""
+
+
+class RecoveryLoop(Protocol):
+    """What a technique's worker side may use of the worker's recovery loop (``rejoin.ReplicaRecovery``)."""
+
+    recovery_timeout_s: float
+    on_groups_dropped: list[Callable[[], None]]  # work on the dropped generation's groups, ended before a regroup
+
+    def abandon(self, state: ReplicaState, reason: str) -> None:
+        """This generation cannot go on here (a restore failed midway): drop its groups and report the symptom, so
+        that the controller starts the next one."""
 
 
 class MicroBatchTakeover(Protocol):
@@ -85,7 +95,7 @@ class WorkerContext:
     comm: Comm
     events: EventLog
     status: WorkerStatus
-    recovery: ReplicaRecovery  # the worker's recovery loop, for hooks that regroup on their own
+    recovery: RecoveryLoop  # the worker's recovery loop, for hooks that regroup on their own
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from runner.plumbing.events import EventLog
-from runner.recovery.common.rejoin import ReplicaRecovery, RunFailedError
+from runner.recovery.common.hooks import RecoveryLoop
 from runner.recovery.flash_ckpt.prefetch import Prefetch
 from runner.recovery.flash_ckpt.restore import (
     NoSnapshot,
@@ -30,14 +30,14 @@ from runner.recovery.flash_ckpt.restore import (
     load_newest,
     newest_common_step,
 )
-from runner.training.comm import CollectiveFailure, Comm
+from runner.training.comm import CollectiveFailure, Comm, RunFailedError
 from runner.training.state import ReplicaState
 
 
 class SnapshotRestore:
     """`prefetch`: this rank's segments mapped, and memory faulted in, while the process started."""
 
-    def __init__(self, comm: Comm, events: EventLog, recovery: ReplicaRecovery, job_id: str, ckpt_dir: Path,
+    def __init__(self, comm: Comm, events: EventLog, recovery: RecoveryLoop, job_id: str, ckpt_dir: Path,
                  prefetch: Prefetch | None = None) -> None:
         self.comm, self.events, self.recovery = comm, events, recovery
         self.job_id, self.ckpt_dir = job_id, ckpt_dir
