@@ -16,7 +16,7 @@ from typing import Optional
 from runner.config import policy
 from runner.planning.topology import Topology
 from runner.recovery.actions import Situation
-from runner.recovery.registry import action_class, offering, replicates_shards, restart_owner, with_
+from runner.recovery.registry import action_class, offering, replicates_shards, restart_owner, titles, with_
 
 # restart_owner: the config check
 __all__ = ["Decision", "classify", "decide", "decide_straggler", "restart_owner", "shards_without_copy"]
@@ -55,13 +55,14 @@ def decide(*, ft: list[str], cfg, can_restart: bool = True, dead: list[int], hun
     lost_shards = shards_without_copy(cfg, ft, victims, covered=no_snapshots)
     if lost_shards and cls != "transient":
         cls = "replica_lost"  # ZeRO-1: no live process holds these ranks' optimizer shards
-    replicator = ", ".join(with_(ft, "replicates_shards"))
-    if replicator and no_snapshots:
-        copies = (f"any copy: {replicator}'s replication is suspended while {', '.join(with_(ft, 'covers_ranks'))} "
+    replicating = with_(ft, "replicates_shards")
+    replicator = titles(replicating or offering("replicates_shards"))  # in prose: DeadPool
+    if replicating and no_snapshots:
+        copies = (f"any copy: {replicator}'s replication is suspended while {titles(with_(ft, 'covers_ranks'))} "
                   f"covers logical rank(s) {sorted(no_snapshots)}, so a failure after the takeover cannot be recovered "
                   "from a replica")
-    elif replicator or not lost_shards or Topology.from_cfg(cfg).replica_groups == 1:
-        copies = f"their only copy ({replicator or _add('replicates_shards')}'s replica on the next node)"
+    elif replicating or not lost_shards or Topology.from_cfg(cfg).replica_groups == 1:
+        copies = f"their only copy ({replicator}'s replica on the next node)"
     else:
         copies = "every copy (the same shard in the other DP replica groups)"
     what = _what(fault, cls, victims, lost_nodes, spares, lost_shards, copies)
