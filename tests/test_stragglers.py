@@ -207,7 +207,7 @@ def test_a_slow_rank_is_reported_as_a_rank_within_the_window_and_the_run_goes_on
     assert s["status"] == "completed" and s["recoveries"] == [], run.output[-3000:]
     found = run.events("straggler_detected")
     assert [(e["straggler"], e["rank"], e["host"], e["action"]) for e in found] == [("rank", 1, 0, "report")], found
-    assert found[0]["factor"] > 1.2 and found[0]["evidence"]["compute_s"] >= 0.15
+    assert found[0]["factor"] > 1.2 and found[0]["at_step"] >= SLOW_FROM  # its streak ends in the slowness
     assert committed_at(run, found[0]["t"]) <= SLOW_FROM + WINDOW + 5
     assert "rank 1 is a straggler" in run.output  # the console's line
     assert [m["step"] for m in run.metrics()] == list(range(20))  # nothing was done about it

@@ -33,6 +33,7 @@ from runner.planning.topology import Topology
 from runner.plumbing.events import EventLog
 
 KINDS = ("rank", "host", "link")
+FIRST_JUDGED_STEP = 3  # a run's first steps carry one-time costs (lazy connections, allocations) unevenly: not judged
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,11 @@ class StragglerJudge:
     """Pure: fed the workers' timings (``add``) and judged at the steps every expected rank reported (``judge``)."""
 
     def __init__(self, factor: float, window_steps: int, min_excess_s: float,
-                 role: Callable[[int], Hashable] = lambda rank: 0) -> None:
+                 role: Callable[[int], Hashable] = lambda rank: 0, first_step: int = 0) -> None:
         """``role(rank)``: ranks of one role do the same work (with tp or pp > 1: the same TP rank and pipeline
-        stage), so only they are each other's peers."""
+        stage), so only they are each other's peers; steps before ``first_step`` are not judged."""
         self.factor, self.window, self.min_excess_s = factor, window_steps, min_excess_s
+        self.first_step = first_step
         self.role = role
         self.steps: dict[int, dict[int, Timing]] = {}  # step -> logical rank -> its timing
         self.hosts: dict[int, int] = {}  # logical rank -> the host it was last measured on
@@ -114,15 +116,15 @@ class StragglerJudge:
 
     def judge(self, expected: set[int]) -> list[Finding]:
         """Judge every step up to the oldest of the expected ranks' newest timed steps: a
-        step some expected rank did not report (a lost beat, a replacement's untimed first step) is skipped,
-        neither extending nor breaking a streak."""
+        step some expected rank did not report (a lost beat, a replacement's untimed first step), and the run's
+        steps before ``first_step``, are skipped, neither extending nor breaking a streak."""
         if not expected or any(r not in self.latest for r in expected):
             return []
         upto = min(self.latest[r] for r in expected)
         found: list[Finding] = []
         for step in sorted(s for s in self.steps if s <= upto):
             timings = self.steps.pop(step)
-            if expected <= timings.keys():
+            if expected <= timings.keys() and step >= self.first_step:
                 found += self._judge_step(step, {r: timings[r] for r in expected})
         self.judged_upto = max(self.judged_upto, upto)
         return found
@@ -218,7 +220,8 @@ class StragglerWatch:
                  act: Callable[[Finding, Decision], None]) -> None:
         s = cfg.straggler
         self.enabled = s.enabled
-        self.judge = StragglerJudge(s.factor, s.window_steps, s.min_excess_s, role=lambda rank: topo.coords(rank)[1:])
+        self.judge = StragglerJudge(s.factor, s.window_steps, s.min_excess_s, role=lambda rank: topo.coords(rank)[1:],
+                                    first_step=FIRST_JUDGED_STEP)
         self.events, self.decide, self.act = events, decide, act
 
     def read(self, w: Worker, hb: dict) -> None:
