@@ -6,8 +6,9 @@ and rank 1 (slice 1 of replica 0) has its agreement fail. Ranks 0 and 2 committe
 at step 5, so rank 1 rolls the step forward from its own reduced gradients and the full model's gradient norm of
 rank 0, then serves slice 1 to rank 3's replacement, which finishes the step it restored without compute. Every step
 clips (by the full model's norm), so the handed-over norm is exercised; the run must end bit-identical to its
-fault-free run with every sample counted once. In the slow tier node 1 dies there instead, and DeadPool's spare
-host takes it.
+fault-free run with every sample counted once. Under ZeRO-1 (with DeadPool, whose replica of rank 3's shard rank 1
+holds) rank 1 rolls its own shard forward, and rank 3's replacement gets its shard with that step's update replayed.
+In the slow tier node 1 dies there instead, and DeadPool's spare host takes it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,21 @@ def test_an_agreement_split_between_model_slices_rolls_the_missing_slice_forward
     # slice 1 at step 6 was on rank 1 alone once it rolled forward: it serves rank 3's replacement
     assert [e["rank"] for e in run.events("state_sent")] == [1]
     assert [(e["rank"], e["role"]) for e in run.events("state_restored")] == [(3, "joiner")]
+
+
+def test_under_zero1_the_member_whose_agreement_failed_rolls_its_own_shard_forward(run_dir):
+    # the same split under ZeRO-1: rank 1 updates its own shard of slice 1 with the full model's norm from rank 0,
+    # records the update for the replica of rank 3's shard it holds (DeadPool), and rank 3's replacement gets that
+    # shard with the update replayed, then slice 1's Lightning state from rank 1
+    zero1 = [*TP2, "parallel.zero=1", "ft=[flashrecovery,deadpool]"]
+    ref = run_cli(*zero1, run_dir=run_dir / "fault_free")
+    assert ref.summary["status"] == "completed", ref.output[-4000:]
+    run = run_cli(*zero1, "fault=kill_rank", "fault.rank=3", "fault.step=5", "fault.during=agreement",
+                  f"+fault.extra=[{FAILED_AGREEMENT}]", run_dir=run_dir / "split")
+    assert_exact(run, ref)
+    assert [(e["rank"], e["step"], e["norm_from"]) for e in run.events("step_rolled_forward")] == [(1, 5, 0)]
+    assert [(e["rank"], e["holder"], e["replayed_updates"]) for e in run.events("shard_restored")] == [(3, 1, 1)]
+    assert [e["rank"] for e in run.events("state_sent")] == [1]
 
 
 @pytest.mark.slow
