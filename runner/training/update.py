@@ -65,22 +65,31 @@ class CommittedUpdate:
 
     def finish(self, grads: list[Tensor]) -> None:
         """ZeRO-1 laggard: the update it missed, with the final gradients every other rank used."""
-        assert self.zero is not None and self._inner is not None
+        assert self.zero is not None
         for p, g in zip(self.zero.params, grads):
             p.grad = g
-        if self.replication is not None:
-            self.replication.record(self._global_step() + 1)
-        self._inner()
-        self.zero.step_carried()
-        self.zero.stale = True
-        self.skip_own()
+        self._update_in_recovery()
 
     def roll_forward(self) -> None:
         """tp*pp > 1: the step's agreement failed here but completed on another member, so every DP group's
         reduction completed: this rank's update with its own reduced (and clipped) gradients, the very update it
-        would have made; Lightning then only advances the step (``skip_pending``)."""
-        assert self._inner is not None and self.awaiting_agreement
-        self.apply(self._inner)
+        would have made (under ZeRO-1: of its own shard, and of any it carries); Lightning then only advances the
+        step (``skip_pending``)."""
+        assert self.awaiting_agreement
+        self._update_in_recovery()
+
+    def _update_in_recovery(self) -> None:
+        """The in-flight step's update, made inside a recovery; the gate then skips it. Under ZeRO-1 the shards of
+        other owners are synced by the recovery, and the update is only recorded for the replica this rank holds
+        (DeadPool: a replacement of its owner gets it replayed); the next update's exchange, in the new
+        generation, seeds the replicas again."""
+        assert self._inner is not None
+        if self.zero is not None and self.replication is not None:
+            self.replication.record(self._global_step() + 1)
+        self._inner()
+        if self.zero is not None:
+            self.zero.step_carried()
+            self.zero.stale = True
         self.skip_own()
 
     def skip_own(self) -> None:

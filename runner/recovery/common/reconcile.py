@@ -4,6 +4,10 @@ Called by ``ReplicaRecovery`` once the new generation's group is formed and ever
 its committed step count. With sharded state the replica-wide hand-over of ZeRO-0 does not work
 (the source's optimizer state is only its own shard), so:
 
+0. with tp*pp > 1, members whose step agreement failed while another member's completed roll that step
+   forward (``runner.recovery.common.roll_forward``): each updates its own shard (and any it carries) with its
+   own reduced gradients and the full model's norm, recording the update for the replica it holds, so that
+   it then holds the newest step; step 4's sync hands its shard to everyone;
 1. *laggards* (the failure hit while the others had finished the reduction of the newest step)
    receive the final gradients of that step from the source, which still has them (the others
    can only be waiting in the next step's parameter sync), and apply their own update with them:
@@ -32,6 +36,7 @@ from typing import Optional
 
 from runner.plumbing.events import EventLog
 from runner.recovery.common.hooks import ABANDON_AFTER_S, ReplicaLost
+from runner.recovery.common.roll_forward import roll_forward
 from runner.training.comm import Comm, RunFailedError
 from runner.training.shard_state import ShardState
 from runner.training.state import ReplicaState, ShardedState
@@ -40,15 +45,19 @@ from runner.training.transfer import exchange
 
 def reconcile_shards(comm: Comm, state: ReplicaState, sharded: ShardedState, table: list[list[int]],
                      events: EventLog) -> Optional[dict]:
+    """``table``: every member's (committed steps, joining, awaiting agreement), in group-rank order; returns the
+    Lightning state a joiner restores (None on the others)."""
     layout = comm.layout
     assert layout is not None  # reconciling happens in the generation just joined
     me, logical = comm.rank, layout.logical
-    newest = max(c for c, j in table if not j)
-    laggards = [r for r, (c, j) in enumerate(table) if not j and c < newest]
-    joiners = [r for r, (_, j) in enumerate(table) if j]
     replicator = sharded.replicator
     if replicator is not None and replicator.drain():  # the broken generation's exchange, if one was in flight
         events.emit("replication_abandoned", gen=comm.gen, waited_s=ABANDON_AFTER_S)
+    # after the drain: a roll-forward changes this rank's shard and the records of the replica it holds
+    table = [row[:2] for row in roll_forward(comm, state, table, events)]
+    newest = max(c for c, j in table if not j)
+    laggards = [r for r, (c, j) in enumerate(table) if not j and c < newest]
+    joiners = [r for r, (_, j) in enumerate(table) if j]
     source = _sources(comm, table, newest, laggards + joiners)
     for src, receivers in _by_source(source, laggards):
         final = exchange(comm, sharded.final_gradients() if me == src else None, src, receive=me in receivers)

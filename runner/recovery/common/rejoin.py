@@ -15,7 +15,7 @@ in a complete generation whose members all hold the same committed state:
    its DP reduction rolls the step forward first (``runner.recovery.common.roll_forward``). The lowest-ranked
    member holding the newest committed state broadcasts its full Lightning checkpoint; joiners restore
    from it, laggards adopt its model and optimizer state and skip their own update (ZeRO-1:
-   ``deadpool.reconcile``). With tensor or pipeline parallelism this is done per (pp, tp) coordinate: a
+   ``runner.recovery.common.reconcile``). With tensor or pipeline parallelism this is done per (pp, tp) coordinate: a
    rank's state is its slice of the model, so it comes from the DP replica at the same coordinate;
 5. a survivors-only generation (replacement still starting) waits for the next one.
 Any failure on the way goes back to step 1; every wait is bounded.
@@ -109,7 +109,7 @@ class ReplicaRecovery:
                                  f"generation {self.comm.gen} holds it")
         sharded = state.sharded
         if sharded is not None:  # sharded optimizer state: laggards and joiners are served differently
-            return reconcile_shards(self.comm, state, sharded, [row[:2] for row in table], self.events)
+            return reconcile_shards(self.comm, state, sharded, table, self.events)
         table = roll_forward(self.comm, state, table, self.events)
         # with tp*pp > 1 a member's state is its slice of the model: each (pp, tp) coordinate is served by a replica
         # at it

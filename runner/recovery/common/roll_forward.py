@@ -10,7 +10,9 @@ agreement failed holds its slice's fully reduced gradients of the step. It there
 itself, with the full model's gradient norm of that step taken from a member that committed it: the very update
 it would have made. It then holds the step like the others and serves its slice to a replacement; the state it
 hands over says that the update is in and Lightning has yet to count the step (``UPDATE_APPLIED``), and the
-replacement counts it without compute (``RunnerStrategy._finish_applied_step``).
+replacement counts it without compute (``RunnerStrategy._finish_applied_step``). Under ZeRO-1
+(``runner.recovery.common.reconcile``) the update is of the member's own shard (and any it carries), recorded for the
+replica of another rank's shard it holds, and the reconcile's parameter sync spreads every owner's shard.
 """
 
 from __future__ import annotations
