@@ -48,8 +48,8 @@ SEED_ENV = "RR_NETNS_CHAOS_SEED"
 @dataclass(frozen=True)
 class Fault:
     """One event of a schedule, fired once the run committed ``step``: ``cut`` takes host ``host``'s link down on
-    both ends for ``seconds`` (``inf``: until the run ended); ``kill`` SIGKILLs, ``hang`` SIGSTOPs for ``seconds``
-    one of the host's live workers (the ``pick``-th by worker id, modulo their number)."""
+    both ends for ``seconds`` (``inf``: for good, healed once the run was checked); ``kill`` SIGKILLs, ``hang``
+    SIGSTOPs for ``seconds`` one of the host's live workers (the ``pick``-th by worker id, modulo their number)."""
 
     step: int
     kind: str
