@@ -279,12 +279,14 @@ KILL_THEN_CUT_STEPS = 200
 @pytest.mark.parametrize("cut", [1, 2], ids=["host1", "spare_host"])
 def test_a_worker_killed_then_a_host_cut_completes_exactly_and_the_cut_host_ends(make_job, fault_free, cut):
     """A worker of host 1 is killed (restarted in place); once training went on, host 1 or the spare host loses its
-    link for good. The run completes exactly, and every process of the cut host (torchrun, agent, fork server,
-    workers, the replacement included) is gone within 30 s of the job's end: its agent's watchdog ends them."""
+    link for good. The run completes exactly, without a retry, and every process of the cut host (torchrun, agent,
+    fork server, workers, the replacement included) is gone within 30 s of the job's end: its agent's watchdog ends
+    them."""
     faults = [Fault(60, "kill", 1), Fault(100, "cut", cut, math.inf)]
     outcome = run_schedule(make_job(), faults, KILL_THEN_CUT_STEPS, fault_free(KILL_THEN_CUT_STEPS))
     print(outcome)
     assert outcome.split("; ")[len(faults)].startswith("exact"), outcome
+    assert "'retry'" not in outcome  # a lost spare host runs no member: the training generation is not cut off
     assert f"host {cut}'s torchrun" not in outcome
 
 
