@@ -326,10 +326,26 @@ def test_a_lost_node_and_its_workers_are_fenced(tmp_path):
     ctl, fleet = _node_1_lost_to_the_spares(tmp_path)
     reason, gen = fleet.fenced[1]
     assert list(fleet.fenced) == [1] and gen == 0 and "node 1 went silent" in reason
+    assert ctl.store.get(protocol.cut_off_key(0)) == b"node(s) [1] went silent"  # its peers stop waiting for it
     for wid, logical in ((2, 2), (3, 3)):  # written off before the generation that replaced them
         record = protocol.get_json(ctl.store, protocol.worker_fence_key(wid))
         assert (record["wid"], record["logical"], record["gen"]) == (wid, logical, 0)
     assert not any(ctl.store.check([protocol.worker_fence_key(wid)]) for wid in (0, 1, 4, 5))
+
+
+def test_a_lost_spare_host_is_fenced_and_the_training_generation_left_alone(tmp_path):
+    """The spare host runs no member of the generation: it is fenced and its spares written off, but the generation
+    is not cut off (its members would give their collective up and retry it for nothing) and none follows."""
+    ctl, fleet = _start(tmp_path, "ft=deadpool", "parallel.spares=2")
+    for wid in (4, 5):
+        ctl.store.set(f"ready/{wid}", "1")
+    _round(ctl, heartbeats=True)
+    fleet.lose_node(2)
+    _round(ctl, heartbeats=True)
+    _round(ctl)
+    assert [e["reason"] for e in _events(tmp_path, "recovery_not_needed")] == ["node(s) [2] held no rank"]
+    assert list(fleet.fenced) == [2] and int(ctl.store.get("gen")) == 0
+    assert not ctl.store.check([protocol.cut_off_key(0)])
 
 
 def test_a_crash_that_became_a_node_loss_is_recorded_as_a_node_loss(tmp_path):

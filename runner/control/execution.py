@@ -49,8 +49,8 @@ class Executor:
         incidents.decide_at = None
         detector.silent_reported |= set(lost_nodes)  # handled now: their silence is no new symptom later
         detector.nodes_lost |= set(lost_nodes)
-        if lost_nodes:  # a host cut off silently neither answers nor resets its connections: survivors stop waiting
-            self.ctx.store.set(protocol.cut_off_key(members.gen), f"node(s) {lost_nodes} went silent")
+        if self._runs_members(lost_nodes):  # a host cut off silently neither answers nor resets its connections:
+            self.ctx.store.set(protocol.cut_off_key(members.gen), f"node(s) {lost_nodes} went silent")  # stop waiting
         for node in lost_nodes:  # once lost, a host stays lost: heard again, it is told so and halts
             self.ctx.fleet.fence(node, f"node {node} went silent and was declared lost in recovery {rec.id}",
                                  members.gen)
@@ -83,6 +83,14 @@ class Executor:
                     w.dead = True
         self.actions[decision.action].act(self.ctx, decision, lost_nodes)
         self.after_change()
+
+    def _runs_members(self, nodes: list[int]) -> bool:
+        """Whether a member of the current generation's groups runs on one of ``nodes``. A lost spare host runs none:
+        cutting the generation off would only make every member give its collective up and retry for nothing."""
+        layout = self.members.layouts.get(self.members.gen)
+        if layout is None:
+            return bool(nodes)
+        return any(self.members.workers[wid].node in nodes for wid in layout.members)
 
     def judge(self, dead: list[int], lost_nodes: list[int], hung: bool) -> Decision:
         """The policy's decision for these dead workers and newly lost nodes, everything else as it is now;
