@@ -150,6 +150,10 @@ def _run(job: Job, hosts: netns.Hosts, checksum: str) -> None:
     # the survivors' collectives with the frozen host were aborted, not waited out to the collective timeout
     assert rec["rto_s"] < COLLECTIVE_TIMEOUT_S / 5, rec
     assert all(p.status() == psutil.STATUS_STOPPED for p in frozen)  # no process of host 1 ever ran again
+    t_end = time.monotonic()
+    for tree in survivors:  # node 0 arrived in torchrun's exit barrier for host 1's agent: nobody waits for it
+        assert tree.wait(timeout=30) == 0, job.output()
+    print(f"the surviving hosts' torchruns ended {time.monotonic() - t_end:.1f}s after the summary")
 
 
 def start_hosts(job: Job, hosts: netns.Hosts, *layout: str) -> list:

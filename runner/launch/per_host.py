@@ -73,6 +73,8 @@ def host_env(kind: str) -> HostEnv:
                    e.get("SLURM_JOB_ID", "job"))
 
 
+_ROUNDS_PROBED = 64  # torchrun's rendezvous rounds looked for (one per restart of the job, and failed attempts)
+_TERMINAL_STATE = "torchelastic/agent/terminal_state"  # the exit barrier's keys (torchelastic's agent, api.py)
 REFUSED = "refused: "  # node 0 would not start: what it publishes instead of the control address
 
 
@@ -194,7 +196,56 @@ def _run_controller(cfg: DictConfig, run_dir: Path, env: HostEnv, launcher: TCPS
     launcher.set(control_key(env.job_id), f"{host}:{store.port}")
     print(f"[runner] control plane at {host}:{store.port} (a host started later joins with the same command "
           f"plus launcher.join={host}:{store.port})", flush=True)
-    return Controller(cfg, run_dir, store=store, address=(host, store.port), agents_started_here=[0]).run()
+    summary = Controller(cfg, run_dir, store=store, address=(host, store.port), agents_started_here=[0]).run()
+    if env.launcher_store:  # torchrun
+        lost = [n for n in range(env.hosts) if store.check([protocol.node_fence_key(n)])]
+        arrive_for_lost_hosts(launcher, env.job_id, env.hosts, len(lost))
+    return summary
+
+
+def arrive_for_lost_hosts(launcher: TCPStore, run_id: str, hosts: int, lost: int) -> None:
+    """torchrun's agents end in an exit barrier that waits for every agent of the rendezvous (300 s, a setting its
+    command line does not expose), and the agent of a host the job lost never arrives: the surviving hosts would
+    stay five minutes after the job ended. Node 0 arrives in the lost hosts' place, in the barrier's own keys
+    (torchelastic's ``agent/terminal_state/num_members`` and ``last_member`` under the rendezvous' prefix, in its
+    store: ``_exit_barrier``), so each survivor's torchrun ends once its own process did. A lost host heard again
+    later arrives too and finds the barrier passed."""
+    if not lost:
+        return
+    barrier = _exit_barrier(launcher, run_id)
+    if barrier is None:
+        return
+    store, prefix = barrier
+    if store.add(f"{prefix}/num_members", lost) == hosts:
+        store.set(f"{prefix}/last_member", "<val_ignored>")
+
+
+def _exit_barrier(launcher: TCPStore, run_id: str) -> Optional[tuple[TCPStore, str]]:
+    """The store and key prefix of torchrun's exit barrier, read from the arguments of the torchrun that started
+    this process with torchrun's own parser: the static rendezvous' store is the one its workers are given
+    (``MASTER_ADDR``), prefixed by the run id; the c10d rendezvous' is at ``--rdzv-endpoint``, prefixed by the
+    run id and the newest rendezvous round (each round's store holds ``MASTER_ADDR``). None for another launcher."""
+    from torch.distributed.run import get_args_parser
+
+    try:
+        argv = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return None
+    start = next((i + 1 for i, a in enumerate(argv) if a == "torch.distributed.run" or a.endswith("torchrun")), None)
+    if start is None:
+        return None
+    try:
+        args, _ = get_args_parser().parse_known_args(argv[start:])
+    except SystemExit:  # argparse's way of refusing arguments it cannot read
+        return None
+    if args.rdzv_backend == "static":
+        return launcher, f"{run_id}/{_TERMINAL_STATE}"
+    if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+        return None
+    host, port = (args.rdzv_endpoint.rsplit(":", 1) if ":" in args.rdzv_endpoint else (args.rdzv_endpoint, "29400"))
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    rounds = [r for r in range(_ROUNDS_PROBED) if store.check([f"torch.rendezvous.{run_id}.{r}/MASTER_ADDR"])]
+    return (store, f"torch.rendezvous.{run_id}.{max(rounds)}/{_TERMINAL_STATE}") if rounds else None
 
 
 def _agent_config(cfg: DictConfig, run_dir: Path) -> bytes:
