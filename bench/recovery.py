@@ -269,9 +269,9 @@ def launch_per_host(fault: str) -> dict:
             rest = job.lose_host(trees, 1)
             summary_path = job.run_dir / "summary.json"
             local_hosts.wait_for("the summary", summary_path.exists, procs=rest, timeout_s=600)
-            # the survivors' torchrun waits in its exit barrier for the lost host (torchrun's own 300 s): not for us
-            local_hosts.wait_for("the agents and workers to end",
-                                 lambda: not local_hosts.processes_of(job.token) - {p.pid for p in rest}, timeout_s=120)
+            # node 0 arrives in torchrun's exit barrier for the lost host: the survivors' torchruns end too
+            local_hosts.wait_for("every process of the job to end", lambda: not local_hosts.processes_of(job.token),
+                                 timeout_s=120)
         summary = json.loads((job.run_dir / "summary.json").read_text())
     finally:
         job.close()

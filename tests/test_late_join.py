@@ -32,7 +32,7 @@ from tests.local_hosts import BASE, events, max_step, wait_for
 from tests.test_config import _compose
 from tests.test_torchrun_per_host import (
     SECRET,
-    assert_agents_and_workers_end,
+    assert_survivors_end,
     hosts_behind_the_rendezvous_store,
 )
 
@@ -208,4 +208,4 @@ def test_a_host_that_joins_later_takes_a_lost_hosts_ranks(make_job, tmp_path):
     assert sorted(e["wid"] for e in assigned) == sorted(e["wid"] for e in ready)  # the late host's spares
     assert s["samples_lost"] == 0 and s["param_checksum"] == fault_free.summary["param_checksum"]
     assert late.wait(timeout=60) == 0, job.output()
-    assert_agents_and_workers_end(job, [p for p in rest if p.pid != late.pid])
+    assert_survivors_end(job, [p for p in rest if p.pid != late.pid])
