@@ -194,8 +194,9 @@ class StragglerConfig:
     """How much slower than the median of its peers a rank's compute (or link) time must be; > 1."""
     window_steps: int = 20
     """For this many consecutive committed steps; >= 1."""
-    min_excess_s: float = 0.005
-    """And by at least this many seconds per step, so that the jitter of a millisecond step is no straggler; >= 0."""
+    min_excess_s: float = 0.05
+    """And by at least this many seconds per step, so that the jitter of a short step is no straggler (on a shared CPU
+    host a process starved for a while ran 2x its peers' 27 ms for 20 steps); >= 0."""
     quarantine_s: float = 600.0
     """A host released by ``policy.straggler=[swap_spare]`` holds no rank for this many seconds, then its slots get
     warm spares again (it rejoins the pool); >= 0."""
