@@ -177,15 +177,22 @@ def test_a_lost_node_goes_to_warm_spares(tmp_path):
     assert len(fleet.spawned) == 6  # the spares were already running
 
 
-def _node_1_lost_to_the_spares(tmp_path):
-    """Two nodes of two ranks and a spare node: node 1 goes silent and the spares (wids 4, 5) take its ranks."""
+def _lose_with_spares_ready(tmp_path, node: int):
+    """Two nodes of two ranks and a spare node whose spares (wids 4, 5) are ready: node ``node`` goes silent and
+    the controller decides."""
     ctl, fleet = _start(tmp_path, "ft=deadpool", "parallel.spares=2")
     for wid in (4, 5):
         ctl.store.set(f"ready/{wid}", "1")
     _round(ctl, heartbeats=True)
-    fleet.lose_node(1)
+    fleet.lose_node(node)
     _round(ctl, heartbeats=True)
     _round(ctl)
+    return ctl, fleet
+
+
+def _node_1_lost_to_the_spares(tmp_path):
+    """Node 1 goes silent and the spares take its ranks."""
+    ctl, fleet = _lose_with_spares_ready(tmp_path, 1)
     assert _layout(ctl, 1).members == [0, 1, 4, 5]
     return ctl, fleet
 
@@ -336,13 +343,7 @@ def test_a_lost_node_and_its_workers_are_fenced(tmp_path):
 def test_a_lost_spare_host_is_fenced_and_the_training_generation_left_alone(tmp_path):
     """The spare host runs no member of the generation: it is fenced and its spares written off, but the generation
     is not cut off (its members would give their collective up and retry it for nothing) and none follows."""
-    ctl, fleet = _start(tmp_path, "ft=deadpool", "parallel.spares=2")
-    for wid in (4, 5):
-        ctl.store.set(f"ready/{wid}", "1")
-    _round(ctl, heartbeats=True)
-    fleet.lose_node(2)
-    _round(ctl, heartbeats=True)
-    _round(ctl)
+    ctl, fleet = _lose_with_spares_ready(tmp_path, 2)
     assert [e["reason"] for e in _events(tmp_path, "recovery_not_needed")] == ["node(s) [2] held no rank"]
     assert list(fleet.fenced) == [2] and int(ctl.store.get("gen")) == 0
     assert not ctl.store.check([protocol.cut_off_key(0)])
