@@ -98,8 +98,7 @@ def test_a_host_cut_off_silently_is_detected_by_heartbeat_and_replaced_by_the_sp
             job.close()  # SIGKILL ends the frozen tree too
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason()))
+@pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason()))  # default tier: about 1 minute
 def test_when_the_controllers_host_is_cut_off_silently_every_other_host_exits_non_zero_within_30s(make_job):
     """Host 0 (the controller, the control-plane store, torchrun's rendezvous store) loses its link, its processes
     running on: the other hosts' store calls neither answer nor fail, yet their agents and workers stop within the
