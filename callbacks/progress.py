@@ -1,4 +1,5 @@
-"""The progress bar on logical rank 0: committed step, loss and tokens/s instead of Lightning's ``v_num``.
+"""The progress bar on logical rank 0: committed step, loss and tokens/s (samples/s for a user's module that states no
+``tokens_per_sample``) instead of Lightning's ``v_num``.
 
 The numbers are the committed step's global view that ``CommitMetrics`` computed from the reduction
 (the loss averaged over every rank's micro-batch, tokens/s of the whole job), so the bar says what
@@ -23,5 +24,6 @@ class StepProgressBar(TQDMProgressBar):
         last = self.commit_metrics.last
         shown: dict[str, Any] = {"step": trainer.global_step}
         if last is not None:
-            shown.update({"loss": f"{last['loss']:.4f}", "tokens/s": f"{last['tokens_per_s']:,.0f}"})
+            rate = "tokens/s" if hasattr(pl_module, "tokens_per_sample") else "samples/s"  # a module's batches are
+            shown.update({"loss": f"{last['loss']:.4f}", rate: f"{last['tokens_per_s']:,.0f}"})  # tokens if it says so
         return {**shown, **trainer.progress_bar_metrics}  # and what the module logs with prog_bar=True

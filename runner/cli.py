@@ -26,7 +26,9 @@ from runner.config.registry import CONF_DIR, user_config_dirs
 from runner.config.validate import validate
 from runner.control.records import EXIT_RUN_FAILED, EXIT_STOPPED, exit_code
 from runner.launch.objective import final_metric
+from runner.planning.module_facts import subject_name
 from runner.planning.plan import apply_smoke, make_plan, memory_problem, needs_gpus, scaled
+from runner.report.summary import throughput
 
 EXIT_CONFIG = 2
 EXIT_NEEDS_GPUS = 3
@@ -68,7 +70,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
             raise ConfigError(too_big)
         if needs_gpus(cfg, plan):
             print(
-                f"[runner] {cfg.recipe_name} has {scaled(plan.params)} parameters and needs {plan.world} GPUs "
+                f"[runner] {subject_name(cfg)} has {scaled(plan.params)} parameters and needs {plan.world} GPUs "
                 f"with {plan.bytes_per_rank / 2**30:.0f} GiB each; this host has {plan.gpus_available}. Launch it "
                 "under torchrun or SLURM on a GPU cluster, or add runner.smoke=true to train the same recipe shrunk "
                 "on CPU.",
@@ -94,6 +96,7 @@ def run(cfg: DictConfig, run_dir: Path) -> int:
 
 
 def render_summary(s: dict, run_dir: Path) -> str:
+    rate, unit = throughput(s)
     lines = [
         "=" * 72,
         f"run {s['status'].upper()}: {s['run_name']}  ({run_dir})",
@@ -104,7 +107,9 @@ def render_summary(s: dict, run_dir: Path) -> str:
             else "no ETTR: the run failed")
     lines += [
         f"  steps        {s['global_step']}  loss {_loss(s['initial_loss'])} -> {_loss(s['final_loss'])}",
-        f"  throughput   {s['steps_per_s']:.2f} steps/s, {s['tokens_per_s']:.0f} tokens/s, MFU {100 * s['mfu']:.2f}%",
+        f"  throughput   {s['steps_per_s']:.2f} steps/s, {rate:.0f} {unit}, "
+        + (f"MFU {100 * s['mfu']:.2f}%" if s.get("mfu") is not None else "MFU unknown (the module states no "
+           "flops_per_sample)"),
         f"  wall         {s['wall_s']:.1f}s (training {s['train_s']:.1f}s, {ettr})",
         f"  samples      committed {s['samples_committed']}, lost {s['samples_lost']}, "
         f"duplicated {s['samples_duplicated']}",

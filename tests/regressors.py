@@ -76,3 +76,14 @@ class LoggingOnlyRegressor(ValidatedRegressor):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+
+class StatedRegressor(WideRegressor):
+    """A module that states its cost: 4 tokens per sample (its 8 inputs in pairs) and its training FLOPs per sample
+    (6 x parameters, forward and backward), so the run reports tokens/s and MFU."""
+
+    tokens_per_sample = 4
+
+    @property
+    def flops_per_sample(self) -> float:
+        return 6.0 * sum(p.numel() for p in self.parameters())

@@ -172,7 +172,10 @@ def test_refused_config_never_imports_torch(overrides, code, run_dir):
     (["model._target_=torch.nn.Linear"], "model._target_=torch.nn.Linear is a class deriving from Module, not a "
      "lightning.pytorch.LightningModule", None),
     (["+ckpt_path=last.ckpt"], "ckpt_path is not a config key: use runner.resume", "checkpoint"),
-], ids=["lr", "batch", "max_steps", "precision", "not_a_module", "ckpt_path"])
+    (["model._target_=tests.regressors.ValidatedRegressor", "+model.kwargs.hidden=3"],
+     "model._target_=tests.regressors.ValidatedRegressor cannot be built with model.kwargs={'hidden': 3}: TypeError",
+     None),
+], ids=["lr", "batch", "max_steps", "precision", "not_a_module", "ckpt_path", "module_kwargs"])
 def test_bad_input_exits_2_before_any_worker_starts(overrides, expected, misleading, run_dir):
     """Each bad input is refused in the launching process: exit 2, one paragraph that says what to change, and no
     worker: the process never imported the launcher that starts the controller, agents and workers, and no runner

@@ -22,7 +22,7 @@ def test_param_count_matches_the_module():
 def test_flops_and_mfu():
     cfg = GPTConfig()
     assert flops_per_token(cfg) > 6 * (count_params(cfg) - cfg.seq_len * cfg.d_model)
-    assert mfu(cfg, tokens_per_s=1000.0, peak_flops=flops_per_token(cfg) * 2000.0) == 0.5
+    assert mfu(flops_per_token(cfg), items_per_s=1000.0, peak_flops=flops_per_token(cfg) * 2000.0) == 0.5
 
 
 def test_attention_and_ffn_are_separate_submodules():

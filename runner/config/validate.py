@@ -80,8 +80,9 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
     if "recipe" in cfg:
         problems.append(f"'recipe={cfg.recipe}' is not a known recipe; choose one with +recipe=NAME from: "
                         f"{', '.join(recipe_names())}.")
-    if cfg.recipe_name == "none":
-        problems.append(f"No recipe chosen: add +recipe=NAME, one of: {', '.join(recipe_names())}.")
+    if cfg.recipe_name == "none" and cfg.model._target_ is None:
+        problems.append(f"No recipe chosen: add +recipe=NAME, one of: {', '.join(recipe_names())}, or train your own "
+                        "LightningModule with model._target_=package.module.Class.")
     schema = schema_problems(cfg)
     if schema:  # the rules below read the keys the schema declares, with values in range
         raise ConfigError("Invalid configuration: " + " ".join(problems + schema))

@@ -33,7 +33,7 @@ it keeps. The plan counts the worst case, one carried shard on every rank that h
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from math import ceil
 
 from runner.config.schema import GPTConfig
@@ -117,6 +117,7 @@ class RankMemory:
     pipeline: float
     replicas: float
     carried: float = 0.0  # an NDB takeover's carried shard (moments and masters), worst case one per rank
+    activations_known: bool = True  # false for a user's module: its activations are not in the total
 
     @property
     def total(self) -> float:
@@ -124,14 +125,19 @@ class RankMemory:
                 + self.replicas + self.carried)
 
     def items(self) -> list[str]:
-        """Two lines: the training state, then what the forward and backward hold (in GiB, or MiB when small)."""
+        """Two lines: the training state, then what the forward and backward hold (in GiB, or MiB when small); for a
+        user's module the second says its activations are not counted."""
         unit, size = ("GiB", GiB) if self.total >= GiB else ("MiB", 2**20)
-        g = {f.name: getattr(self, f.name) / size for f in fields(self) if f.name != "stage"}
-        return [f"parameters {g['params']:.1f} + gradients {g['grads']:.1f} + master weights {g['master']:.1f} + "
-                f"Adam moments {g['moments']:.1f} {unit}",
-                f"+ activations {g['activations']:.1f} ({g['recomputed']:.1f} with full recomputation, which training "
-                f"does not do) + pipeline buffers {g['pipeline']:.1f} + DeadPool shard replicas {g['replicas']:.1f} "
-                f"+ a shard carried for NDB {g['carried']:.1f} {unit}"]
+        g = {f.name: getattr(self, f.name) / size for f in fields(self) if f.name not in ("stage", "activations_known")}
+        state = [f"parameters {g['params']:.1f} + gradients {g['grads']:.1f} + master weights {g['master']:.1f} + "
+                f"Adam moments {g['moments']:.1f} {unit}"]
+        if not self.activations_known:
+            return state + [f"+ DeadPool shard replicas {g['replicas']:.1f} + a shard carried for NDB "
+                            f"{g['carried']:.1f} {unit}; activations not counted (the plan does not know the module's "
+                            "shape)"]
+        return state + [f"+ activations {g['activations']:.1f} ({g['recomputed']:.1f} with full recomputation, which "
+                        f"training does not do) + pipeline buffers {g['pipeline']:.1f} + DeadPool shard replicas "
+                        f"{g['replicas']:.1f} + a shard carried for NDB {g['carried']:.1f} {unit}"]
 
 
 def stage_params(gpt: GPTConfig, tp: int, pp: int, stage: int) -> float:
@@ -156,7 +162,6 @@ def block_activations(gpt: GPTConfig, tp: int, micro_batch: int) -> float:
 
 def stage_memory(gpt: GPTConfig, precision: Precision, layout: Layout, stage: int) -> RankMemory:
     lay = layout
-    n = stage_params(gpt, lay.tp, lay.pp, stage)
     scale = precision.activations / 2  # the formula counts 16-bit elements
     blocks = ceil(gpt.n_layer / lay.pp)
     one_block = block_activations(gpt, lay.tp, lay.micro_batch) * scale
@@ -165,8 +170,17 @@ def stage_memory(gpt: GPTConfig, precision: Precision, layout: Layout, stage: in
     in_flight = min(lay.pp - stage, lay.micro_batches)
     sends = (stage < lay.pp - 1) + (stage > 0)  # activations forward, gradients back: held until the step ends
     pipeline = (in_flight - 1) * blocks * one_block + sends * lay.micro_batches * boundary if lay.pp > 1 else 0
+    state = state_memory(stage_params(gpt, lay.tp, lay.pp, stage), precision, layout, stage)
+    return replace(state, activations=blocks * one_block + logits, recomputed=blocks * boundary + one_block + logits,
+                   pipeline=pipeline, activations_known=True)
+
+
+def state_memory(n: float, precision: Precision, layout: Layout, stage: int = 0) -> RankMemory:
+    """The training state of a rank holding ``n`` parameters (weights, gradients, masters, moments, DeadPool's
+    replicas, NDB's carried shard), no activations: all the plan knows of a user's module, whose shape it cannot
+    see (``activations_known`` false)."""
+    lay = layout
     sharded = lay.shards if lay.zero else 1  # ZeRO-1 keeps the moments and masters of the rank's own shard only
-    moments = n * precision.moments / sharded
     replicas = carried = 0.0
     if lay.replicates_shards and lay.zero:
         shard = n / lay.shards  # the optimizer's own weights are the masters where there are any
@@ -175,8 +189,8 @@ def stage_memory(gpt: GPTConfig, precision: Precision, layout: Layout, stage: in
             carried = shard * (precision.master + precision.moments)
     return RankMemory(
         stage=stage, params=n * precision.weights, grads=n * precision.grads, master=n * precision.master / sharded,
-        moments=moments, activations=blocks * one_block + logits, recomputed=blocks * boundary + one_block + logits,
-        pipeline=pipeline, replicas=replicas, carried=carried,
+        moments=n * precision.moments / sharded, activations=0.0, recomputed=0.0, pipeline=0.0, replicas=replicas,
+        carried=carried, activations_known=False,
     )
 
 

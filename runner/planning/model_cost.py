@@ -26,8 +26,9 @@ def flops_per_token(cfg: GPTConfig) -> float:
     return 6.0 * n + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
 
 
-def mfu(cfg: GPTConfig, tokens_per_s: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved training FLOP/s over the hardware peak (all ranks)."""
+def mfu(flops_per_item: float, items_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved training FLOP/s (FLOPs per token or sample times tokens or samples per
+    second) over the hardware peak (all ranks)."""
     if peak_flops <= 0:
         return 0.0
-    return flops_per_token(cfg) * tokens_per_s / peak_flops
+    return flops_per_item * items_per_s / peak_flops

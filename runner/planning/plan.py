@@ -29,8 +29,8 @@ from runner.config.validate import (
     world_size,
     zero_problems,
 )
-from runner.planning.memory import GiB, Layout, RankMemory, precision_of, rank_memory
-from runner.planning.model_cost import count_params, flops_per_token
+from runner.planning.memory import GiB, Layout, RankMemory, precision_of, rank_memory, state_memory
+from runner.planning.module_facts import ModuleFacts, module_facts, subject_name
 from runner.planning.topology import spare_count
 from runner.recovery.registry import replicates_shards, with_
 
@@ -42,7 +42,7 @@ class Plan:
     layout: Layout
     precision: str
     memory: RankMemory
-    flops_per_token: float
+    facts: ModuleFacts
     gpus_available: int
     spares: int
     spares_by_default: bool  # parallel.spares unset and ft has deadpool: one spare node
@@ -59,22 +59,33 @@ class Plan:
             spares += f" (one spare node by default for {users}; parallel.spares=0 for none)"
         where = "" if lay.pp == 1 else f", pipeline stage {mem.stage} of {lay.pp}"
         return "\n".join([
-            f"plan for recipe {cfg.recipe_name}:",
-            f"  model       {scaled(self.params)} parameters, {scaled(self.flops_per_token, giga='G')}FLOP per token "
-            "(training)",
+            f"plan for recipe {cfg.recipe_name}:" if not self.facts.is_user_module else
+            f"plan for {subject_name(cfg)} ({cfg.model._target_}):",
+            f"  model       {self.model_line()}",
             f"  layout      {p.nodes} node(s) x {p.procs_per_node} rank(s) = {self.world} ranks: dp={lay.dp} "
             f"tp={lay.tp} pp={lay.pp} zero={lay.zero}"
             + (f" dp_group_size={lay.dp_group_size} ({lay.dp // lay.dp_group_size} replica groups)"
                if lay.dp_group_size else "") + f", {spares}",
             f"  batch       {cfg.trainer.global_batch_size} samples/step = {lay.micro_batch * lay.micro_batches} per "
-            f"rank x {lay.dp} replicas, as {lay.micro_batches} micro-batch(es) of {lay.micro_batch}, seq "
-            f"{cfg.model.seq_len}",
+            f"rank x {lay.dp} replicas, as {lay.micro_batches} micro-batch(es) of {lay.micro_batch}"
+            + (f", seq {self.facts.tokens_per_sample}" if self.facts.tokens_per_sample else ""),
             f"  memory/rank {self.bytes_per_rank / GiB:.{1 if self.bytes_per_rank >= GiB else 3}f} GiB of "
             f"runner.gpu_memory_gib={cfg.runner.gpu_memory_gib:g}"
             f" ({self.precision}{where}):",
             *(f"              {line}" for line in mem.items()),
             f"  devices     needs {self.world} GPU(s); this host has {self.gpus_available}",
         ])
+
+
+    def model_line(self) -> str:
+        """Size and cost: the GPT's from its shape, a user module's parameters and the FLOPs it states, if any."""
+        f = self.facts
+        if not f.is_user_module:
+            return (f"{scaled(self.params)} parameters, {scaled(f.flops_per_token or 0.0, giga='G')}"
+                    "FLOP per token (training)")
+        cost = (f"{scaled(f.flops_per_sample, giga='G')}FLOP per sample (training, its flops_per_sample)"
+                if f.flops_per_sample else "FLOPs unknown (give the module a flops_per_sample attribute for MFU)")
+        return f"{scaled(self.params)} parameters, {cost}"
 
 
 def scaled(value: float, giga: str = "B") -> str:
@@ -93,8 +104,8 @@ def gpt_config(cfg: DictConfig) -> GPTConfig:
 def make_plan(cfg: DictConfig) -> Plan:
     p = cfg.parallel
     dp = dp_size(cfg)
-    gpt = gpt_config(cfg)
-    n = count_params(gpt)
+    facts = module_facts(cfg)
+    n = facts.params
     per_rank = max(1, cfg.trainer.global_batch_size // dp)
     if n > cfg.runner.cpu_max_params:  # GPU scale: one sample per micro-batch
         micro_batch, micro_batches = 1, per_rank
@@ -106,8 +117,10 @@ def make_plan(cfg: DictConfig) -> Plan:
     layout = Layout(int(p.tp), int(p.pp), dp, int(p.zero), micro_batch, micro_batches,
                     replicates_shards(ft), groups, bool(with_(ft, "covers_ranks")))
     name, precision = precision_of(cfg.trainer.precision, bool(cfg.trainer.master_weights))
-    return Plan(n, world_size(cfg), layout, precision.describe(name), rank_memory(gpt, precision, layout),
-                flops_per_token(gpt), host_gpus(cfg.runner.device), spare_count(cfg),
+    memory = state_memory(n, precision, layout) if facts.is_user_module else rank_memory(gpt_config(cfg), precision,
+                                                                                        layout)
+    return Plan(n, world_size(cfg), layout, precision.describe(name), memory,
+                facts, host_gpus(cfg.runner.device), spare_count(cfg),
                 p.spares is None and spare_count(cfg) > 0)
 
 

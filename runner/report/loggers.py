@@ -16,6 +16,8 @@ from typing import Any, Optional, Protocol
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.planning.module_facts import subject_name
+
 STEP_AXIS = "global_step"  # every row has it: the training step the row belongs to
 TIME_AXIS = "wall_time"  # and seconds since the controller started
 # every metric family the runner logs is drawn against the step axis (the time axis is in the same rows);
@@ -25,7 +27,7 @@ METRIC_FAMILIES: dict[str, Optional[str]] = {"train/*": None, "recovery/*": None
 
 def run_name(cfg: DictConfig) -> str:
     ft = "+".join(cfg.ft.keys()) if cfg.ft else "noft"
-    return f"{cfg.recipe_name}-{ft}-{cfg.fault.kind}-w{cfg.parallel.nodes}x{cfg.parallel.procs_per_node}"
+    return f"{subject_name(cfg)}-{ft}-{cfg.fault.kind}-w{cfg.parallel.nodes}x{cfg.parallel.procs_per_node}"
 
 
 class ExperimentLogger(Protocol):

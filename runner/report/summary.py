@@ -15,7 +15,7 @@ from typing import Optional
 
 from runner.control.records import Attempt, Recovery, RunRecord
 from runner.planning.model_cost import mfu
-from runner.planning.plan import gpt_config
+from runner.planning.module_facts import ModuleFacts, module_facts
 from runner.plumbing.events import read_jsonl
 from runner.report.loggers import run_name
 
@@ -35,14 +35,17 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     # a resumed run accounts from its checkpoint's step, a stopped one up to the step it stopped at
     first = next((e["at_step"] for e in events if e["kind"] == "resumed"), 0)
     last = max((d["global_step"] for d in done.values()), default=0) if status == "stopped" else cfg.trainer.max_steps
-    accounting = _accounting(committed, cfg, record.dp, range(first, last))
+    accounting = _accounting(committed, cfg, record.dp, range(first, last), module_facts(cfg).tokens_per_sample)
     train_s = _train_seconds(metrics)
-    tokens_per_s = accounting["tokens_committed"] / train_s if train_s > 0 else 0.0
+    facts = module_facts(cfg)
+    samples_per_s = accounting["samples_committed"] / train_s if train_s > 0 else 0.0
+    tokens_per_s = samples_per_s * facts.tokens_per_sample if facts.tokens_per_sample else None
     global_step = max((d["global_step"] for d in done.values()), default=steps_in_metrics)
     summary = {
         "status": status,
         **({"error": error} if status == "failed" else {}),
         "recipe": cfg.recipe_name,
+        "model": facts.name,
         "run_name": run_name(cfg),
         "ft": list(record.ft),
         "fault": cfg.fault.kind,
@@ -51,9 +54,10 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
         "global_step": global_step,
         "initial_loss": metrics[0]["loss"] if metrics else None,
         "final_loss": metrics[-1]["loss"] if metrics else None,
+        "samples_per_s": samples_per_s,
         "tokens_per_s": tokens_per_s,
         "steps_per_s": steps_in_metrics / train_s if train_s > 0 else 0.0,
-        "mfu": _mfu(cfg, tokens_per_s, record.dp * int(cfg.parallel.tp) * int(cfg.parallel.pp)),  # every rank
+        "mfu": _mfu(cfg, facts, samples_per_s, record.dp * int(cfg.parallel.tp) * int(cfg.parallel.pp)),  # every rank
         "wall_s": wall,
         "train_s": train_s,
         "param_checksum": checksums[0] if len(checksums) == 1 else None,
@@ -73,6 +77,13 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     summary["effective_training_time_ratio"] = _ettr(train_s, recoveries)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def throughput(s: dict) -> tuple[float, str]:
+    """A summary's throughput and its unit: tokens/s where a sample is tokens, else samples/s."""
+    if s.get("tokens_per_s") is not None:
+        return s["tokens_per_s"], "tokens/s"
+    return s.get("samples_per_s") or 0.0, "samples/s"
 
 
 def _stragglers(events: list[dict], committed: list[dict], recoveries: list[dict]) -> list[dict]:
@@ -113,8 +124,9 @@ def _last_per_step(metrics: list[dict]) -> list[dict]:
     return [last[step] for step in sorted(last)]
 
 
-def _accounting(metrics: list[dict], cfg, dp: int, steps: range) -> dict:
-    """Token accounting from the per-step counts that rode along each committed reduction; ``steps``: the run's."""
+def _accounting(metrics: list[dict], cfg, dp: int, steps: range, tokens_per_sample: Optional[int]) -> dict:
+    """Sample accounting from the per-step counts that rode along each committed reduction; ``steps``: the run's;
+    tokens only where a sample is tokens (the GPT, or a module stating ``tokens_per_sample``)."""
     micro = cfg.trainer.global_batch_size // dp
     seen: dict[tuple[int, int], int] = {}
     misplaced = 0
@@ -130,7 +142,7 @@ def _accounting(metrics: list[dict], cfg, dp: int, steps: range) -> dict:
         "samples_lost": len(expected - present) * micro,
         "samples_duplicated": duplicated * micro,
         "samples_misplaced": misplaced * micro,
-        "tokens_committed": sum(seen.values()) * micro * (cfg.model.seq_len if cfg.model._target_ is None else 1),
+        "tokens_committed": sum(seen.values()) * micro * tokens_per_sample if tokens_per_sample else None,
     }
 
 
@@ -140,10 +152,11 @@ def _train_seconds(metrics: list[dict]) -> float:
     return metrics[-1]["t"] - metrics[0]["t"] + metrics[0]["step_time_s"]
 
 
-def _mfu(cfg, tokens_per_s: float, ranks: int) -> float:
-    if cfg.model._target_ is not None:
-        return 0.0
-    return mfu(gpt_config(cfg), tokens_per_s, cfg.runner.peak_flops_per_rank * ranks)
+def _mfu(cfg, facts: ModuleFacts, samples_per_s: float, ranks: int) -> Optional[float]:
+    """Model FLOPs utilisation; None when the model's FLOPs are unknown (a user module without flops_per_sample)."""
+    if facts.flops_per_sample is None:
+        return None
+    return mfu(facts.flops_per_sample, samples_per_s, cfg.runner.peak_flops_per_rank * ranks)
 
 
 def _replication(done: dict) -> dict:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from runner.report.collect import PHASES, Job
+from runner.report.summary import throughput
 
 NO_SUMMARY = "the run wrote no summary.json (configuration error, plan-only run, or killed)"
 NO_RECOVERY = "no recovery in this job"
@@ -91,7 +92,7 @@ def _main_row(job: Job, jobs: list[Job], notes: Notes) -> list[str]:
     return [
         job.name, job.strategy, job.fault, s.get("status", "n/a"), str(len(job.recoveries)), *recovery,
         _median(job, "rpo_steps", notes, _fmt_steps),
-        f"{s['steps_per_s']:.2f}", f"{s['tokens_per_s']:,.0f}",
+        f"{s['steps_per_s']:.2f}", _rate(s),
         _overhead(job, jobs, notes), f"{s['effective_training_time_ratio']:.3f}", _checksum(job, jobs, notes),
         f"{s.get('samples_lost', 0)} / {s.get('samples_duplicated', 0)}",
         s.get("error") or "none",
@@ -104,6 +105,11 @@ def _recovery_row(job: Job, r: dict[str, Any], notes: Notes) -> list[str]:
 
     return [job.name, str(r["id"]), r["fault"], ", ".join(map(str, r["victims"])), str(r["step"]), r["action"],
             value("rto_s"), *[value(p) for p in PHASES], value("rpo_steps", _fmt_steps), r["reason"]]
+
+
+def _rate(s: dict[str, Any]) -> str:
+    value, unit = throughput(s)
+    return f"{value:,.0f}" if unit == "tokens/s" else f"{value:,.1f} samples/s"
 
 
 def _job_row(job: Job) -> list[str]:
@@ -126,9 +132,9 @@ def _overhead(job: Job, jobs: list[Job], notes: Notes) -> str:
     same_size = [j for j in _fault_free(jobs, job)
                  if (j.fields["recipe"], j.fields["world_size"]) == (s["recipe"], s["world_size"])]
     ref = _first(same_size, job.strategy) or _first(same_size, "none")
-    if ref is None or not ref.fields["tokens_per_s"]:
+    if ref is None or not throughput(ref.fields)[0]:
         return notes.na(NO_THROUGHPUT_REF)
-    drop = 100.0 * (1.0 - s["tokens_per_s"] / ref.fields["tokens_per_s"])
+    drop = 100.0 * (1.0 - throughput(s)[0] / throughput(ref.fields)[0])
     return f"{drop:+.1f}% (vs {ref.name})"
 
 
