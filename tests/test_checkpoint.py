@@ -106,7 +106,8 @@ def test_sigterm_checkpoints_at_the_next_step_and_the_run_resumes_from_there(fir
     assert "Traceback" not in stopped.output
     lines = [line for line in stopped.output.splitlines() if line.startswith("checkpoint saved: ")]
     assert lines == [f"checkpoint saved: {stopped.dir / 'checkpoints' / 'last.ckpt'} "
-                     f"(step {stopped.summary['global_step']}); resume with runner.resume={stopped.dir}"]
+                     f"(step {stopped.summary['global_step']}); continue it with the same command plus "
+                     f"runner.resume=auto (in this run dir), or runner.resume={stopped.dir} (in a new one)"]
     s = stopped.summary
     assert s["status"] == "stopped" and 10 <= s["global_step"] < 30 and s["samples_lost"] == 0
     assert [e["at_step"] for e in stopped.events("checkpoint_saved")] == [s["global_step"]]
@@ -266,13 +267,35 @@ def test_a_resume_with_other_module_arguments_exits_2_before_any_worker_starts(t
     assert not (tmp_path / "run" / "agent_config.json").exists()  # no agent was configured
 
 
-def test_sigusr2_checkpoints_at_the_next_step_and_stops_with_exit_75(tmp_path):
-    """submitit's and SLURM's time-limit warning (--signal=USR2@90) stops the run as SIGTERM does."""
-    stopped = _run_until(tmp_path / "stopped", step=5, sig=signal.SIGUSR2, overrides=[*TINY, "trainer.max_steps=5000"])
+def test_sigusr2_stops_with_a_checkpoint_and_the_same_command_continues_it_bit_identical(straight60, tmp_path):
+    """submitit's and SLURM's time-limit warning (--signal=USR2@90) stops the run as SIGTERM does: exit 75 and a
+    checkpoint at the stop. A requeue runs the same command into the same run dir, and ``runner.resume=auto`` (the
+    default under SLURM and torchrun) continues it there from that checkpoint: the run ends bit-identical to one
+    that was never stopped, and the stopped run's outputs are kept in ``previous/0``."""
+    command = [*TINY, "trainer.max_steps=60", "runner.resume=auto"]
+    run_dir = tmp_path / "run"
+    stopped = _run_until(run_dir, step=5, sig=signal.SIGUSR2, overrides=command)
     assert stopped.returncode == 75, stopped.output[-3000:]
     s = stopped.summary
-    assert s["status"] == "stopped" and 5 <= s["global_step"] < 5000 and s["samples_lost"] == 0
+    assert s["status"] == "stopped" and 5 <= s["global_step"] < 60 and s["samples_lost"] == 0
     assert [e["signal"] for e in stopped.events("stop_requested")] == ["SIGUSR2"]
     assert [e["at_step"] for e in stopped.events("checkpoint_saved")] == [s["global_step"]]
-    ckpt = torch.load(stopped.dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True, mmap=True)
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True, mmap=True)
     assert ckpt["global_step"] == s["global_step"]
+
+    again = run_cli(*command, run_dir=run_dir)
+    assert again.returncode == 0, again.output[-3000:]
+    assert f"runner.resume=auto: continuing from {run_dir / 'checkpoints' / 'last.ckpt'}" in again.output
+    assert [e["at_step"] for e in again.events("resumed")] == [s["global_step"]]
+    assert again.summary["param_checksum"] == straight60.summary["param_checksum"]
+    assert again.summary["samples_committed"] == (60 - s["global_step"]) * 8 and again.summary["samples_lost"] == 0
+    kept = run_dir / "previous" / "0"
+    assert json.loads((kept / "summary.json").read_text()) == s and (kept / "events.jsonl").is_file()
+
+
+def test_runner_resume_auto_in_the_dir_of_a_finished_run_is_refused_and_moves_nothing(first30):
+    before = sorted(p.name for p in first30.dir.iterdir())
+    again = run_cli(*TINY, "trainer.max_steps=30", "runner.resume=auto", run_dir=first30.dir, timeout=60)
+    assert again.returncode == 2, again.output[-3000:]
+    assert "the checkpoint is at step 30 and trainer.max_steps=30, so there is nothing left to train" in again.output
+    assert sorted(p.name for p in first30.dir.iterdir()) == before

@@ -84,9 +84,10 @@ def argument_problem(target: str, hparams: Any, expected: dict[str, tuple[str, A
 
 
 def resume_checkpoint(target: str, run_dir: Path, max_steps: int,
-                      expected: Optional[dict[str, tuple[str, Any]]] = None) -> Path:
+                      expected: Optional[dict[str, tuple[str, Any]]] = None, in_place: bool = False) -> Path:
     """The checkpoint file ``runner.resume=target`` names (a run dir's checkpoints/last.ckpt, or a file);
-    ``expected``: the config's module arguments (``module_arguments``) its hyper-parameters must match."""
+    ``expected``: the config's module arguments (``module_arguments``) its hyper-parameters must match;
+    ``in_place``: the run continues its own run dir's checkpoint (``runner.resume=auto``)."""
     given = Path(target).expanduser().resolve()
     path = given if given.is_file() else newest_checkpoint(given)
     why = ("There is nothing to continue from: give a run dir that holds checkpoints/last.ckpt (or flash checkpoints "
@@ -96,7 +97,7 @@ def resume_checkpoint(target: str, run_dir: Path, max_steps: int,
     if not path.is_file():
         raise ConfigError(f"runner.resume={target}: {path} does not exist (the run was stopped before its first "
                           f"checkpoint, or the directory is not a run dir). {why}")
-    if path.parent.parent == Path(run_dir).resolve():
+    if path.parent.parent == Path(run_dir).resolve() and not in_place:
         raise ConfigError(f"runner.resume={target} is this run's own directory; a resumed run writes into a new run "
                           "dir and never into the old run's files: leave hydra.run.dir at its default or choose "
                           "another one.")

@@ -477,7 +477,9 @@ class RunnerConfig:
     """One console line per recovery (and per failed run), from the controller's events."""
     resume: Optional[str] = None
     """A run dir or a .ckpt file: continue that run's checkpoint (checkpoints/last.ckpt) in this new run dir up to
-    trainer.max_steps; null = start from scratch."""
+    trainer.max_steps; auto = continue the run this run dir already holds, in place (from its newest checkpoint,
+    else from scratch; its earlier outputs move to previous/<n>/): the default under torchrun and SLURM, so that a
+    requeued or relaunched job goes on with the same command line; null = start from scratch (elsewhere)."""
     optimized_metric: Optional[str] = "train/loss"
     """The logged metric whose final value the job returns to Hydra (for a sweeper such as Optuna to optimise):
     train/loss, train/tokens_per_s, train/step_time_s, or val/loss (with validation); null = return nothing."""

@@ -60,5 +60,5 @@ class StopOnSignal:
         saved = [e for e in read_jsonl(Path(run_dir) / "events.jsonl") if e["kind"] == "checkpoint_saved"]
         if not saved:
             return f"[runner] {self.requested}: no checkpoint was saved ({last_checkpoint(run_dir)} does not exist)"
-        return (f"checkpoint saved: {saved[-1]['path']} (step {saved[-1]['at_step']}); resume with "
-                f"runner.resume={run_dir}")
+        return (f"checkpoint saved: {saved[-1]['path']} (step {saved[-1]['at_step']}); continue it with the same "
+                f"command plus runner.resume=auto (in this run dir), or runner.resume={run_dir} (in a new one)")

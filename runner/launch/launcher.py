@@ -9,15 +9,16 @@ out are refused here, before anything starts.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from runner.checkpoint.resume import module_arguments, resume_checkpoint
+from runner.checkpoint.resume import module_arguments, newest_checkpoint, resume_checkpoint
 from runner.config import ConfigError
 from runner.config.validate import all_faults
 from runner.control.controller import Controller
-from runner.launch.host import external_launcher, refuse_used_dir
+from runner.launch.host import claim_run_dir, external_launcher
 from runner.recovery.registry import standby_options
 
 CONTROLLER_CARRIED = ("kill_rank", "hang_rank")  # rank faults the controller carries out by signalling the victim
@@ -30,9 +31,10 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     kind = cfg.launcher.kind if cfg.launcher.kind != "auto" else (external_launcher() or "local")
     if not cfg.launcher.join:  # a joining host's config is the running job's, checked by its node 0
         check_mode(cfg, kind)
+    continuing = _continues_in_place(cfg, kind, Path(run_dir))
     if cfg.runner.resume:  # the workers get the checked file's absolute path
         cfg.runner.resume = str(resume_checkpoint(cfg.runner.resume, Path(run_dir), cfg.trainer.max_steps,
-                                                  module_arguments(cfg)))
+                                                  module_arguments(cfg), in_place=continuing))
     if cfg.launcher.join:  # a host started later, outside the launcher: a spare host of a running per_host job
         from runner.launch.per_host import join_running_job
 
@@ -41,14 +43,36 @@ def launch(cfg: DictConfig, run_dir: Path) -> dict | None:
     if kind != "local" and cfg.launcher.mode == "per_host":
         from runner.launch.per_host import run_host
 
-        return run_host(cfg, Path(run_dir), kind)
+        return run_host(cfg, Path(run_dir), kind, continuing)
     if kind != "local":
         from runner.launch.external import run_rank
 
         return run_rank(cfg, Path(run_dir), kind)
-    refuse_used_dir(Path(run_dir))
+    claim_run_dir(Path(run_dir), continuing)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return Controller(cfg, run_dir).run()
+
+
+def _continues_in_place(cfg: DictConfig, kind: str, run_dir: Path) -> bool:
+    """``runner.resume=auto`` (the default under torchrun and SLURM): this run continues the one its run dir holds,
+    from the newest checkpoint there (``newest_checkpoint``: last.ckpt, or a newer verified flash checkpoint), or
+    from scratch when there is none. Every host of a per_host job resolves it alike (the agents' configs must agree
+    with the controller's), and only the controller's host moves the earlier outputs aside (``claim_run_dir``).
+    Under per_rank a torchrun/SLURM restart continues the job through its attempts (``runner.launch.attempt``), so
+    there auto asks for nothing more. Sets ``runner.resume`` to the file to continue from (or null)."""
+    resume = cfg.runner.resume
+    if resume is None and cfg.launcher.join is None and (kind != "local" or "SLURM_JOB_ID" in os.environ):
+        resume = "auto"
+    if resume != "auto":
+        return False
+    if kind != "local" and cfg.launcher.mode != "per_host":
+        cfg.runner.resume = None
+        return False
+    newest = newest_checkpoint(run_dir)
+    cfg.runner.resume = str(newest) if newest.is_file() else None
+    print(f"[runner] runner.resume=auto: continuing from {newest}" if newest.is_file() else
+          f"[runner] runner.resume=auto: no checkpoint in {run_dir}, starting from step 0", flush=True)
+    return True
 
 
 def check_mode(cfg: DictConfig, kind: str) -> None:

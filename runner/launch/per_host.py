@@ -34,7 +34,7 @@ from torch.distributed import DistError, TCPStore
 from runner.agents import auth, joins, spawned
 from runner.config import ConfigError
 from runner.config.validate import ft_names
-from runner.launch.host import external_launcher, refuse_used_dir
+from runner.launch.host import claim_run_dir, external_launcher
 from runner.planning.topology import Topology
 from runner.plumbing import protocol
 from runner.plumbing.events import EventLog
@@ -83,8 +83,9 @@ def control_key(job_id: str) -> str:
     return f"resilient-runner/{job_id}/per_host/control"
 
 
-def run_host(cfg: DictConfig, run_dir: Path, kind: str) -> Optional[dict]:
-    """Node 0: the controller's summary. Any other host: None once its agent ended well (else SystemExit)."""
+def run_host(cfg: DictConfig, run_dir: Path, kind: str, continuing: bool = False) -> Optional[dict]:
+    """Node 0: the controller's summary. Any other host: None once its agent ended well (else SystemExit).
+    ``continuing``: the run continues the one its run dir holds (``runner.resume=auto``)."""
     _require_secret(cfg)
     env = host_env(kind)
     topo = Topology.from_cfg(cfg)
@@ -94,7 +95,7 @@ def run_host(cfg: DictConfig, run_dir: Path, kind: str) -> Optional[dict]:
                           f"parallel.spares={topo.spares}): make them equal (torchrun --nnodes={topo.total_nodes}).")
     launcher = _launcher_store(env, cfg.launcher.start_timeout_s)
     if env.node == 0:
-        return _run_controller(cfg, run_dir, env, launcher)
+        return _run_controller(cfg, run_dir, env, launcher, continuing)
     address = launcher.get(control_key(env.job_id)).decode()  # waits up to launcher.start_timeout_s
     if address.startswith(REFUSED):
         raise ConfigError(f"node 0 refused to start: {address[len(REFUSED):]}")
@@ -185,10 +186,10 @@ def _require_secret(cfg: DictConfig) -> None:
                           "the job distributes (python -c 'import secrets; print(secrets.token_hex(32))').")
 
 
-def _run_controller(cfg: DictConfig, run_dir: Path, env: HostEnv, launcher: TCPStore) -> dict:
+def _run_controller(cfg: DictConfig, run_dir: Path, env: HostEnv, launcher: TCPStore, continuing: bool) -> dict:
     from runner.control.controller import Controller
 
-    refuse_used_dir(run_dir)
+    claim_run_dir(run_dir, continuing)
     run_dir.mkdir(parents=True, exist_ok=True)
     host = cfg.launcher.control_host or own_address_towards(env.addr, env.port)
     store = protocol.host_store(host, cfg.launcher.start_timeout_s)
