@@ -89,6 +89,13 @@ def test_the_nccl_probe_reports_why_two_ranks_cannot_share_a_gpu(bench):
     assert not shared and reason and "did not finish" not in reason
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
+def test_the_gpu_check_refuses_to_run_without_a_gpu():
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "--device cpu for a dry run" in run.stderr, run.stderr[-2000:]
+
+
 def test_the_peak_table_names_the_gpus_it_knows(bench):
     assert bench.peak_of("NVIDIA H200") == bench.peak_of("NVIDIA H100 80GB HBM3") == 989e12
     assert bench.peak_of("NVIDIA H100 PCIe") == 756e12
