@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import torch
@@ -210,3 +211,17 @@ def test_a_committed_step_without_a_record_is_written_by_a_member_that_holds_it(
     comm.gen = 5
     metrics.on_commit(11, extras, 0.0)  # 11 was a laggard at step 10 (adopted it, wrote nothing): 5 writes it
     assert steps() == [7, 8, 9, 10]
+
+
+def test_runner_deterministic_turns_on_deterministic_kernels_in_a_worker(monkeypatch):
+    from runner.training.worker import deterministic_kernels
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")  # unset here, restored afterwards
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        deterministic_kernels()
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)

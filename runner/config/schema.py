@@ -467,6 +467,10 @@ class RunnerConfig:
     """Smoke-mode layout cap."""
     device: Device = "auto"
     """auto uses a GPU per rank (logical_rank % device_count) when there are GPUs."""
+    deterministic: bool = False
+    """Deterministic kernels in every worker (``torch.use_deterministic_algorithms``): on GPUs the kernels that sum
+    with atomics (attention's backward, some cuBLAS paths) give different bits from run to run, so a recovered run's
+    parameters can match the fault-free run's bit for bit only with this on. CPU kernels are deterministic anyway."""
     peak_flops_per_rank: Positive = 1.0e12
     """Hardware peak FLOP/s of one rank, for MFU; the recipes set the GPU's bf16 peak."""
     cpu_max_params: PositiveInt = 400_000_000

@@ -128,6 +128,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     store = protocol.connect(spec.host, spec.port, cfg.launcher.start_timeout_s, spec.namespace)
     status = WorkerStatus(spec.wid, spec.node, spec.local_rank, spec.logical_rank, dp)
     run_dir = Path(spec.run_dir)
+    if cfg.runner.deterministic:
+        deterministic_kernels()
     device, backend = select_device(cfg, spec.logical_rank)
     injected = [f for f in all_faults(cfg) if f.kind != "none"]
     comm = (FaultInjectingComm if injected else Comm)(store, spec.wid, backend, device, cfg.launcher,
@@ -288,6 +290,14 @@ def select_device(cfg: DictConfig, logical_rank: int) -> tuple[torch.device, str
         torch.cuda.set_device(device)
     backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
     return device, backend
+
+
+def deterministic_kernels() -> None:
+    """runner.deterministic: the same bits in every run and every replacement. cuBLAS reads its workspace setting
+    when its first handle is made, so this runs before the device is chosen; ops with no deterministic kernel warn
+    (they would fail the run otherwise), the rest take their ordered variant (attention's backward on GPUs)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def build_module_and_data(cfg: DictConfig, micro_batch: int):
