@@ -97,7 +97,8 @@ class Job:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
         env.update(PYTHONPATH=str(ROOT), WANDB_MODE="offline", WANDB_SILENT="true", **{TOKEN_ENV: self.token},
                    **(extra_env or {}))
-        log = self.run_dir.parent / f"{self.run_dir.name}.proc{len(self.procs)}.log"  # several jobs share a parent
+        # several jobs share a parent directory, and a relaunch even the run dir
+        log = self.run_dir.parent / f"{self.run_dir.name}.{self.token[:8]}.proc{len(self.procs)}.log"
         self.logs.append(log)
         with open(log, "w") as out:
             proc = subprocess.Popen(args, cwd=self.run_dir.parent, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,8 +287,10 @@ def test_when_the_controllers_host_dies_every_other_host_exits_non_zero_and_a_re
     assert all(p.returncode != 0 for p in others), job.output()
     assert_trees_end(job)
 
-    # the relaunch: a new command on every host, a new run dir, runner.resume naming the old one
-    old_files = {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in job.run_dir.rglob("*") if f.is_file()}
+    # the relaunch on every host: after a periodic checkpoint the same command in the same run dir (runner.resume=auto,
+    # the default under torchrun, continues it in place); after flash snapshots a new run dir with runner.resume
+    # naming the old one
+    old_files = _hashes(job.run_dir)
     if kept == "periodic_checkpoint":
         newest = [last]
     else:  # node 1's ranks (2, 3) persisted their newest snapshots on the way out; node 0's were lost with it
@@ -297,8 +300,11 @@ def test_when_the_controllers_host_dies_every_other_host_exits_non_zero_and_a_re
         newest = [p for p in persisted if p.name.split("-")[0] == persisted[-1].name.split("-")[0]]
     at_step = torch.load(newest[0], map_location="cpu", weights_only=True)["global_step"]
     assert at_step >= (5 if kept == "periodic_checkpoint" else 10)
-    again = make_job("relaunch")
-    three_hosts(again, f"trainer.max_steps={at_step + 5}", f"runner.resume={job.run_dir}", layout=layout)
+    in_place = kept == "periodic_checkpoint"
+    again = make_job("run" if in_place else "relaunch")
+    assert (again.run_dir == job.run_dir) == in_place
+    resume = [] if in_place else [f"runner.resume={job.run_dir}"]
+    three_hosts(again, f"trainer.max_steps={at_step + 5}", *resume, layout=layout)
     assert again.wait() == [0, 0, 0], again.output()
     s = summary(again)
     assert s["status"] == "completed" and s["global_step"] == at_step + 5, again.output()
@@ -306,8 +312,20 @@ def test_when_the_controllers_host_dies_every_other_host_exits_non_zero_and_a_re
     assert resumed["at_step"] == at_step and resumed["path"] in {str(p.resolve()) for p in newest}
     steps = [json.loads(x)["step"] for x in (again.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(at_step, at_step + 5))  # steps 0 .. at_step - 1 are in the checkpoint
-    assert old_files == {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in job.run_dir.rglob("*") if f.is_file()}
+    if in_place:  # the old run's outputs moved to previous/0, unchanged; its checkpoint advanced to the new end
+        previous = job.run_dir / "previous" / "0"
+        kept_files = {f.relative_to(previous): h for f, h in _hashes(previous).items()}
+        moved = {f.relative_to(job.run_dir): h for f, h in old_files.items()
+                 if f.relative_to(job.run_dir).parts[0] not in (".hydra", "cli.log", "checkpoints")}
+        assert kept_files == moved
+        assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == at_step + 5
+    else:  # the old run dir is only read
+        assert old_files == _hashes(job.run_dir)
     assert_trees_end(again)
+
+
+def _hashes(directory: Path) -> dict[Path, str]:
+    return {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in directory.rglob("*") if f.is_file()}
 
 
 def _complete_after_losing_host_1(job: Job, hosts: int, *overrides: str) -> tuple[dict, list]:
