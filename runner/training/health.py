@@ -112,9 +112,9 @@ def _published_listeners(store, deadline: float) -> tuple[int, dict[tuple[str, i
             ranks = range(len(layout.members))
             listeners: dict[tuple[str, int], tuple[int, str]] = {}
             device = 0
-            while group.check([f"{device}/{r}" for r in ranks]):
-                for r in ranks:
-                    host, ip, port = published_address(group.get(f"{device}/{r}"))
+            while group.check(keys := [f"{device}/{r}" for r in ranks]):
+                for r, blob in zip(ranks, group.multi_get(keys)):  # one read for every member
+                    host, ip, port = published_address(blob)
                     listeners[(ip, port)] = (layout.logical[r], host)
                 device += 1
             if listeners:
