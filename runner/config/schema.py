@@ -220,8 +220,8 @@ class HealthConfig:
     connect_timeout_s: Positive = 2.0
     """A TCP connection to the control-plane store, the path every peer rendezvouses through, within this; and, for a
     spare on gloo, one to every peer it will train with: the listener each member of the newest generation published
-    for its gloo group, the peer named by rank, host and address when it cannot be reached (not for a replacement
-    started during a recovery, whose peers closed the failed generation's groups, nor on NCCL)."""
+    for its gloo group, the peer named by rank, host and address when it cannot be reached (a refusal is a host that
+    answered; not for a replacement started during a recovery, whose generation is not built yet, nor on NCCL)."""
 
 
 @dataclass

@@ -76,8 +76,9 @@ def check_peers(health, store, wait_s: float) -> tuple[dict, list[str]]:
     """The network path to the peers a spare will train with: a TCP connection, within ``health.connect_timeout_s``,
     to the listener every member of the newest generation published for each device of its gloo group (where its
     peers connect to it). A member publishes on its group's first collective, so at start-up this waits, up to
-    ``wait_s``, for the first generation to train. A peer that refuses after the generation was replaced (its group
-    closed by a recovery) is checked again in the new one. Returns (what was measured, the failures as sentences)."""
+    ``wait_s``, for the first generation to train. A refused connection is no failure (the peer's host answered);
+    a peer unreachable when its generation was replaced meanwhile (a host lost silently) is checked again in the new
+    one. Returns (what was measured, the failures as sentences)."""
     deadline = time.monotonic() + wait_s
     while True:
         published = _published_listeners(store, deadline)
@@ -88,12 +89,15 @@ def check_peers(health, store, wait_s: float) -> tuple[dict, list[str]]:
             return {"peers": 0}, []
         with ThreadPoolExecutor(min(PARALLEL_CONNECTS, len(listeners))) as pool:  # a dead path costs one timeout
             outcomes = list(pool.map(lambda address: _connect(address, health.connect_timeout_s), listeners))
+        # a refused connection came back from the peer's host: the path works, only its process left (a recovery's
+        # business, not this host's)
         measured: dict = {"peers_gen": gen, "peers": len(listeners),
+                          "peers_refused": sum(isinstance(o, ConnectionRefusedError) for o in outcomes),
                           "peer_connect_s": max((o for o in outcomes if isinstance(o, float)), default=0.0)}
         failures = [f"no TCP connection to peer rank {rank} on host {host} at {ip}:{port} (its gloo listener of gen "
                     f"{gen}) within health.connect_timeout_s={health.connect_timeout_s:g}: {outcome}"
                     for ((ip, port), (rank, host)), outcome in zip(listeners.items(), outcomes)
-                    if isinstance(outcome, OSError)]
+                    if isinstance(outcome, OSError) and not isinstance(outcome, ConnectionRefusedError)]
         if not failures or int(store.get("gen")) == gen or time.monotonic() > deadline:
             return measured, failures
 
