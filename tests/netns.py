@@ -94,6 +94,11 @@ class Hosts:
         _ip("-n", self.ns(i), "link", "set", self.IFNAME, "up")
         _ip("link", "set", self.veth(i), "up")
 
+    def unreachable(self, i: int, j: int) -> None:
+        """Host ``i`` loses its route to host ``j`` (a broken path between two hosts, each fine with the rest): its
+        connections to ``j``'s address fail at once with "No route to host". Gone with ``i``'s namespace."""
+        _ip("-n", self.ns(i), "route", "add", "unreachable", f"{self.address(j)}/32")
+
     def close(self) -> None:
         for undo in reversed(self._made):
             subprocess.run(["ip", *undo], capture_output=True)  # a veth goes with its namespace too

@@ -75,13 +75,23 @@ def test_kill_rank_with_a_lightning_module_we_did_not_write(tmp_path):
     assert_exact(killed, clean.summary, recoveries=1)
 
 
+HANG = [*FR, "fault=hang_rank", "fault.step=10"]  # the victim SIGSTOPped at step 10: add fault.rank
+
+
 def test_hang_is_detected_killed_and_recovered(fault_free, run_dir):
-    run = run_cli(*FOUR, *FR, "fault=hang_rank", "fault.rank=1", "fault.step=10", run_dir=run_dir)
+    run = run_cli(*FOUR, *HANG, "fault.rank=1", run_dir=run_dir)
+    assert_hang_recovered(run, fault_free, hung=1)
+
+
+def assert_hang_recovered(run, fault_free, hung: int) -> None:
+    """A run of FOUR with HANG: the hung rank found within the stall timeout, diagnosed (every other rank's stack and
+    a verdict naming it) before it was killed, and recovered exactly."""
     s = assert_exact(run, fault_free, recoveries=1)
     rec = s["recoveries"][0]
-    assert rec["fault"] == "hang" and rec["victims"] == [1]
+    assert rec["fault"] == "hang" and rec["victims"] == [hung]
     assert rec["detect_s"] <= 10.0 + 0.1  # heartbeat.stall_timeout_s + one interval
-    assert_diagnosed(run, rec, hung=1, answering=[0, 2, 3])  # where everyone was before the kill
+    answering = [r for r in range(4) if r != hung]
+    assert_diagnosed(run, rec, hung=hung, answering=answering)  # where everyone was before the kill
 
 
 @pytest.mark.slow  # CI time: a variant of what the default tier covers

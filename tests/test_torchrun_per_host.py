@@ -21,7 +21,8 @@ from runner.control.records import Recovery
 from runner.faults.snapshot_memory import drop_node_memory
 from runner.recovery.flash_names import flash_job_id
 from runner.report.summary import recovery_entry
-from tests.conftest import TP2_DP2, TP2PP2, TP2PP2_STEPS, Run, read_summary  # and the fixture tp2pp2, its run
+from tests import test_stragglers as stragglers
+from tests.conftest import TP2_DP2, TP2PP2, TP2PP2_STEPS, TWO_BY_TWO, Run, read_summary  # and the fixture tp2pp2
 from tests.local_hosts import (
     BASE,
     Job,
@@ -33,7 +34,8 @@ from tests.local_hosts import (
     processes_of,
     wait_for,
 )
-from tests.test_flashrecovery import HSDP
+from tests.test_flashrecovery import HANG, HSDP, assert_hang_recovered
+from tests.test_health import REFUSED, assert_spares_refused
 from tests.test_ndb import ZERO_NDB, assert_exact_zero1_takeover, exact_zero1_takeover
 from tests.test_pp_training import PP2, pp2  # noqa: F401  (pp2: the fixture, pp=2 dp=2's fault-free run)
 from tests.test_tp_training import TP2, assert_replica_taken_over, tp2  # noqa: F401  (tp2: the fixture)
@@ -508,6 +510,43 @@ def test_flash_ckpt_restores_a_lost_hosts_ranks_from_the_partner_hosts_memory(la
     assert {e["node"] for e in moved} == {0}  # the lost host's ranks restart on its partner host
     assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0) and s["param_checksum"] == ref["param_checksum"]
     assert_survivors_end(job, rest)
+
+
+# -- stragglers, hangs, health checks: the simulations' runs and checks (tests/test_stragglers.py,
+# tests/test_flashrecovery.py, tests/test_health.py) with every host a torchrun tree of its own ----------------------
+@pytest.mark.slow
+def test_a_slow_rank_is_swapped_out_with_its_host_for_the_spare_host(make_job, local_fault_free):
+    """Rank 3 (host 1) slow from step 5: found within the window, host 1's ranks released at a committed step through
+    its agent and taken by the spare host's warm workers; the fault-free run exactly."""
+    job = make_job()
+    hosts(job, 3, *on_hosts(stragglers.SPARE_HOST), "policy.straggler=[swap_spare,report]")
+    run = as_run(job)
+    assert run.returncode == 0, job.output()
+    stragglers.assert_swapped_out(run, local_fault_free)
+    assert_trees_end(job)
+
+
+@pytest.mark.slow
+def test_a_hung_rank_on_another_host_is_diagnosed_and_recovered(make_job, local_fault_free):
+    """Rank 3, on host 1, SIGSTOPped by its agent at step 10: every other rank dumps its stacks on its own host's
+    agent's signal before the hung rank is killed, and the verdict names it."""
+    job = make_job()
+    hosts(job, 2, *on_hosts(TWO_BY_TWO), *HANG, "fault.rank=3")
+    run = as_run(job)
+    assert run.returncode == 0, job.output()
+    assert_hang_recovered(run, local_fault_free, hung=3)
+    assert_trees_end(job)
+
+
+@pytest.mark.slow
+def test_a_spare_host_that_fails_its_health_check_is_refused_and_the_job_trains_on(make_job, local_fault_free):
+    """The spare host's workers exit unhealthy (their agent reports the exit); every tree ends 0."""
+    job = make_job()
+    hosts(job, 3, *on_hosts(REFUSED))
+    run = as_run(job)
+    assert run.returncode == 0, job.output()
+    assert_spares_refused(run, local_fault_free)
+    assert_trees_end(job)
 
 
 @pytest.mark.slow

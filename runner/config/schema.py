@@ -205,8 +205,9 @@ class StragglerConfig:
 @dataclass
 class HealthConfig:
     """The health check a spare, or a replacement started on a host, runs before it is used
-    (``runner/training/health.py``): a worker that fails it logs ``health_check_failed`` with the reason and exits,
-    and is never given a rank."""
+    (``runner/training/health.py``): the device, free memory, the control-plane store and (a spare) the network path to
+    its peers; a worker that fails it logs ``health_check_failed`` with the reason and exits 72, and is never given a
+    rank."""
 
     enabled: bool = True
     """Check spares and replacements before they are used; false = use them unchecked."""
@@ -217,7 +218,10 @@ class HealthConfig:
     min_free_memory_gib: NonNegative = 0.25
     """Free host memory (and free memory on the worker's GPU) must be at least this many GiB."""
     connect_timeout_s: Positive = 2.0
-    """A TCP connection to the control-plane store, the path every peer rendezvouses through, within this."""
+    """A TCP connection to the control-plane store, the path every peer rendezvouses through, within this; and, for a
+    spare on gloo, one to every peer it will train with: the listener each member of the newest generation published
+    for its gloo group, the peer named by rank, host and address when it cannot be reached (a refusal is a host that
+    answered; not for a replacement started during a recovery, whose generation is not built yet, nor on NCCL)."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ serving it from what was read is exact. Gloo makes no other store call for a gro
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import Optional
 
@@ -69,3 +70,28 @@ def _wait(store: dist.Store, keys: list[str], timeout: Optional[timedelta]) -> N
         store.wait(keys)
     else:
         store.wait(keys, timeout)
+
+
+def published_address(blob: bytes) -> tuple[str, str, int]:
+    """(host name, IP, port) of the listener a gloo member published for its group (the value of its
+    ``<device>/<rank>`` key): gloo's tcp ``Rank`` record, a length-prefixed host name then a length-prefixed
+    ``Address`` (a ``sockaddr_storage`` and a sequence number), little-endian lengths. The listener is where its
+    peers connect to it: what ``runner.training.health`` checks a joining spare can reach. Raises ValueError on a
+    record of another layout (a gloo that changed it)."""
+    def field(at: int) -> tuple[bytes, int]:
+        if at + 8 > len(blob):
+            raise ValueError(f"a gloo address record of {len(blob)} bytes ends inside a length at byte {at}")
+        size = int.from_bytes(blob[at:at + 8], "little")
+        if at + 8 + size > len(blob):
+            raise ValueError(f"a gloo address record of {len(blob)} bytes ends inside a {size}-byte field")
+        return blob[at + 8:at + 8 + size], at + 8 + size
+
+    host, at = field(0)
+    sockaddr, _ = field(at)
+    family = int.from_bytes(sockaddr[:2], "little")
+    port = int.from_bytes(sockaddr[2:4], "big")
+    if family == socket.AF_INET and len(sockaddr) >= 8:
+        return host.decode(), socket.inet_ntop(socket.AF_INET, sockaddr[4:8]), port
+    if family == socket.AF_INET6 and len(sockaddr) >= 24:
+        return host.decode(), socket.inet_ntop(socket.AF_INET6, sockaddr[8:24]), port
+    raise ValueError(f"a gloo address record with address family {family}: not IPv4 or IPv6")

@@ -138,6 +138,9 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                       step=lambda: status.step)
     if spec.role != "initial" and cfg.health.enabled:  # a spare or a replacement proves its host first
         measured, failures = health.check(cfg.health, device, (spec.host, spec.port))
+        if spec.role == "spare" and backend == "gloo":  # a replacement's generation is built once it is ready
+            peers, unreachable = health.check_peers(cfg.health, store, cfg.launcher.start_timeout_s)
+            measured, failures = {**measured, **peers}, [*failures, *unreachable]
         if failures:
             events.emit("health_check_failed", wid=spec.wid, node=spec.node, role=spec.role,
                         reason="; ".join(failures), measured=measured)
