@@ -79,8 +79,14 @@ def verdict(hung: Optional[int], states: dict[int, RankState]) -> str:
         absent = sorted(r for r, s in states.items() if (s.phase, s.step, s.gen) != (phase, step, gen))
         parts.append(f"{_ranks(ranks)} stuck in {COLLECTIVES[phase]} of step {step} (gen {gen}) waiting for "
                      f"{_ranks(absent) if absent else 'no live rank'}")
+    if hung is None and not parts:  # no rank in a collective (a regroup): where each one is
+        where: dict[tuple[str, int, int], list[int]] = {}
+        for s in states.values():
+            where.setdefault((s.phase, s.step, s.gen), []).append(s.rank)
+        parts = [f"{_ranks(ranks)} in {phase} of step {step} (gen {gen})"
+                 for (phase, step, gen), ranks in where.items()]
     if hung is None:
-        return "; ".join(parts) or "no live rank in a collective"
+        return "; ".join(parts)
     h = states[hung]
     if h.where is not None:
         parts.append(f"rank {hung} in {h.phase} of step {h.step}, at {h.where}")
