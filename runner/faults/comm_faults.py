@@ -124,7 +124,6 @@ class FaultInjectingComm(Comm):
             failure = "injected connection error after the reduction completed on every peer"
         self._raise_on(failure)
 
-
     def _wait_wedged(self) -> str:
         """Wait as a peer of the stuck collective does: until the generation is cut off or replaced, at most the
         collective timeout (then it fails as a timed-out collective would)."""

@@ -262,9 +262,8 @@ class Comm:
             if self.store.check(["abort"]):  # the run ended (a repaired rank published to rejoin as it completed)
                 raise RunAborted(self.store.get("abort").decode())
             gen = self.joined.gen
-            cut_off = self._cut_off()  # replaced, or cut off by the controller (a regroup found stuck)
-            if cut_off is not None:
-                raise CollectiveFailure(cut_off)
+            if self.store.check([f"gen/{gen + 1}"]):
+                raise CollectiveFailure(f"gen {gen} was replaced before every member arrived")
             if time.monotonic() >= deadline:
                 raise CollectiveFailure(f"gen {gen}: not every member arrived within {wait.total_seconds():.0f}s")
 
@@ -412,7 +411,7 @@ class Comm:
         if self.store.check([protocol.cut_off_key(gen)]):
             return f"gen {gen}: {self.store.get(protocol.cut_off_key(gen)).decode()}"
         if self.store.check([f"gen/{gen + 1}"]):
-            return f"gen {gen} was replaced while this rank waited for its peers"
+            return f"gen {gen} was replaced while this collective waited"
         return None
 
     def _run(self, ops) -> None:
