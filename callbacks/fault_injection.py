@@ -64,7 +64,7 @@ class FaultTrigger(Callback):
             else:
                 self._arm_link_fault(order["index"], order["kind"], delay_s=0.0, duration_s=order["duration_s"])
         for i, fault in self.faults:
-            if (not self._targets_me(fault) or fault.during not in ("step", "after_reduce", "agreement")
+            if (not self._targets_me(fault) or fault.during not in ("step", "after_reduce", "agreement", "reduction")
                     or fault.kind in ("bitflip", "param_bitflip")):
                 continue
             if fault.kind == "slow_rank":  # the slowness is its process's or its host's: a replacement is not slow
@@ -182,6 +182,8 @@ class FaultTrigger(Callback):
         comm = self._injecting
         if kind == "transient" and during == "after_reduce":
             comm.fail_next_reduction()  # the others commit the step; the victim alone lags
+        elif kind == "transient" and during == "reduction":
+            comm.wedge_next_reduction()  # the step's reduction is stuck on every member
         elif kind == "transient" and during == "agreement":
             comm.strike_after_next_agreement()  # the others commit the step; the victim's slice misses it here
         elif kind == "transient":

@@ -44,6 +44,14 @@ def test_the_verdict_names_who_waits_for_the_hung_rank_and_where_it_was():
     assert verdict(1, states).endswith("; rank 1 in compute of step 8, at user code: mymodule.py:44 (training_step)")
 
 
+def test_a_generation_stuck_as_a_whole_blames_no_rank():
+    """Before a stuck generation is cut off (runner.control.phase_timeouts' reduction and recovery rules)."""
+    states = {r: state(r, "reduce", 25) for r in range(4)}
+    assert verdict(None, states) == "ranks 0, 1, 2, 3 stuck in all_reduce of step 25 (gen 0) waiting for no live rank"
+    regroup = {r: state(r, "recovering", 20) for r in range(2)}
+    assert verdict(None, regroup) == "ranks 0, 1 in recovering of step 20 (gen 0)"
+
+
 def assert_diagnosed(run, recovery: dict, hung: int, answering: list[int]) -> None:
     """A hang's recovery entry names its diagnosis directory, which holds a stack for every rank that could dump,
     every live rank's state, and the verdict naming the hung rank."""

@@ -25,7 +25,7 @@ FaultKind = Annotated[str, Literal["none", "kill_rank", "kill_node", "hang_rank"
                                    "corrupt_snapshot", "chaos"]]
 ChaosKind = Annotated[str, Literal["transient", "kill_rank", "hang_rank", "kill_node", "bitflip", "partition",
                                    "kill_all"]]
-FaultMoment = Annotated[str, Literal["step", "recovery", "replication", "after_reduce", "agreement"]]
+FaultMoment = Annotated[str, Literal["step", "recovery", "replication", "after_reduce", "agreement", "reduction"]]
 HangMode = Annotated[str, Literal["sigstop", "stall"]]
 LoggerKind = Annotated[str, Literal["wandb", "csv", "none"]]
 WandbMode = Annotated[str, Literal["offline", "online", "disabled"]]
@@ -108,18 +108,26 @@ class ParallelConfig:
 
 @dataclass
 class PhaseTimeoutsConfig:
-    """Per-phase hang timeouts calibrated from the run (``runner/control/phase_timeouts.py``): a worker that stays in
-    one step's compute or checkpoint longer than ``max(floor_s, k x p99)`` of that phase's dwells in this run is hung;
-    before ``warmup_steps``, ``heartbeat.stall_timeout_s``."""
+    """Per-phase hang timeouts calibrated from the run (``runner/control/phase_timeouts.py``, docs/recovery.md): a
+    worker that stays in one step's compute or checkpoint longer than ``max(floor_s, k x p99)`` of that phase's dwells
+    in this run is hung (before ``warmup_steps``: ``heartbeat.stall_timeout_s``); a generation whose every member sits
+    in one step's reduction that long (p99 of the reduction's dwells; before: ``launcher.collective_timeout_s``) is
+    stuck and cut off; a worker not beating within ``max(floor_s, k x the slowest start-up)`` of its role is hung
+    (before one was seen: ``launcher.start_timeout_s``); a recovery's generation in which no member trains within
+    ``max(floor_s, k x the slowest regroup)`` of the same action is stuck and cut off (before: the workers'
+    ``launcher.rendezvous_timeout_s`` and ``recovery_timeout_s``). The timeouts in effect are logged
+    (``phase_timeouts``)."""
 
     enabled: bool = True
-    """Calibrate each phase's timeout from the run; false = every phase waits heartbeat.stall_timeout_s."""
+    """Calibrate each phase's timeout from the run; false = every phase keeps its fixed bound (stall_timeout_s, the
+    launcher's collective, start and recovery timeouts)."""
     k: Annotated[float, Range(ge=1)] = 4.0
-    """The timeout is k x the phase's p99 dwell (at least floor_s); >= 1."""
+    """The timeout is k x the phase's p99 dwell (start-up, recovery: k x the slowest seen), at least floor_s; >= 1."""
     floor_s: Positive = 2.0
     """Never less than this many seconds; at least 2 x heartbeat.interval_s (a dwell is seen through heartbeats)."""
     warmup_steps: PositiveInt = 20
-    """A phase is calibrated once it was seen at this many distinct steps; before, stall_timeout_s applies."""
+    """A phase (compute, checkpoint, reduction) is calibrated once it was seen at this many distinct steps; before, its
+    fixed bound applies. A start-up or recovery is calibrated by the first one of its role or action."""
 
 
 @dataclass
@@ -240,6 +248,9 @@ class FaultConfig:
     """step: at the start of `step`; recovery: when the victim enters its next recovery (kill_rank, hang_rank);
     replication: while the victim's ZeRO-1 shard copy after `step`'s update is in flight (kill_rank, DeadPool);
     after_reduce: the victim's link fails just after `step`'s reduction completed everywhere (transient);
+    reduction: the victim's part of `step`'s reduction never leaves it and it waits like its peers, so the collective
+    is stuck on every member until the controller cuts the generation off or the collective timeout ends it
+    (transient);
     agreement: once `step`'s agreement (tp*pp > 1) completed on the victim, it fails there alone (transient) or the
     victim is killed before it commits (kill_rank, kill_node)."""
     hang: HangMode = "sigstop"

@@ -385,6 +385,9 @@ def _misc_problems(cfg: DictConfig) -> list[str]:
         if one.during == "after_reduce" and one.kind != "transient":
             out.append(f"{where}: during=after_reduce is for transient faults (the victim alone misses a reduction "
                        "that completed everywhere else).")
+        if one.during == "reduction" and (one.kind != "transient" or one.step < 0):
+            out.append(f"{where}: during=reduction wedges the reduction of a step (the victim's part never leaves it): "
+                       "it needs kind=transient and a fault.step.")
         if one.during == "agreement":
             out += _agreement_fault_problems(cfg, one, where)
         if one.during == "recovery" and one.kind not in ("kill_rank", "hang_rank"):

@@ -2,9 +2,13 @@
 
 Exits arrive at once from the node agents; a worker that caught a collective error reports it in
 the store; heartbeats (workers' in the store, agents' from the fleet) reveal hangs, stalls and
-silent nodes; a step that stays in a phase past that phase's timeout (``runner.control.phase_timeouts``) is a
-hang. Before a decision, detection also answers whether everyone proved alive since the
-first symptom, which nodes are silent, and who did not reach a retried generation's rendezvous.
+silent nodes; a step that stays in a phase of a worker's own work past that phase's timeout
+(``runner.control.phase_timeouts``) is a hang, and so is a worker that does not beat within its start-up timeout.
+A generation whose every member sits in one step's reduction, or has not left a recovery's regroup, past that
+phase's calibrated timeout is stuck as a whole: nobody computes, so the collective itself is (a dead link, a wedged
+collective); the controller cuts the generation off (``protocol.cut_off_key``: every member gives its collective
+up) and the members' reports lead to a retry. Before a decision, detection also answers whether everyone proved
+alive since the first symptom, which nodes are silent, and who did not reach a retried generation's rendezvous.
 """
 
 from __future__ import annotations
@@ -21,12 +25,26 @@ from torch.distributed import PrefixStore
 from runner.config.schema import HeartbeatConfig
 from runner.control.incidents import Incidents, short
 from runner.control.membership import Membership
-from runner.control.phase_timeouts import PhaseTimeouts
+from runner.control.phase_timeouts import GROUP, PhaseTimeouts
 from runner.control.records import Recovery, Worker
 from runner.plumbing import protocol
 from runner.plumbing.events import EventLog
+from runner.plumbing.protocol import Layout
 
 TRAINING_PHASES = ("compute", "takeover", "reduce")
+REGROUP_PHASES = ("starting", "rendezvous", "recovering")  # a member of a new generation not yet training in it
+
+
+def slices_waits(cfg) -> bool:
+    """Whether the workers' collective waits are sliced and so end when the controller cuts a generation off: gloo's
+    are; an NCCL wait is not (its own timeout ends it), so the generation-wide rules cannot act under NCCL."""
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        import torch
+
+        backend = "nccl" if cfg.runner.device == "cuda" or (cfg.runner.device == "auto" and
+                                                             torch.cuda.is_available()) else "gloo"
+    return backend != "nccl"
 
 
 class Detector:
@@ -42,8 +60,13 @@ class Detector:
         self.nodes_lost: set[int] = set()  # nodes whose loss was decided: their silence is old news
         self._last_hb_poll = time.monotonic()
         self.beat_readers: list[Callable[[Worker, dict], None]] = []  # also read each heartbeat (straggler timings)
-        self.diagnose: Optional[Callable[[Recovery, Worker], None]] = None  # where everyone was, before a hang kill
-        self.timeouts = PhaseTimeouts(cfg.heartbeat, events)  # how long a step's compute or checkpoint may last
+        # where everyone was, before a hang kill (or a stuck generation's cut-off: no one rank hung)
+        self.diagnose: Optional[Callable[[Recovery, Optional[Worker]], None]] = None
+        # how long a step's compute, checkpoint or reduction, a start-up or a regroup may last
+        self.timeouts = PhaseTimeouts(cfg.heartbeat, cfg.launcher, events, group_rules=slices_waits(cfg))
+        self.cut_off_gens: set[int] = set()  # generations the controller found stuck and cut off
+        self.regrouped: set[int] = set()  # complete generations of recoveries whose regroup was timed (or judged)
+        self.first_step: dict[int, int] = {}  # generation -> the first step a member was seen training in it
 
     # -- symptoms ---------------------------------------------------------------------------------
     def is_news(self, wid: int, code: int) -> bool:
@@ -85,25 +108,35 @@ class Detector:
                 self.silent_reported.add(node)
                 self.incidents.symptom("node_silent", node=node, t=time.time())
         beating = []
-        start_timeout_s = self.cfg.launcher.start_timeout_s
         for w in self.members.live():
             if w.done or w.node in self.silent_reported:
                 continue
             if w.hb_seq >= 0 or self.store.check([f"hb/{w.wid}"]):
                 beating.append(w)
-            elif now - w.t_spawn > start_timeout_s:
-                self.kill_hung(w, f"no heartbeat within launcher.start_timeout_s={start_timeout_s}")
+                continue
+            timeout_s, calibrated = self.timeouts.startup_limit(w.role)
+            if now - w.t_spawn > timeout_s and not w.killed_for:
+                source = f"calibrated from this run's {w.role} start-ups" if calibrated else "launcher.start_timeout_s"
+                self.kill_hung(w, f"no heartbeat within {timeout_s:.3g}s of its start ({source})", "hang",
+                               {"phase": "startup", "timeout_s": round(timeout_s, 4), "calibrated": calibrated})
+                if calibrated:
+                    self.timeouts.acted("startup")
         payloads = self.store.multi_get([f"hb/{w.wid}" for w in beating]) if beating else []
         for w, raw in zip(beating, payloads):  # one round trip for every beating worker
             hb = json.loads(raw)
             for reader in self.beat_readers:
                 reader(w, hb)
+            if w.hb_seq < 0:  # its first beat, as this loop saw it
+                self.timeouts.observe_startup(w.role, now - w.t_spawn)
             if hb["seq"] != w.hb_seq:
                 w.hb_seq, w.hb_change = hb["seq"], now
             if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:
-                if w.hb_phase:  # the dwell in the (step, phase) it left, as this loop saw it
+                if w.hb_phase and self._sample(w):  # the dwell in the (step, phase) it left, as this loop saw it
                     self.timeouts.observe(w.hb_phase, w.hb_step, now - w.hb_step_change)
                 w.hb_step, w.hb_phase, w.hb_step_change = hb["step"], hb["phase"], now
+            w.hb_gen = hb.get("gen", -1)
+            if w.hb_gen >= 0 and w.hb_phase not in REGROUP_PHASES:
+                self.first_step[w.hb_gen] = min(w.hb_step, self.first_step.get(w.hb_gen, w.hb_step))
             w.synced = w.synced or hb["phase"] in TRAINING_PHASES
             if w.first_step < 0 and hb["phase"] in TRAINING_PHASES:
                 w.first_step = hb["step"]
@@ -120,7 +153,18 @@ class Detector:
                 # it beats, but its step does not advance (a stopped process is the rule above's: its last phase
                 # as seen may be stale)
                 self.kill_hung(w, *stall)
+        if judging and self.incidents.active is None:
+            self.judge_generation(now)
         self.timeouts.publish()
+
+    def _sample(self, w: Worker) -> bool:
+        """Whether ``w``'s dwell in the (step, phase) it leaves is a sample of the phase: not in a generation found
+        stuck (that dwell is the fault's), and not the reduction of a generation's first step, whose collectives
+        connect the group's pairs (gloo connects them lazily, on first use: seconds on a loaded host), which the
+        reduction rule does not judge either."""
+        if w.hb_gen in self.cut_off_gens:
+            return False
+        return w.hb_phase not in GROUP or w.hb_step > self.first_step.get(w.hb_gen, w.hb_step)
 
     def stall(self, w: Worker, now: float) -> Optional[tuple[str, str, dict]]:
         """Whether ``w`` stayed in one step of a phase of its own work past that phase's timeout: the ``kill_hung``
@@ -132,6 +176,80 @@ class Detector:
         source = "calibrated from this run" if calibrated else "heartbeat.stall_timeout_s"
         why = f"step {w.hb_step} not advancing in phase {w.hb_phase} for {timeout_s:.3g}s ({source})"
         return why, "hang", {"phase": w.hb_phase, "timeout_s": round(timeout_s, 4), "calibrated": calibrated}
+
+    def judge_generation(self, now: float) -> None:
+        """The generation-wide rules, while no recovery is open: time a recovery's regroup (its complete generation's
+        publication until every member trains in it), and cut the generation off if every member sits in one step's
+        reduction, or in the regroup, past that phase's calibrated timeout (each member beating: a silent one is the
+        heartbeat rule's)."""
+        gen = self.members.gen
+        layout = self.members.layouts.get(gen)
+        if layout is None or gen in self.cut_off_gens:
+            return
+        workers = self.members.workers
+        members = [workers[wid] for wid in layout.members]
+        if any(w.dead or w.done for w in members):
+            return  # a member is written off (a recovery follows) or finished (the run ends): nothing is stuck
+        regroup = self._regroup(layout, now)
+        if regroup is not None:
+            action, waited_s = regroup
+            timeout_s = self.timeouts.recovery_limit(action)
+            trains = [w for w in members if w.hb_gen >= gen and w.hb_phase not in REGROUP_PHASES]
+            if (timeout_s is not None and waited_s > timeout_s and not trains
+                    and all(now - w.hb_change <= 2 * self.hb.interval_s for w in members)
+                    and self._all_arrived(gen, len(members))):
+                self.cut_off(gen, f"no member of gen {gen} trains {waited_s:.3g}s after a {action} recovery published "
+                                  f"it, calibrated timeout {timeout_s:.3g}s", {"phase": "recovery", "timeout_s":
+                                                                             round(timeout_s, 4), "calibrated": True})
+            return
+        reduction_s = self.timeouts.reduction_limit()
+        if reduction_s is None or len({(w.hb_gen, w.hb_step, GROUP.get(w.hb_phase)) for w in members}) != 1:
+            return
+        w0 = members[0]
+        stuck_s = now - max(w.hb_step_change for w in members)  # since the last member entered it
+        if (w0.hb_gen == gen and GROUP.get(w0.hb_phase) == "reduction" and stuck_s > reduction_s
+                and w0.hb_step > self.first_step.get(gen, w0.hb_step)  # the first step connects the group
+                and all(now - w.hb_change <= 2 * self.hb.interval_s for w in members)):
+            self.cut_off(gen, f"every member of gen {gen} in the reduction of step {w0.hb_step} for {stuck_s:.3g}s "
+                              f"(calibrated timeout {reduction_s:.3g}s): the collective is stuck",
+                         {"phase": "reduction", "timeout_s": round(reduction_s, 4), "calibrated": True})
+
+    def _all_arrived(self, gen: int, size: int) -> bool:
+        """Every member reached generation ``gen``'s rendezvous (``Comm._arrive``): the regroup's collectives are what
+        waits. A member missing there is the rendezvous timeout's and, after a retry, ``isolate_unreachable``'s: cutting
+        the generation off would only start another one it cannot reach either."""
+        rendezvous = PrefixStore(f"pg/{gen}/", self.store)
+        return rendezvous.check([f"arrived/{rank}" for rank in range(size)])
+
+    def _regroup(self, layout: Layout, now: float) -> Optional[tuple[str, float]]:
+        """(the action, seconds since publication) while the complete generation a recovery published has members
+        that do not train in it yet; once all do, the regroup is timed for that action and None is returned."""
+        if layout.gen in self.regrouped or not layout.complete or layout.recovery < 0:
+            return None
+        rec = next((r for r in self.incidents.record.recoveries if r.id == layout.recovery), None)
+        if rec is None or not rec.action:
+            return None
+        workers = self.members.workers
+        waited_s = now - self.members.published_at[layout.gen]
+        if all(workers[wid].hb_gen >= layout.gen and workers[wid].hb_phase not in REGROUP_PHASES
+               for wid in layout.members):
+            self.regrouped.add(layout.gen)
+            self.timeouts.observe_recovery(rec.action, waited_s)
+            return None
+        return rec.action, waited_s
+
+    def cut_off(self, gen: int, why: str, rule: dict) -> None:
+        """Generation ``gen`` is stuck as a whole: record the symptom and where everyone was, then tell every member to
+        give its collective up (they report the failure, and the recovery retries; a member that cannot rejoin is
+        found by the retry's rendezvous, ``isolate_unreachable``)."""
+        self.cut_off_gens.add(gen)
+        self.regrouped.add(gen)
+        self.timeouts.acted(rule["phase"])
+        self.incidents.symptom("stuck", gen=gen, why=why, t=time.time(), **rule)
+        if self.diagnose is not None and self.incidents.active is not None:
+            self.diagnose(self.incidents.active, None)
+        self.events.emit("generation_cut_off", gen=gen, reason=why, **rule)
+        self.store.set(protocol.cut_off_key(gen), why)
 
     def kill_hung(self, w: Worker, why: str, kind: str = "hang", rule: Optional[dict] = None) -> None:
         """``rule``: a stall's phase and the timeout in effect (recorded with the symptom)."""

@@ -67,8 +67,9 @@ def training_frame(dump: str) -> Optional[str]:
     return f"{'user code: ' if user else ''}{file}:{line} ({func})"
 
 
-def verdict(hung: int, states: dict[int, RankState]) -> str:
-    """One line: who waits in which collective for whom, and where the hung rank was."""
+def verdict(hung: Optional[int], states: dict[int, RankState]) -> str:
+    """One line: who waits in which collective for whom, and where the hung rank was (``hung`` None: no one rank is
+    blamed, a generation stuck as a whole)."""
     parts = []
     waiting: dict[tuple[str, int, int], list[int]] = {}
     for s in states.values():
@@ -78,6 +79,14 @@ def verdict(hung: int, states: dict[int, RankState]) -> str:
         absent = sorted(r for r, s in states.items() if (s.phase, s.step, s.gen) != (phase, step, gen))
         parts.append(f"{_ranks(ranks)} stuck in {COLLECTIVES[phase]} of step {step} (gen {gen}) waiting for "
                      f"{_ranks(absent) if absent else 'no live rank'}")
+    if hung is None and not parts:  # no rank in a collective (a regroup): where each one is
+        where: dict[tuple[str, int, int], list[int]] = {}
+        for s in states.values():
+            where.setdefault((s.phase, s.step, s.gen), []).append(s.rank)
+        parts = [f"{_ranks(ranks)} in {phase} of step {step} (gen {gen})"
+                 for (phase, step, gen), ranks in where.items()]
+    if hung is None:
+        return "; ".join(parts)
     h = states[hung]
     if h.where is not None:
         parts.append(f"rank {hung} in {h.phase} of step {h.step}, at {h.where}")
@@ -98,9 +107,10 @@ class Diagnoser:
         self.run_dir, self.members, self.fleet, self.store = Path(run_dir), members, fleet, store
         self.interval_s, self.events = interval_s, events
 
-    def collect(self, rec: Recovery, hung: Worker) -> None:
+    def collect(self, rec: Recovery, hung: Optional[Worker]) -> None:
+        """``hung``: the rank about to be killed; None: a generation stuck as a whole (every rank waits)."""
         live = [w for w in self.members.live() if not w.done and w.hb_seq >= 0]
-        if hung not in live:
+        if hung is not None and hung not in live:
             return
         now = time.monotonic()
         beats = dict(zip([w.wid for w in live], self.store.multi_get([f"hb/{w.wid}" for w in live])))
@@ -122,8 +132,8 @@ class Diagnoser:
             states[w.logical] = RankState(w.logical, w.wid, w.node, hb["phase"], hb["step"], hb.get("gen", -1),
                                           hb.get("in_flight", 0), round(now - w.hb_change, 3),
                                           training_frame(dump) if dump else None)
-        line = verdict(hung.logical, states)
-        (out / "state.json").write_text(json.dumps({"hung": hung.logical, "verdict": line,
+        line = verdict(hung.logical if hung is not None else None, states)
+        (out / "state.json").write_text(json.dumps({"hung": hung.logical if hung is not None else None, "verdict": line,
                                                     "ranks": [asdict(s) for s in states.values()]}, indent=1))
         (out / "verdict.txt").write_text(line + "\n")
         rec.diagnosis, rec.verdict = str(out.relative_to(self.run_dir)), line

@@ -40,6 +40,7 @@ class Worker:
     hb_step: int = -1
     hb_step_change: float = 0.0
     hb_phase: str = ""
+    hb_gen: int = -1  # the generation its newest heartbeat said it had joined
     first_step: int = -1  # the step of its first heartbeat while training (its guard's history starts there)
 
 

@@ -11,6 +11,9 @@ failed launch or wait (``CollectiveFailure``) of the main group, or a failed ren
 * ``strike_after_next_agreement``: once the next step agreement (tp*pp > 1) completed here, it fails here
   alone, or the victim announces its kill and waits for it (``during: agreement``): the agreement
   completed on one model slice and failed on another, held deterministically;
+* ``wedge_next_reduction``: the victim's part of the next gradient reduction never leaves it, and it waits as its
+  peers do (a link that drops packets silently): the collective is stuck on every member, found only by the
+  controller's calibrated reduction timeout (which cuts the generation off) or the collective timeout;
 * ``slow_links``: a delay before every batch of collectives (like a ``tc`` delay);
 * ``partition``: collectives and rendezvous fail until the partition ends;
 * ``hold_next_shard_copy``: the side group's next shard message (DeadPool's ZeRO-1 replication) waits
@@ -28,7 +31,7 @@ from typing import Any, Optional
 from torch.distributed import PrefixStore
 
 from runner.recovery.deadpool.replicator import HEADER_BYTES, TAG_HEADER, TAG_LAYOUT
-from runner.training.comm import CollectiveFailure, Comm
+from runner.training.comm import _CUT_OFF_POLL, _WAIT_MARGIN, CollectiveFailure, Comm
 
 PARTITIONED = "network partition: this rank cannot reach its peers"
 
@@ -40,6 +43,7 @@ class FaultInjectingComm(Comm):
         super().__init__(*args, **kwargs)
         self._transient = False  # the next collective fails once
         self._after_reduction = False  # the next gradient reduction fails here only, once complete
+        self._wedged = False  # the next gradient reduction is never sent from here, and waited for like the peers'
         self._link_delay_s = 0.0  # added before every batch of collectives
         self._partitioned_until = 0.0  # collectives and rendezvous fail until then
         self._after_agreement: Optional[Callable[[], None]] = None  # run once the next agreement completed here
@@ -50,6 +54,9 @@ class FaultInjectingComm(Comm):
 
     def fail_next_reduction(self) -> None:
         self._after_reduction = True
+
+    def wedge_next_reduction(self) -> None:
+        self._wedged = True
 
     def strike_after_next_agreement(self, strike: Optional[Callable[[], None]] = None) -> None:
         """Once the next step agreement completed here: ``strike`` (a kill announced and waited for), or without
@@ -103,12 +110,30 @@ class FaultInjectingComm(Comm):
         if strike is not None:
             strike()
 
+    def launch_reduction(self, op) -> None:
+        if not self._wedged:  # wedged: this rank's buckets never reach the peers, whose collective waits for them
+            super().launch_reduction(op)
+
     def wait_reduction(self) -> None:
+        if self._wedged:
+            self._wedged = False
+            self._raise_on(self._wait_wedged())
         failure = self._drain()
         if failure is None and self._after_reduction:
             self._after_reduction = False
             failure = "injected connection error after the reduction completed on every peer"
         self._raise_on(failure)
+
+    def _wait_wedged(self) -> str:
+        """Wait as a peer of the stuck collective does: until the generation is cut off or replaced, at most the
+        collective timeout (then it fails as a timed-out collective would)."""
+        deadline = time.monotonic() + (self.collective_timeout + _WAIT_MARGIN).total_seconds()
+        while time.monotonic() < deadline:
+            reason = self._cut_off()
+            if reason is not None:
+                return reason
+            time.sleep(_CUT_OFF_POLL.total_seconds())
+        return f"the reduction timed out after {self.collective_timeout.total_seconds():.0f}s (its link dropped it)"
 
 
 class _HeldShardGroup:

@@ -276,6 +276,6 @@ def recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> di
         "verdict": rec.verdict,
         # a stall: the phase and the hang timeout in effect when it was found (runner.control.phase_timeouts)
         "stall": next(({k: s[k] for k in ("phase", "timeout_s", "calibrated")} for s in rec.symptoms
-                       if s["kind"] == "hang" and "timeout_s" in s), None),
+                       if s["kind"] in ("hang", "stuck") and "timeout_s" in s), None),
     }
     return entry
