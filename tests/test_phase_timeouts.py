@@ -89,7 +89,11 @@ def test_startups_and_regroups_are_calibrated_per_role_and_action_from_the_slowe
         t.observe_startup("initial", seconds)
     assert t.startup_limit("initial") == (pytest.approx(1.6), True)
     assert t.startup_limit("joiner") == (120.0, False)  # a replacement proves its host first: not alike
-    t.observe_startup("joiner", 0.05)
+    for seconds in (0.05, 0.02):  # one or two start-ups of a kind are no distribution: the fixed bound still
+        t.observe_startup("joiner", seconds)
+        t.observe_recovery("retry", seconds / 2)
+        assert t.startup_limit("joiner") == (120.0, False) and t.recovery_limit("retry") is None
+    t.observe_startup("joiner", 0.01)
     assert t.startup_limit("joiner") == (0.5, True)  # the floor
     t.observe_recovery("retry", 0.02)
     assert t.recovery_limit("retry") == 0.5 and t.recovery_limit("restart_all") is None
@@ -98,7 +102,7 @@ def test_startups_and_regroups_are_calibrated_per_role_and_action_from_the_slowe
     assert logged["changed"] == ["recovery", "startup"]
     assert logged["timeouts"]["startup"] == {"timeout_s": 120.0, "calibrated": True, "backoff": 1, "kinds": {
         "initial": {"timeout_s": 1.6, "calibrated": True, "slowest_s": 0.4, "samples": 3},
-        "joiner": {"timeout_s": 0.5, "calibrated": True, "slowest_s": 0.05, "samples": 1}}}
+        "joiner": {"timeout_s": 0.5, "calibrated": True, "slowest_s": 0.05, "samples": 3}}}
     assert logged["timeouts"]["recovery"]["kinds"]["retry"]["timeout_s"] == 0.5
     t.acted("recovery")
     assert t.recovery_limit("retry") == 1.0 and t.startup_limit("joiner") == (0.5, True)
@@ -206,11 +210,11 @@ def test_a_reduction_stuck_on_every_member_is_cut_off_by_its_calibrated_timeout(
     # the back-off of the one cut-off)
     reduction = s["phase_timeouts"]["reduction"]
     assert reduction["backoff"] == 2 and reduction["p99_s"] < stuck["timeout_s"], reduction
-    # the retry's regroup was timed for the next one
+    # the retry's regroup was timed, but one is no distribution: the next retry still has the fixed bound
     retry = s["phase_timeouts"]["recovery"]["kinds"]["retry"]
-    assert retry["samples"] == 1 and retry["calibrated"], s["phase_timeouts"]
-    startup = s["phase_timeouts"]["startup"]["kinds"]["initial"]
-    assert startup["samples"] == 4 and startup["timeout_s"] >= 0.5, s["phase_timeouts"]
+    assert retry["samples"] == 1 and not retry["calibrated"], s["phase_timeouts"]
+    startup = s["phase_timeouts"]["startup"]["kinds"]["initial"]  # one start-up per rank of the first generation
+    assert startup["samples"] == 4 and startup["calibrated"] and startup["timeout_s"] >= 0.5, s["phase_timeouts"]
 
 
 @pytest.mark.parametrize("overrides, says", [

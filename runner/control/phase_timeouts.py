@@ -15,10 +15,10 @@ rules themselves compare (``runner.control.detection``), so the heartbeat's reso
   ``launcher.collective_timeout_s``, the workers' own bound).
 * ``startup``: from a worker's spawn to its first heartbeat, by the role it was started in (an initial rank, a
   replacement that proves its host first, ...): ``max(floor_s, k x the slowest start-up of that role so far)``
-  once one was seen (before: ``launcher.start_timeout_s``). The slowest, not a p99: there are few samples.
+  once ``KEYED_SAMPLES`` were seen (before: ``launcher.start_timeout_s``). The slowest, not a p99: there are few.
 * ``recovery``: from the publication of a recovery's complete generation until every member trains in it, by the
   recovery's action (a retry regroups in milliseconds, a restart of every rank loads a checkpoint):
-  ``max(floor_s, k x the slowest regroup of that action so far)`` once one was seen (before:
+  ``max(floor_s, k x the slowest regroup of that action so far)`` once ``KEYED_SAMPLES`` were seen (before:
   ``launcher.recovery_timeout_s``, the workers' own bound).
 
 The reduction, start-up and recovery timeouts double with every time their rule acted (``acted``: a generation cut
@@ -39,6 +39,8 @@ JUDGED = {"compute": "compute", "takeover": "compute", "checkpoint": "checkpoint
 GROUP = {"reduce": "reduction", "sync": "reduction"}  # worker phase -> timed phase judged over the whole generation
 WINDOW = 1024  # the newest dwells a phase's p99 is taken over
 MATERIAL = 0.2  # a timeout that moved by more than this fraction since it was last logged is logged again
+KEYED_SAMPLES = 3  # start-ups of one role, regroups of one action: one is no distribution (a second start-up on a
+# busier host can take several times the first), so a kind is calibrated once this many were seen
 
 
 def p99(values) -> float:
@@ -125,7 +127,7 @@ class PhaseTimeouts:
 
     def _keyed(self, phase: str, kind: str) -> tuple[float, bool]:
         seen = self.slowest[phase].get(kind)
-        if not self.enabled or seen is None:
+        if not self.enabled or seen is None or seen[1] < KEYED_SAMPLES:
             return self.fixed[phase], False
         return max(self.floor_s, self.k * seen[0]), True
 
