@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from runner.config import ConfigError
 from runner.control.records import Recovery
-from runner.faults.snapshot_memory import drop_node_memory
+from runner.recovery.flash_ckpt.host_memory import SnapshotMemory
 from runner.recovery.flash_names import flash_job_id
 from runner.report.summary import recovery_entry
 from tests import test_stragglers as stragglers
@@ -497,7 +497,7 @@ def test_flash_ckpt_restores_a_lost_hosts_ranks_from_the_partner_hosts_memory(la
     wait_for("a snapshot", lambda: max_step(job.run_dir) >= 7, procs=hosts)
     rest = job.lose_host(hosts, 1)
     # its memory goes with it: its ranks' own snapshots and the partner copies it held (one /dev/shm here)
-    drop_node_memory(flash_job_id(job.run_dir), [2, 3])
+    SnapshotMemory(flash_job_id(job.run_dir)).drop_node([2, 3])
     wait_for("the summary", lambda: (job.run_dir / "summary.json").exists(), procs=rest)
     s = summary(job)
     assert s["status"] == "completed", job.output()

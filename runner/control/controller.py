@@ -175,8 +175,8 @@ class Controller:
         self.handover = Handover(self.ctx, self.actions, self.executor.after_change)
         self.stragglers = StragglerWatch(cfg, self.topo, self.events, self.handover.decide, self.handover.act)
         self.detector.beat_readers.append(self.stragglers.read)
-        memory_job = next((j for a in self.actions.values() if (j := a.memory_job()) is not None), None)
-        self.injector = FaultInjector(cfg, self.ctx, memory_job)
+        memory = next((m for a in self.actions.values() if (m := a.host_memory()) is not None), None)
+        self.injector = FaultInjector(cfg, self.ctx, memory)
         self.chaos: Optional[ChaosInjector] = (ChaosInjector(cfg, self.ctx, self.injector, self.executor.judge)
                                                if cfg.fault.kind == "chaos" else None)
 

@@ -5,7 +5,7 @@ stops it (or loses its node, or kills every rank), so the fault comes from outsi
 one would, then releases it. Faults configured for the same step (and moment) are one fault: they are
 carried out together once each victim announced (or ``TOGETHER_WITHIN_S`` after the first did), so
 that the controller decides on all their exits at once, however many milliseconds apart the victims
-reached the step. Faults that damage snapshot memory do so here too (``runner.faults.snapshot_memory``).
+reached the step. Faults that damage what a technique keeps in host memory do so here too, through its ``HostMemory``.
 Faults the worker carries out itself (transient, slow_rank, bitflip, param_bitflip, slow_link, partition, and
 hang_rank with hang=stall) need nothing here.
 """
@@ -19,8 +19,8 @@ from typing import Optional
 from runner.config.validate import all_faults
 from runner.control.context import RunContext
 from runner.control.records import Worker
-from runner.faults import snapshot_memory
 from runner.plumbing import protocol
+from runner.recovery.actions import HostMemory
 
 WORKER_CARRIED = ("transient", "slow_rank", "bitflip", "param_bitflip", "slow_link", "partition", "chaos")
 TOGETHER_WITHIN_S = 2.0  # victims of one step's faults announce within milliseconds; this bounds a missing one
@@ -34,8 +34,8 @@ def worker_carried(fault) -> bool:
 class FaultInjector:
     """Carries out the configured faults (and chaos's controller-side ones) on the run's processes."""
 
-    def __init__(self, cfg, ctx: RunContext, memory_job: Optional[str]) -> None:
-        self.ctx, self.memory_job = ctx, memory_job
+    def __init__(self, cfg, ctx: RunContext, memory: Optional[HostMemory]) -> None:
+        self.ctx, self.memory = ctx, memory
         self.faults = [f for f in all_faults(cfg) if f.kind != "none"]  # indexed as the workers index them
         self.hits: dict[int, dict] = {}  # announced, not yet carried out
         self.done: set[int] = set()  # carried out
@@ -86,14 +86,14 @@ class FaultInjector:
             wids = fleet.lose_node(node)
             victims = [r for r in (members.workers[v].logical for v in wids) if r >= 0]
             members.await_exit([members.workers[v] for v in wids])
-            if self.memory_job is not None:  # the node's memory went with it (all nodes share this host's /dev/shm)
-                memory["segments_lost"] = len(snapshot_memory.drop_node_memory(self.memory_job, victims))
+            if self.memory is not None:  # the node's memory went with it (all nodes share this host's /dev/shm)
+                memory["segments_lost"] = len(self.memory.drop_node(victims))
         else:  # kill_all, wipe_shm, corrupt_snapshot: every rank dies (the last two damage the snapshots first)
             victims = members.kill_all()
-            if kind == "wipe_shm" and self.memory_job is not None:
-                memory["segments_lost"] = len(snapshot_memory.drop_host_memory(self.memory_job))
-            elif kind == "corrupt_snapshot" and self.memory_job is not None:
-                memory["corrupted_step"] = snapshot_memory.corrupt_newest(self.memory_job, w.logical)
+            if kind == "wipe_shm" and self.memory is not None:
+                memory["segments_lost"] = len(self.memory.drop_host())
+            elif kind == "corrupt_snapshot" and self.memory is not None:
+                memory["corrupted_step"] = self.memory.corrupt_newest(w.logical)
         self.ctx.incidents.injected_victims |= set(victims)
         if at_step is not None:
             memory["at_step"] = at_step

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol
 
 if TYPE_CHECKING:
     from runner.control.context import RunContext
@@ -26,6 +26,17 @@ class NodePersist:
     out_dir: Path
     keep: int
     events_path: Path
+
+
+class HostMemory(Protocol):
+    """What a technique keeps in a host's memory (flash_ckpt's snapshot segments), as the faults that take a node's or
+    the host's memory away, or corrupt it, reach it (``runner.faults.injector``); the counts are what was lost."""
+
+    def drop_node(self, ranks: list[int]) -> list[Path]: ...
+
+    def drop_host(self) -> list[Path]: ...
+
+    def corrupt_newest(self, rank: int) -> int: ...
 
 
 LAUNCHER_OWNS = ("under torchrun/SLURM the launcher owns the processes, so the job ends here for the launcher "
@@ -83,8 +94,8 @@ class RecoveryAction:
         """A process each node agent runs beside its workers, if the action needs one."""
         return None
 
-    def memory_job(self) -> Optional[str]:
-        """The job id of snapshot memory that memory faults damage, if the action keeps any."""
+    def host_memory(self) -> Optional[HostMemory]:
+        """What the technique keeps in host memory, for the faults that take it away or corrupt it; None: nothing."""
         return None
 
     def on_start(self, ctx: RunContext) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from runner.recovery.actions import LAUNCHER_OWNS, NodePersist, RecoveryAction, Situation
+from runner.recovery.actions import LAUNCHER_OWNS, HostMemory, NodePersist, RecoveryAction, Situation
 from runner.recovery.flash_names import flash_job_id
 
 
@@ -57,8 +57,10 @@ class RestartAll(RecoveryAction):
             return None
         return NodePersist(self.job, self.run_dir / "checkpoints", fc.keep, self.run_dir / "events.jsonl")
 
-    def memory_job(self) -> Optional[str]:
-        return self.job
+    def host_memory(self) -> HostMemory:
+        from runner.recovery.flash_ckpt.host_memory import SnapshotMemory  # segment code: torch
+
+        return SnapshotMemory(self.job)
 
     def decide_inputs(self, ctx, lost_nodes: list[int]) -> dict:
         return {"full_restarts_left": self.cfg.ft.flash_ckpt.max_restarts - self.full_restarts}
