@@ -127,6 +127,7 @@ class ResilientStrategy(ParallelStrategy):
         guard = GradientGuard(options.sdc_factor, options.sdc_window) if options.sdc_factor > 0 else None
         self._micros: MicroBatches = MicroBatches()  # the current step's micro-batches (accumulation)
         self._batch_idx = 0
+        self._in_module_step = False  # inside the module's training_step: a synced value is deferred to the commit
         self._failed = False
         self.full_checksum: Optional[str] = None  # tp*pp > 1: the gathered model's, set at teardown
         self.pipeline_micro_batches = options.pipeline_micro_batches
@@ -168,6 +169,11 @@ class ResilientStrategy(ParallelStrategy):
         """The rank whose data this process reads and whose seeds it draws: its DP coordinate (the TP ranks of
         a replica read the same batch); the logical rank when every rank is a replica."""
         return self.comm.dp_rank
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning syncs ``self.log(..., sync_dist=True)`` values only on a strategy that says it is distributed."""
+        return True
 
     @property
     def is_global_zero(self) -> bool:
@@ -324,10 +330,10 @@ class ResilientStrategy(ParallelStrategy):
             return torch.zeros((), device=self.root_device, requires_grad=True)
         if self._micros:  # the first micro-batch through Lightning's closure, the others in optimizer_step
             self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-            out = super().training_step(self._micros[0], self._batch_idx)
+            out = self._module_step(self._micros[0], self._batch_idx)
             self.commit.record_loss(out, 0, len(self._micros))
             return _scaled(out, 1 / len(self._micros))
-        out = super().training_step(*args, **kwargs)
+        out = self._module_step(*args, **kwargs)
         if module.automatic_optimization:
             self.commit.record_loss(out)
         elif module.trainer.global_step != step + 1:
@@ -335,6 +341,16 @@ class ResilientStrategy(ParallelStrategy):
                                f"{module.trainer.global_step - step} times at step {step}; with manual optimization "
                                "the runner commits one optimizer.step() per training_step: call it exactly once.")
         return out
+
+    def _module_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's training_step; what it logs with ``sync_dist=True`` rides in the step's reduction
+        (``reduce``)."""
+        self.commit.clear_synced()
+        self._in_module_step = True
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._in_module_step = False
 
     def _finish_applied_step(self) -> Tensor:
         """The step whose update the restored state already holds (``TrainerState.adopt_restored``): no forward, no
@@ -425,7 +441,7 @@ class ResilientStrategy(ParallelStrategy):
         """Forward and backward of the step's micro-batch ``micro`` (> 0), seeded by (step, micro)."""
         step = self._module.trainer.global_step
         seed_step(derive_seed(self.seed, step, self.data_rank, 1, micro), self.root_device)
-        out = super().training_step(self._micros[micro], self._batch_idx)
+        out = self._module_step(self._micros[micro], self._batch_idx)
         self.commit.record_loss(out, micro, len(self._micros))
         loss = _scaled(out, 1 / len(self._micros))
         self.backward(loss["loss"] if isinstance(loss, dict) else loss, optimizer)
@@ -511,6 +527,10 @@ class ResilientStrategy(ParallelStrategy):
         return from_bytes(padded)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's ``sync_dist``. Inside the module's training_step the value rides in the step's reduction
+        (``StepCommit.defer_sync``): no collective there, whatever recovery the step goes through."""
+        if isinstance(tensor, Tensor) and self._in_module_step:
+            return self.commit.defer_sync(tensor, reduce_op)
         if not isinstance(tensor, Tensor) or self.joining:
             return tensor
         out = tensor.detach().clone().float()
