@@ -33,6 +33,7 @@ from runner.recovery.common.hooks import MicroBatchTakeover
 from runner.recovery.sdc import GradientGuard
 from runner.training.comm import CollectiveFailure, Comm
 from runner.training.divergence import ReplicaDivergence
+from runner.training.epoch_sums import EpochSums
 from runner.training.reducer import GradReducer
 from runner.training.state import ReplicaState
 from runner.training.status import WorkerStatus
@@ -53,9 +54,10 @@ class StepCommit:
                  guard: Optional[GradientGuard] = None, takeover: Optional[MicroBatchTakeover] = None,
                  recover: Optional[Recover] = None, on_commit: Optional[OnCommit] = None,
                  agree: Optional[Callable[[], None]] = None,
-                 replica_check: Optional[ReplicaDivergence] = None) -> None:
+                 replica_check: Optional[ReplicaDivergence] = None, epoch_sums: Optional[EpochSums] = None) -> None:
         """``agree``: with tp*pp > 1, a collective over the world group after the reduction (``commit``);
-        ``replica_check``: the replicas' fingerprints ride in the accounting every N steps."""
+        ``replica_check``: the replicas' fingerprints ride in the accounting every N steps; ``epoch_sums``: the
+        increments of synced epoch values ride in the synced slots after the step's synced values."""
         self.comm, self.events, self.status = comm, events, status
         self.agree = agree
         self.state, self.update, self._module = state, update, module
@@ -63,6 +65,7 @@ class StepCommit:
         self.guard, self.takeover = guard, takeover
         self.recover, self.on_commit = recover, on_commit
         self.replica_check = replica_check
+        self.epoch_sums = epoch_sums
         self._reducer: Optional[GradReducer] = None  # built at the first step, once the module is set up
         self._batch_sample: Optional[Tensor] = None
         self._batch_loss: Optional[float] = None
@@ -85,6 +88,8 @@ class StepCommit:
         self._validation = (0.0, 0)
         self._batch_loss = None
         self._synced, self._committed = [], False
+        if self.epoch_sums is not None:
+            self.epoch_sums.begin_step(self._module().trainer.global_step)
         if self.takeover is not None:
             self.takeover.reset()
         self._t_batch = time.perf_counter()
@@ -110,9 +115,12 @@ class StepCommit:
         """This rank's share of a validation, carried by the step's reduction (however often it is retried)."""
         self._validation = (loss_sum, batches)
 
-    def clear_synced(self) -> None:
-        """A (re)computation of the step's forward logs its synced values anew."""
+    def clear_synced(self, first_micro: bool = True) -> None:
+        """A (re)computation of the step's forward logs its synced values anew (from the step's epoch
+        accumulations when it is the step's first micro-batch)."""
         self._synced = []
+        if first_micro and self.epoch_sums is not None:
+            self.epoch_sums.before_compute()
 
     def defer_sync(self, value: Tensor, reduce_op: Any) -> Tensor:
         """A value logged with ``sync_dist=True``: the tensor Lightning keeps for it, reduced in place once the step
@@ -269,6 +277,9 @@ class StepCommit:
         filled = rows[rows[:, 0] > 0, 1:]
         for i, (value, op) in enumerate(self._synced):
             value.fill_(float(_REDUCE[op](filled[:, i])))
+        if self.epoch_sums is not None:
+            start = len(self._synced)
+            self.epoch_sums.resolve(filled[:, start: start + self.epoch_sums.size].double())
 
     # -- the reduction and its accounting --------------------------------------------------------
     @property
@@ -309,10 +320,16 @@ class StepCommit:
         if self._batch_sample is not None:
             sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())
         extras[sample_rank] += 1
-        if self._synced:
+        values = [float(v) for v, _ in self._synced] + (self.epoch_sums.row() if self.epoch_sums is not None else [])
+        if values:
+            if len(values) > SYNCED_PER_STEP:
+                raise ValueError(f"{type(self._module()).__name__}.training_step logs too many values with "
+                                 f"sync_dist=True: {len(self._synced)} per step and {len(values) - len(self._synced)}"
+                                 f" slots of epoch values (2 each) exceed the {SYNCED_PER_STEP} the step's reduction "
+                                 "carries; log the others without sync_dist.")
             row = self._synced_slots.start + self.comm.dp_rank * (SYNCED_PER_STEP + 1)
             extras[row] = 1.0
-            extras[row + 1: row + 1 + len(self._synced)] = torch.tensor([float(v) for v, _ in self._synced])
+            extras[row + 1: row + 1 + len(values)] = torch.tensor(values)
         extras[VAL_LOSS_SUM], extras[VAL_BATCHES] = self._validation
         extras[LOSS_SUM] = self._batch_loss if self._batch_loss is not None else float("nan")
         extras[MISPLACED] = float(sample_step != step)

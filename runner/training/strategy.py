@@ -55,6 +55,7 @@ from runner.training.comm import CollectiveFailure, Comm
 from runner.training.commit import OnCommit, Recover, StepCommit
 from runner.training.divergence import ReplicaDivergence
 from runner.training.environment import RunnerEnvironment
+from runner.training.epoch_sums import EpochSums
 from runner.training.packed import from_bytes, to_bytes
 from runner.training.reducer import trainable_params
 from runner.training.status import WorkerStatus
@@ -134,7 +135,8 @@ class ResilientStrategy(ParallelStrategy):
         self._pipeline: Optional[OneFOneB] = None  # pp > 1: this stage's schedule, built at setup
         self._pipeline_batch: Any = None  # pp > 1: the step's batch, kept for the schedule
         self.update = CommittedUpdate(lambda: self._module.trainer.global_step)
-        self.state = TrainerState(lambda: self._module, lambda: self.optimizers, self.update, guard)
+        epoch_sums = EpochSums(lambda: self._module.trainer.fit_loop.epoch_loop._results, lambda: comm.size)
+        self.state = TrainerState(lambda: self._module, lambda: self.optimizers, self.update, guard, epoch_sums)
         check = ReplicaDivergence(comm, events, self.state, options.replica_check_every_n_steps,
                                   lambda: trainable_params(self._module)[::-1],
                                   lambda: comm.replica_size == 1 and self.update.zero is None)
@@ -142,7 +144,8 @@ class ResilientStrategy(ParallelStrategy):
                                  bucket_bytes=int(options.bucket_mb * 2**20), guard=guard, takeover=hooks.takeover,
                                  recover=recover, on_commit=on_commit,
                                  agree=self._agree_on_step if comm.replica_size > 1 else None,
-                                 replica_check=check if options.replica_check_every_n_steps > 0 else None)
+                                 replica_check=check if options.replica_check_every_n_steps > 0 else None,
+                                 epoch_sums=epoch_sums)
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -342,10 +345,10 @@ class ResilientStrategy(ParallelStrategy):
                                "the runner commits one optimizer.step() per training_step: call it exactly once.")
         return out
 
-    def _module_step(self, *args: Any, **kwargs: Any) -> Any:
+    def _module_step(self, *args: Any, first_micro: bool = True, **kwargs: Any) -> Any:
         """The module's training_step; what it logs with ``sync_dist=True`` rides in the step's reduction
-        (``reduce``)."""
-        self.commit.clear_synced()
+        (``reduce``, ``runner.training.epoch_sums``)."""
+        self.commit.clear_synced(first_micro)
         self._in_module_step = True
         try:
             return super().training_step(*args, **kwargs)
@@ -441,7 +444,7 @@ class ResilientStrategy(ParallelStrategy):
         """Forward and backward of the step's micro-batch ``micro`` (> 0), seeded by (step, micro)."""
         step = self._module.trainer.global_step
         seed_step(derive_seed(self.seed, step, self.data_rank, 1, micro), self.root_device)
-        out = self._module_step(self._micros[micro], self._batch_idx)
+        out = self._module_step(self._micros[micro], self._batch_idx, first_micro=False)
         self.commit.record_loss(out, micro, len(self._micros))
         loss = _scaled(out, 1 / len(self._micros))
         self.backward(loss["loss"] if isinstance(loss, dict) else loss, optimizer)
