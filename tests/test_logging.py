@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import run_cli
 from tests.test_wandb_run import _number, read_wandb_run
 
-MAX_STEPS, LOG_EVERY = 12, 3
+MAX_STEPS, LOG_EVERY = 20, 3
 USER = ["+recipe=gpt_tiny", "model._target_=tests.regressors.LoggingRegressor",
         "data._target_=tests.regressors.RegressionData", "trainer.global_batch_size=8",
         f"trainer.max_steps={MAX_STEPS}", "parallel.nodes=2", "parallel.procs_per_node=2", "ft=[flashrecovery]",
@@ -117,3 +117,11 @@ def test_a_logged_name_the_runner_records_itself_is_refused(tmp_path):
                   "model._target_=tests.regressors.LossLoggingRegressor", run_dir=tmp_path / "run")
     assert run.returncode != 0
     assert "The module logs ['loss'], a name the runner gives a field of metrics.jsonl" in run.output
+
+
+def test_a_step_the_corruption_guard_recomputes_is_accumulated_once(fault_free, tmp_path):
+    """The recomputed step's training_step logs again: its epoch values (synced or not) count it once."""
+    run = run_cli(*USER, "fault=bitflip", "fault.rank=1", "fault.step=14", run_dir=tmp_path / "run")
+    assert run.summary["sdc_recomputed_steps"] == [14], run.output[-3000:]
+    assert run.summary["param_checksum"] == fault_free.summary["param_checksum"]
+    assert [logged(m) for m in run.metrics()] == [logged(m) for m in fault_free.metrics()]

@@ -9,7 +9,8 @@ holds the same accumulation, which a replacement or a laggard receives with the 
 (``TrainerState``). Lightning's own reduction at the epoch's end still runs and gives the same global value: a
 mean is the ratio of two reduced sums, max and min of equal values, and a sum is kept divided by the number of
 ranks that Lightning's sum multiplies it by. Only values logged in ``training_step`` are kept so; a step
-recomputed after a recovery (or by the corruption guard) starts again from the step's accumulation.
+recomputed after a recovery (or by the corruption guard) starts again from the step's accumulations, of
+every epoch value (synced or not), so that no step is accumulated twice.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ class EpochSums:
             self._step, self._before, self._resolved = step, None, False
 
     def before_compute(self) -> None:
-        """Before the step's first micro-batch: keep the accumulations, or (a recomputation) go back to them."""
+        """Before the step's first micro-batch: keep the accumulations, or (a recomputation) go back to them (of
+        every epoch value, synced or not: a recomputed step is accumulated once)."""
         if self._before is None:
-            self._before = {key: _state(m) for key, m in self._metrics().items()}
+            self._before = {key: _state(m) for key, m in self._metrics(synced_only=False).items()}
             return
-        for key, metric in self._metrics().items():
+        for key, metric in self._metrics(synced_only=False).items():
             value, count = self._before.get(key, _default(metric))
             _set(metric, value.clone(), count.clone())
 
@@ -90,21 +92,21 @@ class EpochSums:
             return dict(self._adopted)
         if self._resolved or self._before is None:
             return {key: _state(m) for key, m in self._metrics().items()}
-        return dict(self._before)
+        return {key: state for key, state in self._before.items() if key in self._metrics()}
 
     def adopt(self, state: Optional[dict]) -> None:
         """A replica's accumulations: this rank's own continue from them at its next committed step."""
         if state:
             self._adopted = {key: (value.clone(), count.clone()) for key, (value, count) in state.items()}
 
-    def _metrics(self) -> dict[str, Any]:
-        """The tensor values ``training_step`` logs with ``on_epoch=True`` and ``sync_dist=True``."""
+    def _metrics(self, synced_only: bool = True) -> dict[str, Any]:
+        """The tensor values ``training_step`` logs with ``on_epoch=True`` (and ``sync_dist=True``)."""
         results = self._results()
         if results is None:
             return {}
         return {key: m for key, m in results.items()
-                if getattr(m, "is_tensor", False) and m.meta.on_epoch and m.meta.sync.should
-                and m.meta.fx == "training_step"}
+                if getattr(m, "is_tensor", False) and m.meta.on_epoch and m.meta.fx == "training_step"
+                and (m.meta.sync.should or not synced_only)}
 
 
 def _state(metric: Any) -> tuple[Tensor, Tensor]:
