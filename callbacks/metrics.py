@@ -2,14 +2,23 @@
 
 The all-reduce already carries, for every committed step, one count per logical rank whose
 micro-batch went in and the summed loss, so the metrics rank logs the global view without an
-extra collective. The metrics rank is the first member of the generation that is not joining it:
-logical rank 0 normally, another rank while NDB's neighbours cover rank 0 or rank 0's replacement
-is still joining (it does not hold the steps before). A step can be committed without its record:
+extra collective. The metrics rank is the member of the generation with the lowest logical rank that did
+not join it: logical rank 0 normally, another rank while NDB's neighbours cover rank 0 or in a generation
+that rank 0's replacement joined (it does not hold the steps before). A step can be committed without its record:
 the writer died between committing and writing, or it was a laggard that adopted the step from a
 peer. So every member keeps its last record, and at its first commit in a new generation writes
 that record if the file lacks it (under a file lock: once), so the accounting sees every step.
 A step that carried a validation (``runner.training.validation``) has ``val/loss`` in its record,
 the mean over every DP rank's validation batches, and the logger gets it at that step.
+
+A record also holds, under their own names, what the module logged at that step and the learning rate of
+each param group (``train/lr``, or ``train/lr-pg<i>`` with several, as Lightning's LearningRateMonitor
+numbers them). Logged values come from Lightning's own logger connector: ``StepValues`` is the Trainer's
+logger, so Lightning applies ``on_step``/``on_epoch``, ``reduce_fx``, ``sync_dist`` (inside the step's
+reduction, ``runner.training.commit``), ``prog_bar`` and ``logger=False`` as it does for any logger, and
+hands over each step's values after the step committed, and the epoch-end values at the epoch's last step
+(listed in ``epoch_metrics``). So a record is written once its step is over (at the next step's start or
+at the end of training), and a step redone after a recovery is logged once, with the committed values.
 """
 
 from __future__ import annotations
@@ -18,10 +27,13 @@ import fcntl
 import json
 import os
 import time
+from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
 
-from runner.plumbing.events import EventLog, JsonLines
+from runner.plumbing.events import METRICS_FIELDS, EventLog, JsonLines
+from runner.plumbing.protocol import Layout
 from runner.training.comm import Comm
 from runner.training.commit import LOSS_SUM, MISPLACED, VAL_BATCHES, VAL_LOSS_SUM
 
@@ -35,10 +47,42 @@ class CommitMetrics(Callback):
         self._t_step = time.perf_counter()
         self._last_gen: int | None = None
         self._unwritten: dict | None = None  # this member's last record, while another member writes
+        self._pending: dict | None = None  # this writer's last record, until its step is over
+        self._epoch_ended = False  # what Lightning logs now is the epoch's
+        self._trainer: Any = None
         self.last: dict | None = None  # the newest committed step's record (the progress bar shows it)
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = trainer
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._flush()
+        self._epoch_ended = False
         self._t_step = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._epoch_ended = True
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._flush()
+
+    def add_logged(self, step: int, values: dict[str, float]) -> None:
+        """What Lightning's logger connector hands the logger at ``step``: into that step's record."""
+        record = self.last
+        if record is None or record["step"] != step:  # a step this member adopted without committing it
+            return
+        taken = sorted(set(values) & METRICS_FIELDS)
+        if taken:
+            raise ValueError(f"The module logs {taken}, a name the runner gives a field of metrics.jsonl "
+                             f"({sorted(METRICS_FIELDS)}): log it under another name (e.g. train/{taken[0]}).")
+        record.update(values)
+        if self._epoch_ended:
+            record["epoch_metrics"] = sorted({*record.get("epoch_metrics", ()), *values})
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            self.metrics.write(self._pending)
+            self._pending = None
 
     def on_commit(self, step: int, extras, reduce_s: float) -> None:
         gen, layout = self.comm.gen, self.comm.layout
@@ -55,10 +99,11 @@ class CommitMetrics(Callback):
         val_batches = int(extras[VAL_BATCHES])
         if val_batches:
             record["val/loss"] = float(extras[VAL_LOSS_SUM]) / val_batches
+        record.update(learning_rates(self._trainer.optimizers if self._trainer is not None else []))
         self.last = record
         if gen != self._last_gen and self._unwritten is not None and self._unwritten["step"] == step - 1:
             self._write_if_missing(self._unwritten)
-        writer = next((wid for wid in layout.members if wid not in layout.joiners), layout.members[0])
+        writer = metrics_writer(layout)
         if writer != self.comm.wid:
             self._last_gen, self._unwritten = gen, record
             return
@@ -66,7 +111,7 @@ class CommitMetrics(Callback):
         if self._last_gen is not None and gen != self._last_gen:
             self.events.emit("step_committed_after_recovery", gen=gen, committed_step=step)
         self._last_gen = gen
-        self.metrics.write(record)
+        self._pending = record
 
     def _write_if_missing(self, record: dict, tail_bytes: int = 1 << 16) -> None:
         """Append ``record`` unless metrics.jsonl's tail has its step; the lock makes one holder do it."""
@@ -80,3 +125,46 @@ class CommitMetrics(Callback):
                 self.metrics.write(record)
         finally:
             fcntl.flock(self.metrics.fd, fcntl.LOCK_UN)
+
+
+def metrics_writer(layout: Layout) -> int:
+    """The member that writes the records: the one with the lowest logical rank that is not joining the generation
+    (logical rank 0, whose own values are what Lightning gives a logger, unless it is a replacement that joined
+    this generation). Every member decides alike from the layout alone."""
+    ready = [i for i, wid in enumerate(layout.members) if wid not in layout.joiners] or [0]
+    return layout.members[min(ready, key=lambda i: (layout.logical[i], i))]
+
+
+def learning_rates(optimizers: list) -> dict[str, float]:
+    """The learning rate each param group applies in this step's update: ``train/lr``, or ``train/lr-pg<i>``
+    (numbered from 1 over every optimizer's groups) with several."""
+    rates = [float(group["lr"]) for opt in optimizers for group in opt.param_groups]
+    if len(rates) == 1:
+        return {"train/lr": rates[0]}
+    return {f"train/lr-pg{i}": lr for i, lr in enumerate(rates, 1)}
+
+
+class StepValues(Logger):
+    """The Trainer's logger: Lightning's logger connector hands it what the module logs, and it gives that to
+    ``CommitMetrics`` for the committed step's record (which the controller's run logger reads)."""
+
+    def __init__(self, metrics: CommitMetrics) -> None:
+        super().__init__()
+        self.commit_metrics = metrics
+
+    @property
+    def name(self) -> str:
+        return "runner"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        # Lightning adds the epoch to every step's values; a record is a step's (epochs are counted elsewhere)
+        values = {k: float(v) for k, v in metrics.items() if k != "epoch"}
+        if step is not None and values:
+            self.commit_metrics.add_logged(step, values)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """The controller logs the resolved config (module arguments included) as the run's config."""

@@ -40,7 +40,10 @@ class GPTModule(pl.LightningModule):
         self.flops_per_token = flops_per_token(model_cfg)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        return self.model.loss(batch["idx"], batch["targets"])
+        loss = self.model.loss(batch["idx"], batch["targets"])
+        # the mean over the DP ranks, reduced in the step's own all-reduce (runner.training.commit)
+        self.log("train/loss", loss, sync_dist=True)
+        return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self.model.loss(batch["idx"], batch["targets"])

@@ -87,3 +87,35 @@ class StatedRegressor(WideRegressor):
     @property
     def flops_per_sample(self) -> float:
         return 6.0 * sum(p.numel() for p in self.parameters())
+
+
+class LoggingRegressor(ValidatedRegressor):
+    """Logs as a Lightning user does: step and epoch values, synced and not, one kept from the logger, and a StepLR
+    schedule (``train/lr``)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.net(x)
+        loss = nn.functional.mse_loss(pred, y)
+        self.log("my/mae", (pred - y).abs().mean(), sync_dist=True)  # the DP mean
+        self.log_dict({"my/rank_loss": loss, "my/pred_max": pred.max()}, on_step=True)  # this rank's own
+        self.log("my/loss_mean", loss, sync_dist=True)  # the runner's own loss, as Lightning reduces it
+        self.log("my/loss_peak", loss, sync_dist=True, reduce_fx="max")
+        self.log("my/epoch_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("my/both", loss, on_step=True, on_epoch=True)  # my/both_step, my/both_epoch
+        self.log("my/bar_only", loss, prog_bar=True, logger=False)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 4, 0.5),
+                                                   "interval": "step"}}
+
+
+class LossLoggingRegressor(ValidatedRegressor):
+    """Logs under ``loss``, a field the runner writes itself in metrics.jsonl."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("loss", loss)
+        return loss

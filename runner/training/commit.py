@@ -9,6 +9,12 @@ Once committed, the sums become means in ``.grad``, and ``on_commit`` learns the
 (one count per logical rank whose micro-batch went in, whether any member was asked to stop, the
 validation loss sum and batch count when the step carries a validation, the loss sum, misplaced
 batches). The stop flag lets every member learn a stop at the same committed step (``stop_agreed``).
+
+What the module's ``training_step`` logs with ``self.log(..., sync_dist=True)`` rides in the same
+reduction (``defer_sync``): a collective of its own inside the step would pair with another member's
+gradient reduction when a recovery has survivors re-reduce and a replacement compute the step. Each DP
+rank fills its row of the synced slots, and once the step commits the tensors Lightning holds for those
+values get the reduced value (``reduce_fx``: mean, sum, max or min over the ranks that filled their row).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from runner.recovery.common.hooks import MicroBatchTakeover
 from runner.recovery.sdc import GradientGuard
 from runner.training.comm import CollectiveFailure, Comm
 from runner.training.divergence import ReplicaDivergence
+from runner.training.epoch_sums import EpochSums
 from runner.training.reducer import GradReducer
 from runner.training.state import ReplicaState
 from runner.training.status import WorkerStatus
@@ -36,6 +43,9 @@ Recover = Callable[[ReplicaState, str], Optional[dict]]  # the run's recovery: (
 OnCommit = Callable[[int, Tensor, float], None]  # (step, accounting, seconds from reduce to commit)
 # the accounting vector after the one count per logical rank: these entries, indexed from its end
 VAL_LOSS_SUM, VAL_BATCHES, LOSS_SUM, MISPLACED = -4, -3, -2, -1
+SYNCED_PER_STEP = 16  # values a training_step may log with sync_dist=True; each DP rank's row has a flag first
+_REDUCE: dict[str, Callable[[Tensor], Tensor]] = {"mean": torch.mean, "avg": torch.mean, "sum": torch.sum,
+                                                  "max": torch.amax, "min": torch.amin}
 
 
 class StepCommit:
@@ -44,9 +54,10 @@ class StepCommit:
                  guard: Optional[GradientGuard] = None, takeover: Optional[MicroBatchTakeover] = None,
                  recover: Optional[Recover] = None, on_commit: Optional[OnCommit] = None,
                  agree: Optional[Callable[[], None]] = None,
-                 replica_check: Optional[ReplicaDivergence] = None) -> None:
+                 replica_check: Optional[ReplicaDivergence] = None, epoch_sums: Optional[EpochSums] = None) -> None:
         """``agree``: with tp*pp > 1, a collective over the world group after the reduction (``commit``);
-        ``replica_check``: the replicas' fingerprints ride in the accounting every N steps."""
+        ``replica_check``: the replicas' fingerprints ride in the accounting every N steps; ``epoch_sums``: the
+        increments of synced epoch values ride in the synced slots after the step's synced values."""
         self.comm, self.events, self.status = comm, events, status
         self.agree = agree
         self.state, self.update, self._module = state, update, module
@@ -54,10 +65,13 @@ class StepCommit:
         self.guard, self.takeover = guard, takeover
         self.recover, self.on_commit = recover, on_commit
         self.replica_check = replica_check
+        self.epoch_sums = epoch_sums
         self._reducer: Optional[GradReducer] = None  # built at the first step, once the module is set up
         self._batch_sample: Optional[Tensor] = None
         self._batch_loss: Optional[float] = None
         self._validation = (0.0, 0)  # this rank's validation loss sum and batch count for the current step
+        self._synced: list[tuple[Tensor, str]] = []  # what the step's training_step logged with sync_dist
+        self._committed = False  # the current step's reduction is done: nothing more can ride in it
         self._t_batch = 0.0
         self._t_reduced: Optional[float] = None  # when the previous reduction ended; None: the next step is not timed
         self._sync_s = 0.0  # this step's time in ZeRO-1's parameter sync (a collective, not compute)
@@ -73,6 +87,9 @@ class StepCommit:
         self._batch_sample = batch.get("sample") if isinstance(batch, dict) else None
         self._validation = (0.0, 0)
         self._batch_loss = None
+        self._synced, self._committed = [], False
+        if self.epoch_sums is not None:
+            self.epoch_sums.begin_step(self._module().trainer.global_step)
         if self.takeover is not None:
             self.takeover.reset()
         self._t_batch = time.perf_counter()
@@ -97,6 +114,33 @@ class StepCommit:
     def record_validation(self, loss_sum: float, batches: int) -> None:
         """This rank's share of a validation, carried by the step's reduction (however often it is retried)."""
         self._validation = (loss_sum, batches)
+
+    def clear_synced(self, first_micro: bool = True) -> None:
+        """A (re)computation of the step's forward logs its synced values anew (from the step's epoch
+        accumulations when it is the step's first micro-batch)."""
+        self._synced = []
+        if first_micro and self.epoch_sums is not None:
+            self.epoch_sums.before_compute()
+
+    def defer_sync(self, value: Tensor, reduce_op: Any) -> Tensor:
+        """A value logged with ``sync_dist=True``: the tensor Lightning keeps for it, reduced in place once the step
+        commits."""
+        op = str(reduce_op).lower().rsplit(".", 1)[-1]
+        name = type(self._module()).__name__
+        if op not in _REDUCE:
+            raise ValueError(f"{name} logs with sync_dist=True and reduce_fx={reduce_op!r}; the runner reduces "
+                             f"synced values with one of {sorted(_REDUCE)}: use one of them, or sync_dist=False.")
+        if self._committed:
+            raise ValueError(f"{name}.training_step logs with sync_dist=True after its optimizer.step(): the "
+                             "runner reduces synced values in the step's own reduction; log them before the step.")
+        if len(self._synced) == SYNCED_PER_STEP:
+            raise ValueError(f"{name}.training_step logs more than {SYNCED_PER_STEP} values with sync_dist=True "
+                             "in one step; log the others without sync_dist (or stack them into fewer values).")
+        if value.numel() != 1:
+            raise ValueError(f"{name} logs a tensor of {value.numel()} elements with sync_dist=True: log scalars.")
+        out = value.detach().clone().float()
+        self._synced.append((out, op))
+        return out
 
     def arm(self) -> None:
         """Before the step's own backward: its buckets launch as they fill (not when micro-batches of others
@@ -168,6 +212,7 @@ class StepCommit:
                 redo = self.comm.replica_size > 1
         if self.agree is None:
             self._write_back()
+        self._resolve_synced(extras)
         if self.takeover is not None:
             self.takeover.record_step(time.perf_counter() - self._t_batch)
         self.stop_agreed = bool(extras[self.dp_size] > 0)
@@ -224,18 +269,36 @@ class StepCommit:
     def _grad_params(self) -> list[Tensor]:
         return [p for p in self._module().parameters() if p.requires_grad]
 
+    def _resolve_synced(self, extras: Tensor) -> None:
+        """The committed step's synced values, reduced over the DP ranks whose row is filled (a rank whose
+        micro-batch another member took over logged nothing), into the tensors Lightning holds."""
+        self._committed = True
+        rows = extras[self._synced_slots].view(self.dp_size, SYNCED_PER_STEP + 1)
+        filled = rows[rows[:, 0] > 0, 1:]
+        for i, (value, op) in enumerate(self._synced):
+            value.fill_(float(_REDUCE[op](filled[:, i])))
+        if self.epoch_sums is not None:
+            start = len(self._synced)
+            self.epoch_sums.resolve(filled[:, start: start + self.epoch_sums.size].double())
+
     # -- the reduction and its accounting --------------------------------------------------------
     @property
     def _check_slots(self) -> slice:
-        """The replica check's slots: after the stop flag, before the four sums."""
+        """The replica check's slots: after the stop flag, before the synced values."""
         size = self.replica_check.size if self.replica_check is not None else 0
         return slice(self.dp_size + 1, self.dp_size + 1 + size)
 
     @property
+    def _synced_slots(self) -> slice:
+        """A row per DP rank of its synced values (a flag, then ``SYNCED_PER_STEP`` values): before the four sums."""
+        start = self._check_slots.stop
+        return slice(start, start + self.dp_size * (SYNCED_PER_STEP + 1))
+
+    @property
     def _extras_size(self) -> int:
-        """The counts per logical rank, the stop flag, the replica check's slots, and the four sums from
-        ``VAL_LOSS_SUM`` to the end."""
-        return self._check_slots.stop - VAL_LOSS_SUM
+        """The counts per logical rank, the stop flag, the replica check's slots, the synced values, and the four
+        sums from ``VAL_LOSS_SUM`` to the end."""
+        return self._synced_slots.stop - VAL_LOSS_SUM
 
     @property
     def reducer(self) -> GradReducer:
@@ -257,6 +320,16 @@ class StepCommit:
         if self._batch_sample is not None:
             sample_step, sample_rank = (int(v) for v in self._batch_sample.tolist())
         extras[sample_rank] += 1
+        values = [float(v) for v, _ in self._synced] + (self.epoch_sums.row() if self.epoch_sums is not None else [])
+        if values:
+            if len(values) > SYNCED_PER_STEP:
+                raise ValueError(f"{type(self._module()).__name__}.training_step logs too many values with "
+                                 f"sync_dist=True: {len(self._synced)} per step and {len(values) - len(self._synced)}"
+                                 f" slots of epoch values (2 each) exceed the {SYNCED_PER_STEP} the step's reduction "
+                                 "carries; log the others without sync_dist.")
+            row = self._synced_slots.start + self.comm.dp_rank * (SYNCED_PER_STEP + 1)
+            extras[row] = 1.0
+            extras[row + 1: row + 1 + len(values)] = torch.tensor(values)
         extras[VAL_LOSS_SUM], extras[VAL_BATCHES] = self._validation
         extras[LOSS_SUM] = self._batch_loss if self._batch_loss is not None else float("nan")
         extras[MISPLACED] = float(sample_step != step)

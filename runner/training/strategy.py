@@ -55,6 +55,7 @@ from runner.training.comm import CollectiveFailure, Comm
 from runner.training.commit import OnCommit, Recover, StepCommit
 from runner.training.divergence import ReplicaDivergence
 from runner.training.environment import RunnerEnvironment
+from runner.training.epoch_sums import EpochSums
 from runner.training.packed import from_bytes, to_bytes
 from runner.training.reducer import trainable_params
 from runner.training.status import WorkerStatus
@@ -127,13 +128,15 @@ class ResilientStrategy(ParallelStrategy):
         guard = GradientGuard(options.sdc_factor, options.sdc_window) if options.sdc_factor > 0 else None
         self._micros: MicroBatches = MicroBatches()  # the current step's micro-batches (accumulation)
         self._batch_idx = 0
+        self._in_module_step = False  # inside the module's training_step: a synced value is deferred to the commit
         self._failed = False
         self.full_checksum: Optional[str] = None  # tp*pp > 1: the gathered model's, set at teardown
         self.pipeline_micro_batches = options.pipeline_micro_batches
         self._pipeline: Optional[OneFOneB] = None  # pp > 1: this stage's schedule, built at setup
         self._pipeline_batch: Any = None  # pp > 1: the step's batch, kept for the schedule
         self.update = CommittedUpdate(lambda: self._module.trainer.global_step)
-        self.state = TrainerState(lambda: self._module, lambda: self.optimizers, self.update, guard)
+        epoch_sums = EpochSums(lambda: self._module.trainer.fit_loop.epoch_loop._results, lambda: comm.size)
+        self.state = TrainerState(lambda: self._module, lambda: self.optimizers, self.update, guard, epoch_sums)
         check = ReplicaDivergence(comm, events, self.state, options.replica_check_every_n_steps,
                                   lambda: trainable_params(self._module)[::-1],
                                   lambda: comm.replica_size == 1 and self.update.zero is None)
@@ -141,7 +144,8 @@ class ResilientStrategy(ParallelStrategy):
                                  bucket_bytes=int(options.bucket_mb * 2**20), guard=guard, takeover=hooks.takeover,
                                  recover=recover, on_commit=on_commit,
                                  agree=self._agree_on_step if comm.replica_size > 1 else None,
-                                 replica_check=check if options.replica_check_every_n_steps > 0 else None)
+                                 replica_check=check if options.replica_check_every_n_steps > 0 else None,
+                                 epoch_sums=epoch_sums)
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -168,6 +172,11 @@ class ResilientStrategy(ParallelStrategy):
         """The rank whose data this process reads and whose seeds it draws: its DP coordinate (the TP ranks of
         a replica read the same batch); the logical rank when every rank is a replica."""
         return self.comm.dp_rank
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning syncs ``self.log(..., sync_dist=True)`` values only on a strategy that says it is distributed."""
+        return True
 
     @property
     def is_global_zero(self) -> bool:
@@ -324,10 +333,10 @@ class ResilientStrategy(ParallelStrategy):
             return torch.zeros((), device=self.root_device, requires_grad=True)
         if self._micros:  # the first micro-batch through Lightning's closure, the others in optimizer_step
             self._batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-            out = super().training_step(self._micros[0], self._batch_idx)
+            out = self._module_step(self._micros[0], self._batch_idx)
             self.commit.record_loss(out, 0, len(self._micros))
             return _scaled(out, 1 / len(self._micros))
-        out = super().training_step(*args, **kwargs)
+        out = self._module_step(*args, **kwargs)
         if module.automatic_optimization:
             self.commit.record_loss(out)
         elif module.trainer.global_step != step + 1:
@@ -335,6 +344,16 @@ class ResilientStrategy(ParallelStrategy):
                                f"{module.trainer.global_step - step} times at step {step}; with manual optimization "
                                "the runner commits one optimizer.step() per training_step: call it exactly once.")
         return out
+
+    def _module_step(self, *args: Any, first_micro: bool = True, **kwargs: Any) -> Any:
+        """The module's training_step; what it logs with ``sync_dist=True`` rides in the step's reduction
+        (``reduce``, ``runner.training.epoch_sums``)."""
+        self.commit.clear_synced(first_micro)
+        self._in_module_step = True
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._in_module_step = False
 
     def _finish_applied_step(self) -> Tensor:
         """The step whose update the restored state already holds (``TrainerState.adopt_restored``): no forward, no
@@ -425,7 +444,7 @@ class ResilientStrategy(ParallelStrategy):
         """Forward and backward of the step's micro-batch ``micro`` (> 0), seeded by (step, micro)."""
         step = self._module.trainer.global_step
         seed_step(derive_seed(self.seed, step, self.data_rank, 1, micro), self.root_device)
-        out = super().training_step(self._micros[micro], self._batch_idx)
+        out = self._module_step(self._micros[micro], self._batch_idx, first_micro=False)
         self.commit.record_loss(out, micro, len(self._micros))
         loss = _scaled(out, 1 / len(self._micros))
         self.backward(loss["loss"] if isinstance(loss, dict) else loss, optimizer)
@@ -511,6 +530,10 @@ class ResilientStrategy(ParallelStrategy):
         return from_bytes(padded)
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's ``sync_dist``. Inside the module's training_step the value rides in the step's reduction
+        (``StepCommit.defer_sync``): no collective there, whatever recovery the step goes through."""
+        if isinstance(tensor, Tensor) and self._in_module_step:
+            return self.commit.defer_sync(tensor, reduce_op)
         if not isinstance(tensor, Tensor) or self.joining:
             return tensor
         out = tensor.detach().clone().float()

@@ -17,6 +17,7 @@ from lightning.pytorch import LightningModule
 
 from runner.recovery.sdc import GradientGuard
 from runner.training.comm import Comm
+from runner.training.epoch_sums import EpochSums
 from runner.training.packed import from_bytes, to_bytes
 from runner.training.update import CommittedUpdate
 from runner.training.zero import ZeroOne
@@ -25,6 +26,7 @@ SDC_HISTORY = "resilient_sdc_norms"  # the corruption guard's history, in state 
 # in a handed-over checkpoint: its model and optimizer already hold the update of the step in flight (``global_step``),
 # whose counting by Lightning (the step counter, the LR scheduler, the loops' progress) is still to come
 UPDATE_APPLIED = "resilient_update_applied"
+EPOCH_SUMS = "resilient_epoch_sums"  # the synced epoch values' accumulations (``runner.training.epoch_sums``)
 
 
 def exchange(comm: Comm, obj: Any, src_pg_rank: int, *, receive: bool) -> Any:
@@ -48,9 +50,10 @@ class TrainerState:
     """``ReplicaState`` and ``ShardedState`` of the Lightning module a strategy trains."""
 
     def __init__(self, module: Callable[[], Optional[LightningModule]], optimizers: Callable[[], list],
-                 update: CommittedUpdate, guard: Optional[GradientGuard]) -> None:
+                 update: CommittedUpdate, guard: Optional[GradientGuard],
+                 epoch_sums: Optional[EpochSums] = None) -> None:
         self._module, self._optimizers = module, optimizers
-        self.update, self.guard = update, guard
+        self.update, self.guard, self.epoch_sums = update, guard, epoch_sums
 
     @property
     def global_step(self) -> int:
@@ -72,6 +75,8 @@ class TrainerState:
         ckpt = module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if self.guard is not None:
             ckpt[SDC_HISTORY] = list(self.guard.norms)
+        if self.epoch_sums is not None:
+            ckpt[EPOCH_SUMS] = self.epoch_sums.state()
         if self.update.skip_pending:
             ckpt[UPDATE_APPLIED] = True
         return ckpt
@@ -114,8 +119,11 @@ class TrainerState:
         self.adopt_guard_history(ckpt)
 
     def adopt_guard_history(self, state: Optional[dict]) -> None:
+        """The corruption guard's history and the synced epoch values' accumulations of a replica's state."""
         if self.guard is not None and state and SDC_HISTORY in state:
             self.guard.adopt(state[SDC_HISTORY])
+        if self.epoch_sums is not None and state:
+            self.epoch_sums.adopt(state.get(EPOCH_SUMS))
 
     def live_weights(self) -> Optional[dict]:
         module = self._module()

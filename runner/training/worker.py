@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.callbacks.fault_injection import FaultTrigger
 from runner.callbacks.heartbeat import Heartbeat
 from runner.callbacks.lightning_checkpoint import LightningCheckpoint
-from runner.callbacks.metrics import CommitMetrics
+from runner.callbacks.metrics import CommitMetrics, StepValues
 from runner.callbacks.progress import StepProgressBar
 from runner.config.schema import HeartbeatConfig
 from runner.config.validate import all_faults, dp_size, ft_names, world_size
@@ -189,7 +189,9 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         max_steps=cfg.trainer.max_steps,
         precision=cfg.trainer.precision,
         gradient_clip_val=cfg.trainer.grad_clip or None,
-        logger=False,  # the controller owns the job's experiment logger (runner/control/run_logger.py)
+        # the controller owns the job's experiment logger (runner/control/run_logger.py): Lightning's logger connector
+        # gives every step's logged values to the committed step's record in metrics.jsonl, which it follows
+        logger=StepValues(metrics),
         # techniques' first (flash checkpoints: draining the persister runs while the heartbeat still beats)
         callbacks=[*placement, *hooks.callbacks, heartbeat, faults, metrics, checkpoint,
                    *([StepProgressBar(metrics)] if progress_bar else [])],
@@ -199,7 +201,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         num_sanity_val_steps=0,
         limit_val_batches=0,  # the strategy validates inside the committed-step protocol (runner.training.validation)
         use_distributed_sampler=False,
-        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        log_every_n_steps=1,  # every record is complete; the run logger keeps trainer.log_every_n_steps
         default_root_dir=str(run_dir),
     )
     # an initial rank of a resumed run starts from the checkpoint file (runner.resume, checked by the launcher)
