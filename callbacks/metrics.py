@@ -17,8 +17,9 @@ numbers them). Logged values come from Lightning's own logger connector: ``StepV
 logger, so Lightning applies ``on_step``/``on_epoch``, ``reduce_fx``, ``sync_dist`` (inside the step's
 reduction, ``runner.training.commit``), ``prog_bar`` and ``logger=False`` as it does for any logger, and
 hands over each step's values after the step committed, and the epoch-end values at the epoch's last step
-(listed in ``epoch_metrics``). So a record is written once its step is over (at the next step's start or
-at the end of training), and a step redone after a recovery is logged once, with the committed values.
+(listed in ``epoch_metrics``). So a record is written once its step's values are in (as soon as Lightning
+handed them over; otherwise at the next step's start; the last step's at the end of training, after the epoch's
+values), and a step redone after a recovery is logged once, with the committed values.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class CommitMetrics(Callback):
         record.update(values)
         if self._epoch_ended:
             record["epoch_metrics"] = sorted({*record.get("epoch_metrics", ()), *values})
+        elif self._trainer is not None and step + 1 < self._trainer.max_steps:
+            self._flush()  # the step's values are in: written now, not at the next step's start (a fault there)
 
     def _flush(self) -> None:
         if self._pending is not None:

@@ -202,6 +202,8 @@ def test_a_committed_step_without_a_record_is_written_by_a_member_that_holds_it(
     assert steps() == []
     comm.gen, comm.layout = 2, Layout(gen=2, members=[11, 5], logical=[0, 1], dp=2, joiners=[11])
     metrics.on_commit(8, extras, 0.0)  # 9's replacement is joining: worker 5 writes, step 7 first
+    assert steps() == [7]
+    metrics.on_train_end(None, None)  # step 8's record once its step is over (here: the end of training)
     assert steps() == [7, 8]
     comm.gen, comm.layout = 3, Layout(gen=3, members=[11, 5], logical=[0, 1], dp=2)
     metrics.on_commit(9, extras, 0.0)  # 11 writes again, and does
