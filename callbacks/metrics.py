@@ -1,4 +1,5 @@
-"""Per-step metrics from the committed reduction: loss, step time, tokens/s and sample accounting.
+"""Per-step metrics from the committed reduction: loss, step time, samples/s (tokens/s for token batches) and sample
+accounting.
 
 The all-reduce already carries, for every committed step, one count per logical rank whose
 micro-batch went in and the summed loss, so the metrics rank logs the global view without an
@@ -40,9 +41,11 @@ from runner.training.commit import LOSS_SUM, MISPLACED, VAL_BATCHES, VAL_LOSS_SU
 
 
 class CommitMetrics(Callback):
-    def __init__(self, metrics: JsonLines, events: EventLog, comm: Comm, tokens_per_sample: int,
+    def __init__(self, metrics: JsonLines, events: EventLog, comm: Comm, tokens_per_sample: Optional[int],
                  micro_batch: int, tp: int = 1) -> None:
-        """``tp``: ranks per model replica; the accounting has one count per replica."""
+        """``tp``: ranks per model replica; the accounting has one count per replica. ``tokens_per_sample``: None
+        for a module whose batches are not tokens (it states no ``tokens_per_sample``): its records' ``tokens_per_s``
+        is null, ``samples_per_s`` is always given."""
         self.metrics, self.events, self.comm, self.tp = metrics, events, comm, tp
         self.tokens_per_sample, self.micro_batch = tokens_per_sample, micro_batch
         self._t_step = time.perf_counter()
@@ -95,9 +98,10 @@ class CommitMetrics(Callback):
         contributors = max(1, sum(counts))
         loss = float(extras[LOSS_SUM]) / contributors
         step_time = time.perf_counter() - self._t_step
-        tokens = sum(counts) * self.micro_batch * self.tokens_per_sample
+        samples_per_s = sum(counts) * self.micro_batch / step_time if step_time > 0 else 0.0
+        tokens_per_s = samples_per_s * self.tokens_per_sample if self.tokens_per_sample else None
         record = {"step": step, "t": time.time(), "loss": loss, "step_time_s": step_time, "reduce_s": reduce_s,
-                  "tokens_per_s": tokens / step_time if step_time > 0 else 0.0, "counts": counts,
+                  "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, "counts": counts,
                   "misplaced": int(extras[MISPLACED]), "gen": gen}
         val_batches = int(extras[VAL_BATCHES])
         if val_batches:

@@ -24,6 +24,7 @@ class StepProgressBar(TQDMProgressBar):
         last = self.commit_metrics.last
         shown: dict[str, Any] = {"step": trainer.global_step}
         if last is not None:
-            rate = "tokens/s" if hasattr(pl_module, "tokens_per_sample") else "samples/s"  # a module's batches are
-            shown.update({"loss": f"{last['loss']:.4f}", rate: f"{last['tokens_per_s']:,.0f}"})  # tokens if it says so
+            rate, value = ("samples/s", last["samples_per_s"]) if last["tokens_per_s"] is None else \
+                ("tokens/s", last["tokens_per_s"])
+            shown.update({"loss": f"{last['loss']:.4f}", rate: f"{value:,.0f}"})
         return {**shown, **trainer.progress_bar_metrics}  # and what the module logs with prog_bar=True

@@ -13,6 +13,7 @@ from runner.config.validate import validate
 from runner.planning.module_facts import module_facts
 from runner.planning.plan import make_plan
 from tests.conftest import run_cli
+from tests.test_logging import csv_rows
 from tests.test_config import _compose
 
 USER = ["model._target_=tests.regressors.StatedRegressor", "data._target_=tests.regressors.RegressionData",
@@ -34,6 +35,22 @@ def test_a_user_module_trains_without_a_recipe_and_is_reported_by_what_it_states
     assert s["tokens_per_s"] == pytest.approx(4 * s["samples_per_s"])
     peak = 1.0e12 * s["world_size"]  # runner.peak_flops_per_rank's default, every rank
     assert s["mfu"] == pytest.approx(6 * params * s["samples_per_s"] / peak)
+    for m in run.metrics():  # each step's record: its own rates, tokens because the module says a sample is 4
+        assert m["samples_per_s"] == pytest.approx(8 / m["step_time_s"])
+        assert m["tokens_per_s"] == pytest.approx(4 * m["samples_per_s"])
+
+
+def test_a_module_that_states_no_tokens_reports_samples_per_second_each_step(run_dir):
+    run = run_cli("model._target_=tests.regressors.ValidatedRegressor", *USER[1:], "trainer.max_steps=3",
+                  "logger=csv", run_dir=run_dir, quiet=False)
+    assert run.summary["status"] == "completed", run.output[-3000:]
+    records = run.metrics()
+    assert [m["step"] for m in records] == [0, 1, 2]
+    for m in records:
+        assert m["tokens_per_s"] is None and m["samples_per_s"] == pytest.approx(8 / m["step_time_s"])
+    rows = [r for r in csv_rows(run) if "train/samples_per_s" in r]
+    assert [r["global_step"] for r in rows] == [0, 1, 2]
+    assert not any("train/tokens_per_s" in r for r in csv_rows(run))
 
 
 def test_a_module_that_states_nothing_is_counted_on_the_meta_device_and_has_no_flops():

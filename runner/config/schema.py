@@ -501,7 +501,8 @@ class RunnerConfig:
     requeued or relaunched job goes on with the same command line; null = start from scratch (elsewhere)."""
     optimized_metric: Optional[str] = "train/loss"
     """The logged metric whose final value the job returns to Hydra (for a sweeper such as Optuna to optimise):
-    train/loss, train/tokens_per_s, train/step_time_s, or val/loss (with validation); null = return nothing."""
+    train/loss, train/samples_per_s, train/tokens_per_s (token batches), train/step_time_s, or val/loss (with
+    validation); null = return nothing."""
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """The job's experiment logger, owned by the controller: one W&B run (or CSV files) per job, complete and live.
 
 Workers write every committed step to ``metrics.jsonl`` (``callbacks/metrics.py``) and their events, as the
-controller does its own, to ``events.jsonl``. A thread of the controller follows both files from where they
-ended when the controller was built, in time order, and turns them into rows of the backend
-(``runner.report.loggers``): ``train/loss``, ``train/tokens_per_s``, ``train/step_time_s``, ``train/lr`` and
-every value the module logged (``self.log``) every ``trainer.log_every_n_steps`` committed steps (epoch-end
-values at the epoch's last step whatever the cadence); an ``event/*`` row for each fault, detection, decision and the
-other events of a recovery when it happens; and a ``recovery/*`` row with the RTO, its phases and the RPO as
-soon as the recovered world commits its first step (computed as summary.json computes them), with an alert.
-Every row carries the ``global_step`` and ``wall_time`` axes. At the end the run's summary (RTO phases, RPO,
+controller does its own, to ``events.jsonl``. A thread of the controller follows both files from where they ended
+when the controller was built, in time order, and turns them into rows of the backend (``runner.report.loggers``):
+``train/loss``, ``train/samples_per_s``, ``train/tokens_per_s`` (token batches), ``train/step_time_s``,
+``train/lr`` and every value the module logged (``self.log``) every ``trainer.log_every_n_steps`` committed steps
+(epoch-end values at the epoch's last step whatever the cadence); an ``event/*`` row for each fault, detection,
+decision and the other events of a recovery when it happens; and a ``recovery/*`` row with the RTO, its phases and
+the RPO as soon as the recovered world commits its first step (computed as summary.json computes them), with an
+alert. Every row carries the ``global_step`` and ``wall_time`` axes. At the end the run's summary (RTO phases, RPO,
 ETTR, sample accounting) goes into the backend's summary and the backend is finished: ``finish`` sits in the
 controller's outermost ``finally``, so every ending (completed, failed, Ctrl-C, SIGTERM, a crash) finishes it.
 
@@ -119,7 +119,8 @@ class RunLogger:
         self._recent.append(m)
         logged = {k: v for k, v in m.items() if k not in METRICS_FIELDS}  # the module's self.log values, train/lr
         if m["step"] % self.log_every == 0:  # what the module logs itself replaces the runner's train/loss
-            self._log(m["step"], m["t"], {**{name: m[field] for name, field in TRAIN_ROW.items()}, **logged})
+            self._log(m["step"], m["t"], {**{name: m[field] for name, field in TRAIN_ROW.items()
+                                             if m.get(field) is not None}, **logged})
         elif m.get("epoch_metrics"):  # an epoch's values are logged whatever log_every_n_steps says
             self._log(m["step"], m["t"], {k: logged[k] for k in m["epoch_metrics"]})
         if "val/loss" in m:  # a validation step is logged whatever log_every_n_steps says

@@ -12,8 +12,10 @@ from typing import Optional
 
 from runner.plumbing.events import read_jsonl
 
-TRAIN_ROW = {"train/loss": "loss", "train/tokens_per_s": "tokens_per_s", "train/step_time_s": "step_time_s"}
-"""The logger's ``train/*`` row: its names and the metrics.jsonl fields they come from."""
+TRAIN_ROW = {"train/loss": "loss", "train/samples_per_s": "samples_per_s", "train/tokens_per_s": "tokens_per_s",
+             "train/step_time_s": "step_time_s"}
+"""The logger's ``train/*`` row: its names and the metrics.jsonl fields they come from (``tokens_per_s`` null where a
+module's batches are not tokens: not logged then)."""
 LOGGED = {**TRAIN_ROW, "val/loss": "val/loss"}
 """Every name a run logs per committed step, and its metrics.jsonl field (``val/loss`` on validation steps)."""
 
@@ -23,7 +25,7 @@ def final_metric(run_dir: Path, name: str) -> Optional[float]:
     its last record); None when no step has it, or this process holds no metrics.jsonl (a rank of an external job
     other than rank 0)."""
     field = LOGGED[name]
-    records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if field in r]
+    records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r.get(field) is not None]
     if not records:
         return None
     newest = max(r["step"] for r in records)

@@ -105,16 +105,19 @@ def progress(jobs: list[Job]):
 
 
 def throughput(jobs: list[Job]):
-    """tokens/s, a centred running median over ``SMOOTH_STEPS`` committed steps, against wall time; the line
-    breaks where commits paused (a recovery) instead of bridging it; fault markers as vertical lines."""
+    """tokens/s (samples/s where a module's batches are not tokens), a centred running median over ``SMOOTH_STEPS``
+    committed steps, against wall time; the line breaks where commits paused (a recovery) instead of bridging it;
+    fault markers as vertical lines."""
+    tokens = all(m.get("tokens_per_s") is not None for job in jobs for m in job.metrics)
+    field, unit = ("tokens_per_s", "tokens/s") if tokens else ("samples_per_s", "samples/s")
     fig, ax = _figure(f"Throughput over wall time, median of {SMOOTH_STEPS} steps (vertical lines: faults)",
-                      WALL_TIME, "tokens/s")
+                      WALL_TIME, unit)
     for job in jobs:
         t0 = job.first_step_start()
         if t0 is None:
             continue
         times, rates = _with_gaps([m["t"] - t0 for m in job.metrics], smoothed(
-            [m["tokens_per_s"] for m in job.metrics], SMOOTH_STEPS))
+            [m[field] for m in job.metrics], SMOOTH_STEPS))
         line, = ax.plot(times, rates, linewidth=1.5, label=_label(job))
         if job.failed:
             ax.plot(times[-1:], rates[-1:], marker="x", markersize=10, color=line.get_color())

@@ -175,7 +175,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     if cfg.model._target_ and spec.logical_rank == 0 and not joining:
         warn_unscheduled(module, cfg.trainer.val_check_interval)
     metrics = CommitMetrics(JsonLines(run_dir / "metrics.jsonl"), events, comm,
-                            tokens_per_sample=getattr(module, "tokens_per_sample", 1), micro_batch=micro_batch,
+                            tokens_per_sample=getattr(module, "tokens_per_sample", None), micro_batch=micro_batch,
                             tp=topology.tp * topology.pp)
     strategy = ResilientStrategy(comm, options, hooks, events=events, status=status, recover=recovery,
                                  on_commit=metrics.on_commit)
