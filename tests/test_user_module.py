@@ -13,8 +13,8 @@ from runner.config.validate import validate
 from runner.planning.module_facts import module_facts
 from runner.planning.plan import make_plan
 from tests.conftest import run_cli
-from tests.test_logging import csv_rows
 from tests.test_config import _compose
+from tests.test_logging import csv_rows
 
 USER = ["model._target_=tests.regressors.StatedRegressor", "data._target_=tests.regressors.RegressionData",
         "trainer.global_batch_size=8", "trainer.max_steps=4", "trainer.progress_bar=false"]

@@ -50,8 +50,7 @@ from runner.config.schema import HeartbeatConfig
 from runner.plumbing import protocol
 from runner.plumbing.contact import ControllerContact
 from runner.plumbing.events import EventLog
-from runner.recovery.actions import NodePersist
-from runner.recovery.flash_ckpt.persister import NodePersisterHandle, start_node_persister
+from runner.recovery.actions import NodePersist, NodeService
 
 CONNECT_TIMEOUT_S = 60.0
 REFUSAL_READ_TIMEOUT_S = 30.0
@@ -146,7 +145,7 @@ class NodeAgent:
         self.events = EventLog(run_dir / "events.jsonl", rank=lambda: f"agent-{node}", step=lambda: -1)
         self.store = protocol.connect(*address, CONNECT_TIMEOUT_S)
         self.cfg_dict: dict = {}
-        self.persister: Optional[NodePersisterHandle] = None
+        self.persister: Optional[NodeService] = None
         self.fork_server: Optional[ForkServer] = None
         self.exits = 0
         self._stop_beat = threading.Event()
@@ -205,12 +204,15 @@ class NodeAgent:
         self.interval_s, self.lost_after_s = self.heartbeat.interval_s, self.heartbeat.controller_lost_after_s
         for module in agent_cfg["preload"]:
             importlib.import_module(module)
-        self.fork_server = ForkServer.fork()  # from the main thread, which lives as long as the agent
         persist = agent_cfg["persist"]
-        if persist is not None:
-            spec = NodePersist(persist["job_id"], Path(persist["out_dir"]), persist["keep"],
-                               Path(persist["events_path"]))
-            self.persister = start_node_persister(self.fork_server, spec, self.node)
+        spec = None if persist is None else NodePersist(**{**persist, "out_dir": Path(persist["out_dir"]),
+                                                           "events_path": Path(persist["events_path"])})
+        if spec is not None:  # the service's module too, before the fork server forks
+            module, start = spec.start.split(":")
+            start_service = getattr(importlib.import_module(module), start)
+        self.fork_server = ForkServer.fork()  # from the main thread, which lives as long as the agent
+        if spec is not None:
+            self.persister = start_service(self.fork_server, spec, self.node)
         return None
 
     def _serve(self) -> int:

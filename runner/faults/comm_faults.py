@@ -16,8 +16,9 @@ failed launch or wait (``CollectiveFailure``) of the main group, or a failed ren
   controller's calibrated reduction timeout (which cuts the generation off) or the collective timeout;
 * ``slow_links``: a delay before every batch of collectives (like a ``tc`` delay);
 * ``partition``: collectives and rendezvous fail until the partition ends;
-* ``hold_next_shard_copy``: the side group's next shard message (DeadPool's ZeRO-1 replication) waits
-  until ``release_shard_copy``, so that a kill lands while the copy is in flight.
+* ``hold_next_shard_copy``: the side group's next payload message (a technique's shard copy, which its sender
+  announces with ``Comm.before_side_payload``) waits until the returned event is set, so that a kill lands while
+  the copy is in flight.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from typing import Any, Optional
 
 from torch.distributed import PrefixStore
 
-from runner.recovery.deadpool.replicator import HEADER_BYTES, TAG_HEADER, TAG_LAYOUT
 from runner.training.comm import _CUT_OFF_POLL, _WAIT_MARGIN, CollectiveFailure, Comm
 
 PARTITIONED = "network partition: this rank cannot reach its peers"
@@ -47,6 +47,7 @@ class FaultInjectingComm(Comm):
         self._link_delay_s = 0.0  # added before every batch of collectives
         self._partitioned_until = 0.0  # collectives and rendezvous fail until then
         self._after_agreement: Optional[Callable[[], None]] = None  # run once the next agreement completed here
+        self._held_payload: Optional[threading.Event] = None  # the next side-group payload waits for it
 
     # -- arming, by the fault trigger ------------------------------------------------------------
     def fail_next_collective(self) -> None:
@@ -74,13 +75,15 @@ class FaultInjectingComm(Comm):
         self._partitioned_until = time.monotonic() + (duration_s if duration_s >= 0 else 1e9)
 
     def hold_next_shard_copy(self) -> threading.Event:
-        """Hold the side group's next shard message until the returned event is set (at most the collective
-        timeout). Call it before the copy starts; the group it wraps is dropped with the generation."""
-        release = threading.Event()
-        if self.side_pg is not None:
-            held = _HeldShardGroup(self.side_pg, release, self.collective_timeout.total_seconds())
-            self.side_pg = held  # type: ignore[assignment]  # a stand-in with the calls the replicator makes
-        return release
+        """Hold the side group's next payload message until the returned event is set (at most the collective
+        timeout). Call it before the copy starts."""
+        self._held_payload = threading.Event()
+        return self._held_payload
+
+    def before_side_payload(self) -> None:
+        release, self._held_payload = self._held_payload, None
+        if release is not None:
+            release.wait(self.collective_timeout.total_seconds())
 
     # -- where the faults strike -----------------------------------------------------------------
     def _partitioned(self) -> bool:
@@ -135,21 +138,3 @@ class FaultInjectingComm(Comm):
             time.sleep(_CUT_OFF_POLL.total_seconds())
         return f"the reduction timed out after {self.collective_timeout.total_seconds():.0f}s (its link dropped it)"
 
-
-class _HeldShardGroup:
-    """The side group, except that the send carrying the shard's bytes (not a bare header or the layout)
-    waits for ``release`` first, once; every other call goes to the group itself."""
-
-    def __init__(self, pg: Any, release: threading.Event, timeout_s: float) -> None:
-        self._pg, self._release, self._timeout_s = pg, release, timeout_s
-        self._held = False
-
-    def send(self, tensors: list, dst: int, tag: int) -> Any:
-        carries_shard = tag != TAG_LAYOUT and not (tag == TAG_HEADER and tensors[0].numel() == HEADER_BYTES)
-        if carries_shard and not self._held:
-            self._held = True
-            self._release.wait(self._timeout_s)
-        return self._pg.send(tensors, dst, tag)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pg, name)

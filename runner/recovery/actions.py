@@ -20,12 +20,23 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class NodePersist:
     """A node service a technique asks every node agent to run beside its workers (flash_ckpt's persister):
-    where to write, how many files to keep, where to log."""
+    where to write, how many files to keep, where to log, and how to start it."""
 
     job_id: str
     out_dir: Path
     keep: int
     events_path: Path
+    start: str
+    """``module:function`` that starts it from the agent's fork server, ``f(fork_server, spec, node)``, and returns
+    once it serves: a ``NodeService``. The agent imports it by name, so it imports no technique."""
+
+
+class NodeService(Protocol):
+    """The agent's side of a running node service: stopped when the agent ends, killed with its node."""
+
+    def stop(self, timeout_s: float = ...) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 class HostMemory(Protocol):

@@ -267,6 +267,11 @@ class Comm:
             if time.monotonic() >= deadline:
                 raise CollectiveFailure(f"gen {gen}: not every member arrived within {wait.total_seconds():.0f}s")
 
+    def before_side_payload(self) -> None:
+        """A sender on the side group calls this before a message that carries its payload (a shard's bytes, not a
+        bare header): nothing happens here; a fault injector holds one such message there
+        (``runner.faults.comm_faults``), so that a kill lands while a copy is in flight."""
+
     def abort(self) -> None:
         """Drop this process's groups: their connections close first, so peers' pending collectives fail within
         milliseconds and no gloo destructor waits on a socket (``GlooGroup.close_connections``), on a thread of

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import io
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class ShardReplicator:
         self._partner_groups: list[int] = []  # the optimizer group of each parameter of the partner's shard
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deadpool-replicate")
         self._job: Optional[Future] = None
+        self._before_payload: Callable[[], None] = lambda: None  # the comm's, before a shard's bytes are sent
         self._lock = threading.Lock()  # the exchange thread's changes to the slots against an abandonment
         self._epoch = 0  # bumped when an exchange is abandoned: an older one changes nothing any more
         self._slots = [_Slot(), _Slot()]
@@ -139,6 +141,7 @@ class ShardReplicator:
         if not self._partner_groups:  # a process's logical rank, and so its partner, stays
             self._partner_groups = self._groups(self.partner(me))
         job = self._exchange if self.mode == "copy" else self._replay_step
+        self._before_payload = comm.before_side_payload
         self._job = self._pool.submit(job, comm.side_pg, comm.gen, pg_of[self.holder(me)], pg_of[self.partner(me)],
                                       gen, self._epoch)
 
@@ -214,15 +217,15 @@ class ShardReplicator:
         if layout_bytes:
             message[HEADER_BYTES:HEADER_BYTES + len(layout_bytes)].copy_(
                 torch.frombuffer(bytearray(layout_bytes), dtype=torch.uint8))
-        parts = []
         if combined:
-            parts.append((message, TAG_HEADER))
-        else:
-            parts.append((message[:HEADER_BYTES], TAG_HEADER))
-            if layout_bytes:
-                parts.append((message[HEADER_BYTES:HEADER_BYTES + len(layout_bytes)], TAG_LAYOUT))
-            parts.append((message[prefix:], TAG_DATA))
-        return [self._send(pg, t, holder, tag) for t, tag in parts], message.numel(), layout.nbytes
+            self._before_payload()
+            return [self._send(pg, message, holder, TAG_HEADER)], message.numel(), layout.nbytes
+        sends = [self._send(pg, message[:HEADER_BYTES], holder, TAG_HEADER)]
+        if layout_bytes:
+            sends.append(self._send(pg, message[HEADER_BYTES:HEADER_BYTES + len(layout_bytes)], holder, TAG_LAYOUT))
+        self._before_payload()
+        sends.append(self._send(pg, message[prefix:], holder, TAG_DATA))
+        return sends, message.numel(), layout.nbytes
 
     def _send(self, pg, tensor: Tensor, dst: int, tag: int):
         self.bytes_sent += tensor.numel()

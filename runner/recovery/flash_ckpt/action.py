@@ -55,7 +55,8 @@ class RestartAll(RecoveryAction):
         fc = self.cfg.ft.flash_ckpt
         if not fc.persist_every_n_steps:
             return None
-        return NodePersist(self.job, self.run_dir / "checkpoints", fc.keep, self.run_dir / "events.jsonl")
+        return NodePersist(self.job, self.run_dir / "checkpoints", fc.keep, self.run_dir / "events.jsonl",
+                           start="runner.recovery.flash_ckpt.persister:start_node_persister")
 
     def host_memory(self) -> HostMemory:
         from runner.recovery.flash_ckpt.host_memory import SnapshotMemory  # segment code: torch
