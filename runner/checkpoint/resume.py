@@ -31,8 +31,7 @@ from runner.checkpoint import last_checkpoint
 from runner.config import ConfigError
 from runner.planning.plan import gpt_config
 from runner.plumbing.protocol import AGENT_CONFIG_FILE
-from runner.recovery.flash_ckpt.disk import every_ranks_checkpoints, verify
-from runner.recovery.flash_ckpt.segment import CorruptSnapshot
+from runner.recovery.registry import saved_states
 
 REQUIRED = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
 
@@ -129,21 +128,15 @@ def resume_checkpoint(target: str, run_dir: Path, max_steps: int,
 
 
 def newest_checkpoint(run_dir: Path) -> Path:
-    """The newest state ``run_dir`` holds: its last.ckpt, or a verified flash checkpoint of a later step when each
-    rank's file holds the whole model (``last_checkpoint``'s path, absent, when the run dir holds neither)."""
+    """The newest state ``run_dir`` holds: its last.ckpt, or a technique's verified file of a later step (a flash
+    checkpoint) when each rank's file holds the whole model (``last_checkpoint``'s path, absent, when the run dir
+    holds neither)."""
     last = last_checkpoint(run_dir)
-    newest = _global_step(last) if last.is_file() else -1
     if not _ranks_hold_the_whole_model(run_dir):
         return last
-    for step, path in every_ranks_checkpoints(last.parent):
-        if step <= newest:
-            break
-        try:
-            verify(path)
-        except (CorruptSnapshot, OSError):
-            continue  # half-written or damaged: an older file, or last.ckpt, is the state
-        return path
-    return last
+    newest = _global_step(last) if last.is_file() else -1
+    newer = (path for state in saved_states() if (path := state.newest_whole_model_file(last.parent, newest)))
+    return next(newer, last)
 
 
 def _global_step(path: Path) -> int:

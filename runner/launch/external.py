@@ -33,7 +33,7 @@ from runner.launch.attempt_log import AttemptLog, read_attempts
 from runner.launch.termination import PromptTermination
 from runner.plumbing import protocol
 from runner.plumbing.events import EventLog
-from runner.recovery.registry import with_
+from runner.recovery.registry import saved_states, with_
 from runner.training.worker import WorkerSpec, run_reporting
 
 LEAVE_WAIT_S = 5.0  # rank 0 keeps the store it hosts up this long for the others to leave: they do at once
@@ -205,18 +205,16 @@ def _train(cfg: DictConfig, env: RankEnv, run_dir: Path, namespace: str, role: s
 
 
 def resume_role(cfg: DictConfig, store, env: RankEnv, run_dir: Path) -> str:
-    """A restarted attempt with flash checkpoints: ``restore`` when some step's snapshot is held by every
-    rank (in its host's memory, a partner's copy or on disk), else ``initial`` (from step 0). Every rank
-    publishes the steps it holds and reads everyone's, so all of them choose alike."""
-    from runner.recovery.flash_ckpt.restore import list_snapshots, newest_common_step
-    from runner.recovery.flash_names import flash_job_id
-
-    held = sorted({c.step for c in list_snapshots(flash_job_id(run_dir), env.rank, run_dir / "checkpoints")})
+    """A restarted attempt of a mix that restarts ranks from snapshots (flash checkpoints): ``restore`` when some
+    step's snapshot is held by every rank (in its host's memory, a partner's copy or on disk: the technique's
+    ``SavedState``), else ``initial`` (from step 0). Every rank publishes the steps it holds and reads everyone's, so
+    all of them choose alike."""
+    held = sorted({s for state in saved_states(ft_names(cfg)) for s in state.held_steps(run_dir, env.rank)})
     store.set(f"resume/held/{env.rank}", json.dumps(held))
     keys = [f"resume/held/{r}" for r in range(env.world)]
     store.wait(keys, timedelta(seconds=cfg.launcher.start_timeout_s))
-    table = [json.loads(store.get(k).decode()) for k in keys]
-    return "initial" if newest_common_step(table) is None else "restore"
+    common = set.intersection(*(set(json.loads(store.get(k).decode())) for k in keys))
+    return "restore" if common else "initial"
 
 
 def carry_fault_claims(cfg: DictConfig, base, keys: JobKeys, attempt: int) -> None:

@@ -39,6 +39,16 @@ class NodeService(Protocol):
     def kill(self) -> None: ...
 
 
+class SavedState(Protocol):
+    """What a technique saved of each rank that outlives the rank's process (snapshots in host memory, files on disk):
+    a restarted attempt of a torchrun job agrees on a step every rank holds (``held_steps``), and a resume takes a
+    newer verified file than last.ckpt where one rank's file is the whole model (``newest_whole_model_file``)."""
+
+    def held_steps(self, run_dir: Path, rank: int) -> list[int]: ...
+
+    def newest_whole_model_file(self, ckpt_dir: Path, newer_than: int) -> Optional[Path]: ...
+
+
 class HostMemory(Protocol):
     """What a technique keeps in a host's memory (flash_ckpt's snapshot segments), as the faults that take a node's or
     the host's memory away, or corrupt it, reach it (``runner.faults.injector``); the counts are what was lost."""

@@ -21,7 +21,7 @@ from runner.recovery.technique import Technique
 
 if TYPE_CHECKING:
     from runner.planning.topology import Topology
-    from runner.recovery.actions import RecoveryAction
+    from runner.recovery.actions import RecoveryAction, SavedState
 
 TECHNIQUES: dict[str, Technique] = {t.name: t for t in (FLASHRECOVERY, DEADPOOL, NDB, FLASH_CKPT)}
 
@@ -82,6 +82,12 @@ def with_(ft, capability: str) -> list[str]:
 def offering(capability: str) -> list[str]:
     """Every registered technique with ``capability``: what a message tells a user to add to ``ft``."""
     return [n for n, t in TECHNIQUES.items() if getattr(t, capability)]
+
+
+def saved_states(ft=None) -> list[SavedState]:
+    """The readers of what the techniques in ``ft`` (every registered one: None) saved of each rank outside a job."""
+    names = list(TECHNIQUES) if ft is None else ft
+    return [s for n in names if (s := TECHNIQUES[n].saved_state_reader()) is not None]
 
 
 def titles(names: list[str]) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runner.recovery.actions import RecoveryAction
+    from runner.recovery.actions import RecoveryAction, SavedState
 
 
 def _no_problems(cfg: Any, for_training: bool) -> list[str]:
@@ -57,6 +57,9 @@ class Technique:
     retry needs ``retry_transient``)."""
     rank_loss_first: Callable[[Mapping[str, Any]], tuple[str, ...]] = lambda options: ()
     """Actions its options put first in the seeds' process-crash and hang rows (DeadPool's ``crash_action=swap``)."""
+    saved_state: str = ""
+    """The module (a ``SavedState``, ``runner.recovery.actions``) that reads what it saved of each rank outside a
+    running job, in host memory or on disk: what a restarted attempt and a resume look for (none if empty)."""
     checks: str = ""
     """``module:function`` of its own config checks, ``f(cfg, for_training) -> list[str]`` of problems (each one
     paragraph that says what to change), imported when validating
@@ -75,6 +78,10 @@ class Technique:
         """The factory of its worker side (imports the worker module: torch and Lightning)."""
         module, attribute = self.worker.split(":")
         return getattr(importlib.import_module(module), attribute)
+
+    def saved_state_reader(self) -> SavedState | None:
+        """Its ``saved_state`` module (imported now), or None."""
+        return importlib.import_module(self.saved_state) if self.saved_state else None
 
     def config_problems(self) -> Callable[[Any, bool], list[str]]:
         """Its own config checks (none if it has no ``checks``)."""

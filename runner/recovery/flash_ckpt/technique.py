@@ -13,5 +13,6 @@ TECHNIQUE = Technique(
     actions=(RestartAll,),
     worker="runner.recovery.flash_ckpt.worker:FlashCkptWorker",
     restarts_from_snapshots=True,
+    saved_state="runner.recovery.flash_ckpt.saved_state",
     checks="runner.recovery.flash_ckpt.checks:config_problems",
 )
