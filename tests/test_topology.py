@@ -97,32 +97,33 @@ def test_restart_of_every_rank_moves_a_lost_nodes_ranks_to_its_partner():
 
 
 def test_neighbour_policies_skip_dead_ranks():
-    assert Topology.ndb_neighbour(1, [0, 2, 3], "ring_next") == 2
-    assert Topology.ndb_neighbour(3, [0, 1, 2], "ring_next") == 0
-    assert Topology.ndb_neighbour(2, [0, 1, 3], "ring_prev") == 1
-    assert Topology.ndb_neighbour(0, [1, 2], "ring_prev") == 2
+    assert Topology.covering_neighbour(1, [0, 2, 3], "ring_next") == 2
+    assert Topology.covering_neighbour(3, [0, 1, 2], "ring_next") == 0
+    assert Topology.covering_neighbour(2, [0, 1, 3], "ring_prev") == 1
+    assert Topology.covering_neighbour(0, [1, 2], "ring_prev") == 2
     with pytest.raises(ValueError):
-        Topology.ndb_neighbour(0, [], "ring_next")
+        Topology.covering_neighbour(0, [], "ring_next")
     with pytest.raises(ValueError, match="both failed and live"):
-        Topology.ndb_neighbour(1, [1, 2], "ring_next")
+        Topology.covering_neighbour(1, [1, 2], "ring_next")
 
 
 def test_ndb_hands_a_failed_ranks_whole_replica_to_the_neighbour_replica_by_coordinate():
     t = Topology(nodes=2, procs_per_node=4, tp=2, pp=2, order="tp-pp-dp")  # replica 0: ranks 0-3, replica 1: 4-7
     assert t.replica_ranks(1) == [4, 5, 6, 7]
-    assert t.ndb_assignment(6, live=[0, 1, 2, 3, 4, 5, 7], busy=[], policy="ring_next") == {4: 0, 5: 1, 6: 2, 7: 3}
+    assert t.covering_assignment(6, live=[0, 1, 2, 3, 4, 5, 7], busy=[], policy="ring_next") == {4: 0, 5: 1, 6: 2, 7: 3}
     t = Topology(nodes=3, procs_per_node=2, tp=2)  # replicas {0, 1}, {2, 3}, {4, 5}
-    assert t.ndb_assignment(3, live=[0, 1, 2, 4, 5], busy=[], policy="ring_next") == {2: 4, 3: 5}
-    assert t.ndb_assignment(3, live=[0, 1, 2, 4, 5], busy=[], policy="ring_prev") == {2: 0, 3: 1}
-    assert t.ndb_assignment(3, live=[0, 1, 2, 4, 5], busy=[4], policy="ring_next") == {2: 0, 3: 1}  # spread out
-    assert t.ndb_assignment(3, live=[1, 2, 4, 5], busy=[], policy="ring_prev") == {2: 4, 3: 5}  # replica 0 is broken
+    assert t.covering_assignment(3, live=[0, 1, 2, 4, 5], busy=[], policy="ring_next") == {2: 4, 3: 5}
+    assert t.covering_assignment(3, live=[0, 1, 2, 4, 5], busy=[], policy="ring_prev") == {2: 0, 3: 1}
+    assert t.covering_assignment(3, live=[0, 1, 2, 4, 5], busy=[4], policy="ring_next") == {2: 0, 3: 1}  # spread out
+    # replica 0 is broken
+    assert t.covering_assignment(3, live=[1, 2, 4, 5], busy=[], policy="ring_prev") == {2: 4, 3: 5}
     with pytest.raises(ValueError, match="no live data-parallel replica"):
-        t.ndb_assignment(3, live=[1, 2, 5], busy=[], policy="ring_next")
+        t.covering_assignment(3, live=[1, 2, 5], busy=[], policy="ring_next")
     flat = Topology(nodes=4, procs_per_node=1)  # tp = pp = 1: a replica is a rank, the ring over live ranks
     for failed, live, busy in ((1, [0, 2, 3], []), (3, [0, 1, 2], []), (1, [0, 2, 3], [2])):
         free = [r for r in live if r not in busy]
-        assert flat.ndb_assignment(failed, live, busy, "ring_next") == {
-            failed: Topology.ndb_neighbour(failed, free, "ring_next")}
+        assert flat.covering_assignment(failed, live, busy, "ring_next") == {
+            failed: Topology.covering_neighbour(failed, free, "ring_next")}
 
 
 # -- layout coordinates (dp, pp, tp) --------------------------------------------------------------------

@@ -379,7 +379,7 @@ def test_a_lost_training_host_is_replaced_by_the_spare_host(layout, make_job, re
 
 
 @pytest.mark.slow
-def test_ndb_neighbours_take_over_a_lost_hosts_ranks(make_job, local_fault_free):
+def test_covering_neighbours_take_over_a_lost_hosts_ranks(make_job, local_fault_free):
     job = make_job()
     s, rest = _complete_after_losing_host_1(job, 2, *TWO_HOSTS, "ft=[ndb]")
     (rec,) = s["recoveries"]

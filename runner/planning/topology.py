@@ -309,9 +309,9 @@ class Topology:
         other = self.partner_node(node)
         return None if other is None else other * self.procs_per_node + local
 
-    # -- NDB: neighbours ----------------------------------------------------------------------------------
+    # -- a technique that covers failed ranks (NDB): neighbours ---------------------------------------------
     @staticmethod
-    def ndb_neighbour(failed: int, live: Sequence[int], policy: NeighbourPolicy) -> int:
+    def covering_neighbour(failed: int, live: Sequence[int], policy: NeighbourPolicy) -> int:
         """The first live rank after (``ring_next``) or before (``ring_prev``) ``failed`` in ring order;
         skipping dead ranks keeps the choice defined when the adjacent rank is down too."""
         if not live:
@@ -323,27 +323,27 @@ class Topology:
             return next((r for r in ring if r > failed), ring[0])
         if policy == "ring_prev":
             return next((r for r in reversed(ring) if r < failed), ring[-1])
-        raise ValueError(f"unknown ndb.neighbour policy {policy!r}: use ring_next or ring_prev.")
+        raise ValueError(f"unknown neighbour policy {policy!r}: use ring_next or ring_prev.")
 
     def replica_ranks(self, dp: int) -> list[int]:
         """The ranks of model replica ``dp`` (its every (pp, tp) coordinate), in rank order."""
         return sorted(self.rank_of(dp, pp, tp) for pp in range(self.pp) for tp in range(self.tp))
 
-    def ndb_assignment(self, failed: int, live: Collection[int], busy: Collection[int],
-                       policy: NeighbourPolicy) -> dict[int, int]:
+    def covering_assignment(self, failed: int, live: Collection[int], busy: Collection[int],
+                            policy: NeighbourPolicy) -> dict[int, int]:
         """Who computes each rank of ``failed``'s model replica once it failed (NDB), as {rank: live rank}.
 
         A replica's collectives need all of its tp*pp ranks, so the takeover is per replica: the failed one leaves
-        whole, and the neighbour replica (``ndb_neighbour`` over DP coordinates, among the replicas whose every rank
-        is in ``live``, preferring those with no rank in ``busy``, i.e. not taking over already) computes it, each
+        whole, and the neighbour replica (``covering_neighbour`` over DP coordinates, among the replicas whose every
+        rank is in ``live``, preferring those with no rank in ``busy``, i.e. not taking over already) computes it, each
         of its ranks the failed replica's rank at its own (pp, tp) coordinate. With tp = pp = 1 a replica is one
-        rank and this is ``ndb_neighbour`` over the live ranks."""
+        rank and this is ``covering_neighbour`` over the live ranks."""
         lost = self.coords(failed)[0]
         whole = [d for d in range(self.dp) if d != lost and all(r in live for r in self.replica_ranks(d))]
         free = [d for d in whole if not any(r in busy for r in self.replica_ranks(d))] or whole
         if not free:
             raise ValueError(f"no live data-parallel replica can take over rank {failed}'s replica (dp={lost}).")
-        neighbour = self.ndb_neighbour(lost, free, policy)
+        neighbour = self.covering_neighbour(lost, free, policy)
         return {r: self.rank_of(neighbour, *self.coords(r)[1:]) for r in self.replica_ranks(lost)}
 
     def _check_rank(self, rank: int) -> None:

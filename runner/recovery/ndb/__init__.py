@@ -1,6 +1,6 @@
 """NDB (Neighbour-Do-Both, from MeCeFO): a DP neighbour computes a failed rank's micro-batch too.
 
-When a data-parallel rank fails and no spare exists, a neighbour (``Topology.ndb_assignment``) runs its own
+When a data-parallel rank fails and no spare exists, a neighbour (``Topology.covering_assignment``) runs its own
 micro-batch exactly and the failed rank's with three cheap approximations, each switchable
 (``config.NDBConfig``, mirrored by ``conf/ft/ndb.yaml``): attention skip-connection, FFN recomputation and
 low-rank FFN weight gradients. API, by module (this package imports nothing, so the config check that reads

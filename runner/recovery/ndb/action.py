@@ -1,6 +1,6 @@
 """NDB's controller side: a live neighbour takes over a failed rank's micro-batch; later, a repair.
 
-Each failed logical rank goes to a live neighbour (``Topology.ndb_assignment``), spread over distinct
+Each failed logical rank goes to a live neighbour (``Topology.covering_assignment``), spread over distinct
 ones; the neighbour computes it as an extra rank of the next generation (``Membership.covered_by``).
 With tp*pp > 1 the unit is the model replica: the failed rank's replica leaves whole (its live ranks
 are stopped) and every rank of the neighbour replica takes over the rank at its own (pp, tp) coordinate.
@@ -45,7 +45,8 @@ class Takeover(RecoveryAction):
                 continue  # its replica was handed over with an earlier victim of the same replica
             live = {w.logical: w.wid for w in members.live() if not w.dead}
             busy = set(members.covered_by.values())
-            plan = self.topo.ndb_assignment(lrank, live, [r for r, wid in live.items() if wid in busy], ndb.neighbour)
+            plan = self.topo.covering_assignment(lrank, live, [r for r, wid in live.items() if wid in busy],
+                                                 ndb.neighbour)
             self._stop_replica(ctx, [live[r] for r in plan if r in live], lrank)
             for rank, neighbour in plan.items():
                 members.covered_by[rank] = live[neighbour]
