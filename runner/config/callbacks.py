@@ -3,8 +3,8 @@
 Each entry is ``NAME: {_target_: package.module.Class, KEY: VALUE...}``. The shape is checked with the other rules;
 the import (it costs torch and Lightning) only once nothing else refuses the config, as a model's ``_target_`` is.
 What the runner refuses, and why: ``LearningRateMonitor`` (``train/lr`` is logged at every committed step; its
-values come before the step's record exists), a progress bar (the runner draws its own, ``trainer.progress_bar``), a ``Timer``
-(its stop is a broadcast outside a step, which no recovery can complete: give ``trainer.max_steps``), and a
+values come before the step's record exists), a progress bar (the runner draws its own, ``trainer.progress_bar``), a
+``Timer`` (its stop is a broadcast outside a step, which no recovery can complete: give ``trainer.max_steps``), and a
 ``ModelCheckpoint`` that would write ``last.ckpt`` beside the runner's own (``save_last``), on wall-clock time
 (``train_time_interval``: not the same steps in a recovered run) or, with ZeRO-1 or tp*pp > 1, the writing rank's
 shard of the model only. ``RichModelSummary`` needs the ``rich`` package.

@@ -20,7 +20,7 @@ from runner.training.strategy import ResilientStrategy
 class AgreedStopTrainer(pl.Trainer):
     _stopping = False
 
-    @property  # type: ignore[override]
+    @property
     def should_stop(self) -> bool:
         return self._stopping
 

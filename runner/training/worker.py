@@ -47,9 +47,9 @@ from runner.recovery.common.rejoin import ReplicaRecovery
 from runner.recovery.registry import with_
 from runner.recovery.worker_registry import combine, technique_workers
 from runner.training import health, stack_dumps
+from runner.training.agreed_stop import AgreedStopTrainer
 from runner.training.checksum import param_checksum
 from runner.training.comm import Comm, RunAborted, RunFailedError, WorkerReleased
-from runner.training.agreed_stop import AgreedStopTrainer
 from runner.training.status import WorkerStatus
 from runner.training.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy, StrategyOptions
 from runner.training.user_callbacks import configured_callbacks
