@@ -6,14 +6,18 @@ run; a ModelCheckpoint writes from one rank, and its top-k is the same after a r
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from runner.config import ConfigError
+from runner.config.callbacks import STOCK, refusals
 from runner.config.validate import validate
-from tests.conftest import Run, run_cli
+from tests.conftest import ROOT, Run, run_cli
 from tests.test_checkpoint import _run_until
 from tests.test_config import _compose
 
@@ -124,6 +128,27 @@ def test_sigusr2_and_the_same_command_continue_the_callbacks_state(tmp_path):
 def test_a_callback_the_runner_cannot_run_as_configured_is_refused(overrides, expected):
     with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
         validate(_compose("+recipe=gpt_tiny", *overrides))
+
+
+@pytest.mark.parametrize("target", sorted(STOCK))
+def test_a_stock_callback_validated_without_an_import_is_one_the_runner_runs(target):
+    """The callbacks validation takes without importing Lightning (the default group's model summary): each imports
+    to a Callback that no rule refuses, with any arguments."""
+    import lightning.pytorch as pl
+    from hydra.utils import get_object
+
+    cls = get_object(target)
+    assert issubclass(cls, pl.Callback)
+    assert not refusals(_compose("+recipe=gpt_tiny"), cls, {})
+
+
+def test_the_default_callbacks_are_validated_without_importing_lightning():
+    code = ("import sys; from tests.test_config import _compose; from runner.config.validate import validate; "
+            "validate(_compose('+recipe=gpt_tiny')); print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'lightning'))[:5])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]
 
 
 def test_a_refused_callback_exits_2_before_any_worker_starts(run_dir):

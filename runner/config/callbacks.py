@@ -33,12 +33,19 @@ def entry_problems(cfg: DictConfig) -> list[str]:
     return out
 
 
+# Lightning's own callbacks that import and that the runner runs as configured, whatever their arguments: no import
+# at config time (Lightning's costs seconds, which the default group's model summary must not add to every run)
+STOCK = frozenset({"lightning.pytorch.callbacks.ModelSummary", "lightning.pytorch.callbacks.EarlyStopping"})
+
+
 def target_problems(cfg: DictConfig) -> list[str]:
     """Each ``_target_`` imports here and is a Lightning callback the runner can run as configured, before any worker
     starts: each worker would fail the same way."""
     out = []
     for name, entry in (cfg.get("callbacks") or {}).items():
         target = entry["_target_"]
+        if target in STOCK:
+            continue
         try:
             obj = get_object(target)
         except Exception as err:  # noqa: BLE001 - any import-time failure of the user's code is the answer
@@ -53,11 +60,11 @@ def target_problems(cfg: DictConfig) -> list[str]:
             what = "a plain class" if isinstance(obj, type) else f"a {type(obj).__name__}"
             out.append(f"callbacks.{name}._target_={target} is {what}, not a lightning.pytorch.Callback: {ADVICE}.")
             continue
-        out += [f"callbacks.{name} ({target}): {p}" for p in _refusals(cfg, obj, entry)]
+        out += [f"callbacks.{name} ({target}): {p}" for p in refusals(cfg, obj, entry)]
     return out
 
 
-def _refusals(cfg: DictConfig, cls: type, entry: Mapping[str, Any]) -> list[str]:
+def refusals(cfg: DictConfig, cls: type, entry: Mapping[str, Any]) -> list[str]:
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, RichModelSummary, Timer
 
     if issubclass(cls, LearningRateMonitor):
