@@ -194,11 +194,12 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         # the controller owns the job's experiment logger (runner/control/run_logger.py): Lightning's logger connector
         # gives every step's logged values to the committed step's record in metrics.jsonl, which it follows
         logger=StepValues(metrics),
-        # techniques' first (flash checkpoints: draining the persister runs while the heartbeat still beats); the
-        # configured ones after the runner's metrics; Lightning moves checkpoint callbacks to the end, in order: a
-        # ModelCheckpoint's, then last.ckpt's, which then holds every callback's state of its step
-        callbacks=[*placement, *hooks.callbacks, heartbeat, faults, metrics,
-                   *configured_callbacks(cfg, run_dir, show_summary=is_rank0 and not joining),
+        # the configured ones first, so that a technique's snapshot after a step holds their state of that step;
+        # then the techniques' (flash checkpoints: draining the persister runs while the heartbeat still beats);
+        # Lightning moves checkpoint callbacks to the end, in order: a ModelCheckpoint's, then last.ckpt's, which so
+        # holds every callback's state of its step
+        callbacks=[*placement, *configured_callbacks(cfg, run_dir, show_summary=is_rank0 and not joining),
+                   *hooks.callbacks, heartbeat, faults, metrics,
                    *([StepProgressBar(metrics)] if progress_bar else []), checkpoint],
         enable_checkpointing=True,  # LightningCheckpoint is one: Lightning adds no ModelCheckpoint of its own
         enable_progress_bar=progress_bar,
