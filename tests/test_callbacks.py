@@ -100,6 +100,18 @@ def test_a_resumed_run_continues_the_callbacks_state_of_last_ckpt(fault_free, tm
 
 
 @pytest.mark.slow
+def test_a_restart_from_flash_snapshots_restores_the_callbacks_state_of_the_snapshot_step(tmp_path):
+    """Every rank killed at step 8 restarts from the step-5 snapshots: the count in them is the one after step 5's
+    hooks (the configured callbacks run before the snapshot), so every rank ends counting each committed step once."""
+    run = run_cli(*USER, "ft=[flash_ckpt]", "ft.flash_ckpt.every_n_steps=5", "trainer.max_steps=12", *COUNT,
+                  "fault=kill_all", "fault.step=8", run_dir=tmp_path / "run")
+    s = run.summary
+    assert s["status"] == "completed", run.output[-3000:]
+    assert [r["action"] for r in s["recoveries"]] == ["restart_all"] and s["steps_redone"] == 3
+    assert _counts(run) == {f"committed_batches.rank{r}.json": 12 for r in (0, 1)}
+
+
+@pytest.mark.slow
 def test_sigusr2_and_the_same_command_continue_the_callbacks_state(tmp_path):
     command = [*USER, "ft=[]", "trainer.max_steps=200", *COUNT, "runner.resume=auto"]
     run_dir = tmp_path / "run"
