@@ -25,7 +25,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Checkpoint
 
 from runner.checkpoint import RUNNER_KEY, last_checkpoint
 from runner.checkpoint.tp_state import gather_replica_state, optimizer_params
@@ -39,7 +39,11 @@ from runner.training.strategy import ResilientStrategy
 log = logging.getLogger(__name__)
 
 
-class LightningCheckpoint(Callback):
+class LightningCheckpoint(Checkpoint):
+    """A ``Checkpoint``, so that Lightning runs it after every other callback but the configured ModelCheckpoints
+    before it: the file holds every callback's state of its step (``trainer.should_stop`` at the agreed stop is let
+    through by ``runner.training.agreed_stop``)."""
+
     def __init__(self, run_dir: str | Path, every_n_steps: int, seed: int, events: EventLog) -> None:
         self.path = last_checkpoint(run_dir)
         self.every_n_steps, self.seed, self.events = every_n_steps, seed, events

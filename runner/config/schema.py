@@ -532,6 +532,10 @@ class RootConfig:
     """Optimisation."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """The run's Lightning checkpoint."""
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """Lightning callbacks by name, each ``{_target_: package.module.Class, KEY: VALUE...}`` (group callbacks:
+    default = the model summary, none = no callback); add one with +callbacks.NAME._target_=... (docs/configuration.md).
+    """
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -21,6 +21,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.config import callbacks
 from runner.config.coverage import mix_problems
 from runner.config.errors import ConfigError
 from runner.config.registry import recipe_names
@@ -91,10 +92,11 @@ def validate(cfg: DictConfig, *, for_training: bool = True) -> None:
     problems += _misc_problems(cfg)
     problems += straggler_config_problems(cfg)
     problems += ignored_key_problems(cfg)
+    problems += callbacks.entry_problems(cfg)
     if for_training and not problems:  # the replay of the faults needs every value above in range
         problems += mix_problems(cfg, ft_names(cfg), all_faults(cfg), world_size(cfg))  # logical ranks, not replicas
     if not problems:  # a user's module imports torch and Lightning: only once nothing else refuses the config
-        problems += _target_problems(cfg)
+        problems += _target_problems(cfg) + callbacks.target_problems(cfg)
     if problems:
         raise ConfigError("Invalid configuration: " + " ".join(problems))
 

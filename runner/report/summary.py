@@ -32,9 +32,11 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     recoveries += [recovery_entry(r, events, metrics) for r in record.recoveries if r.action]
     committed = _last_per_step(metrics)
     steps_in_metrics = len({m["step"] for m in metrics})
-    # a resumed run accounts from its checkpoint's step, a stopped one up to the step it stopped at
+    # a resumed run accounts from its checkpoint's step, a stopped one (a signal, or a callback's trainer.should_stop)
+    # up to the step its members agreed to stop at
     first = next((e["at_step"] for e in events if e["kind"] == "resumed"), 0)
-    last = max((d["global_step"] for d in done.values()), default=0) if status == "stopped" else cfg.trainer.max_steps
+    agreed_stop = status == "stopped" or any(e["kind"] == "stop_agreed" for e in events)
+    last = max((d["global_step"] for d in done.values()), default=0) if agreed_stop else cfg.trainer.max_steps
     accounting = _accounting(committed, cfg, record.dp, range(first, last), module_facts(cfg).tokens_per_sample)
     train_s = _train_seconds(metrics)
     facts = module_facts(cfg)

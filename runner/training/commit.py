@@ -6,7 +6,8 @@ collective hands over to the run's recovery (regroup, reconcile, state to newcom
 same step is retried; a reduction the corruption guard rejects is recomputed from the same batch and
 seed, and so is one whose replica check (``runner.training.divergence``) restored a diverged replica.
 Once committed, the sums become means in ``.grad``, and ``on_commit`` learns the step's accounting
-(one count per logical rank whose micro-batch went in, whether any member was asked to stop, the
+(one count per logical rank whose micro-batch went in, whether any member was asked to stop (a signal to the
+controller, or ``trainer.should_stop`` set by a callback: ``request_stop``), the
 validation loss sum and batch count when the step carries a validation, the loss sum, misplaced
 batches). The stop flag lets every member learn a stop at the same committed step (``stop_agreed``).
 
@@ -76,6 +77,7 @@ class StepCommit:
         self._t_reduced: Optional[float] = None  # when the previous reduction ended; None: the next step is not timed
         self._sync_s = 0.0  # this step's time in ZeRO-1's parameter sync (a collective, not compute)
         self.stop_agreed = False  # a member was asked to stop (protocol.STOP) by the last committed step
+        self._stop_requested = False  # a callback or the module set trainer.should_stop here (``request_stop``)
 
     @property
     def dp_size(self) -> int:
@@ -110,6 +112,14 @@ class StepCommit:
             self._batch_loss = value
         else:
             self._batch_loss += value
+
+    def request_stop(self) -> None:
+        """A callback or the module set ``trainer.should_stop`` on this rank: the next reduction carries the stop flag,
+        so every member stops at the step it commits, as after a SIGTERM (the earliest step every member can agree
+        on: this one's reduction is behind it)."""
+        if not self._stop_requested:
+            self._stop_requested = True
+            self.events.emit("stop_requested_by_callback", at_step=self._module().trainer.global_step)
 
     def record_validation(self, loss_sum: float, batches: int) -> None:
         """This rank's share of a validation, carried by the step's reduction (however often it is retried)."""
@@ -313,7 +323,7 @@ class StepCommit:
         batches."""
         step = self._module().trainer.global_step
         extras = torch.zeros(self._extras_size, dtype=torch.float64)
-        extras[self.dp_size] = float(self.status.stop_requested)
+        extras[self.dp_size] = float(self.status.stop_requested or self._stop_requested)
         if self.replica_check is not None:
             extras[self._check_slots] = self.replica_check.slots(step)
         sample_step, sample_rank = (step, self.comm.dp_rank)

@@ -130,6 +130,7 @@ class ResilientStrategy(ParallelStrategy):
         self._batch_idx = 0
         self._in_module_step = False  # inside the module's training_step: a synced value is deferred to the commit
         self._failed = False
+        self._training = False  # fit reached its training loop: Lightning's barriers are past (``barrier``)
         self.full_checksum: Optional[str] = None  # tp*pp > 1: the gathered model's, set at teardown
         self.pipeline_micro_batches = options.pipeline_micro_batches
         self._pipeline: Optional[OneFOneB] = None  # pp > 1: this stage's schedule, built at setup
@@ -512,8 +513,15 @@ class ResilientStrategy(ParallelStrategy):
         return loader
 
     # -- Lightning's own collectives (logging, barriers) ---------------------------------------
+    def on_train_start(self) -> None:
+        self._training = True
+        super().on_train_start()
+
     def barrier(self, name: Optional[str] = None) -> None:
-        if not self.joining:
+        """Lightning's barriers of set-up. Once training runs the committed steps keep the members in step, and a
+        barrier outside a step (``Trainer.save_checkpoint``'s after a ModelCheckpoint's save) is none: a collective
+        no step's recovery would complete."""
+        if not self.joining and not self._training:
             self.comm.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
@@ -548,11 +556,26 @@ class ResilientStrategy(ParallelStrategy):
         return torch.stack(self.comm.allgather(tensor.detach().contiguous()))
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if self.joining:
-            return decision
-        t = torch.tensor([int(decision)], dtype=torch.float32, device=self.root_device)
-        self.comm.allreduce([t])
-        return bool(t.item() == self.comm.size) if all else bool(t.item() > 0)
+        """A callback's decision (EarlyStopping's stop, ModelCheckpoint's save), taken by each rank from its own values
+        with no collective: one outside a step cannot be recovered. A stop is agreed through the next step's
+        reduction instead (``request_stop``); a save is the same on every rank when the monitored value is (logged
+        with ``sync_dist=True``, or validation's), and only process-group rank 0 writes (``save_checkpoint``)."""
+        return decision
+
+    def request_stop(self) -> None:
+        """``trainer.should_stop`` set by a callback or the module: the request rides in the next step's reduction,
+        and every member stops at that committed step (``runner.training.agreed_stop``)."""
+        self.commit.request_stop()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """``Trainer.save_checkpoint`` (a ModelCheckpoint's file): written by the member at process-group rank 0, the
+        one that writes last.ckpt, even while a neighbour covers logical rank 0."""
+        if self.comm.rank == 0:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.comm.rank == 0:
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True

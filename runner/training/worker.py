@@ -47,10 +47,12 @@ from runner.recovery.common.rejoin import ReplicaRecovery
 from runner.recovery.registry import with_
 from runner.recovery.worker_registry import combine, technique_workers
 from runner.training import health, stack_dumps
+from runner.training.agreed_stop import AgreedStopTrainer
 from runner.training.checksum import param_checksum
 from runner.training.comm import Comm, RunAborted, RunFailedError, WorkerReleased
 from runner.training.status import WorkerStatus
 from runner.training.strategy import PEER_CKPT, SNAPSHOT_CKPT, ResilientStrategy, StrategyOptions
+from runner.training.user_callbacks import configured_callbacks
 from runner.training.validation import warn_unscheduled
 
 EXIT_ABORTED = 3  # the controller ended the run
@@ -182,7 +184,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     checkpoint = LightningCheckpoint(run_dir, cfg.checkpoint.every_n_steps, cfg.seed, events)
     is_rank0 = spec.logical_rank == 0
     progress_bar = bool(cfg.trainer.progress_bar and is_rank0 and not joining)
-    trainer = pl.Trainer(
+    trainer = AgreedStopTrainer(
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=[device.index] if device.type == "cuda" else 1,
         strategy=strategy,
@@ -192,12 +194,16 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         # the controller owns the job's experiment logger (runner/control/run_logger.py): Lightning's logger connector
         # gives every step's logged values to the committed step's record in metrics.jsonl, which it follows
         logger=StepValues(metrics),
-        # techniques' first (flash checkpoints: draining the persister runs while the heartbeat still beats)
-        callbacks=[*placement, *hooks.callbacks, heartbeat, faults, metrics, checkpoint,
-                   *([StepProgressBar(metrics)] if progress_bar else [])],
-        enable_checkpointing=False,
+        # the configured ones first, so that a technique's snapshot after a step holds their state of that step;
+        # then the techniques' (flash checkpoints: draining the persister runs while the heartbeat still beats);
+        # Lightning moves checkpoint callbacks to the end, in order: a ModelCheckpoint's, then last.ckpt's, which so
+        # holds every callback's state of its step
+        callbacks=[*placement, *configured_callbacks(cfg, run_dir, show_summary=is_rank0 and not joining),
+                   *hooks.callbacks, heartbeat, faults, metrics,
+                   *([StepProgressBar(metrics)] if progress_bar else []), checkpoint],
+        enable_checkpointing=True,  # LightningCheckpoint is one: Lightning adds no ModelCheckpoint of its own
         enable_progress_bar=progress_bar,
-        enable_model_summary=is_rank0 and not joining,
+        enable_model_summary=False,  # the callbacks group's model_summary, on logical rank 0 (user_callbacks)
         num_sanity_val_steps=0,
         limit_val_batches=0,  # the strategy validates inside the committed-step protocol (runner.training.validation)
         use_distributed_sampler=False,
