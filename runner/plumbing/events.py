@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 METRICS_FIELDS = frozenset({"step", "t", "loss", "step_time_s", "reduce_s", "tokens_per_s", "counts", "misplaced",
-                            "gen", "val/loss", "epoch_metrics"})
+                            "gen", "val/loss", "epoch_metrics", "val_metrics", "evaluation"})
 """The fields of a metrics.jsonl record that the runner computes (``runner.callbacks.metrics``); every other field is a
 value the module logged (``self.log``) or the learning rate (``train/lr``), logged under its own name."""
 

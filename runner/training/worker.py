@@ -25,6 +25,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from runner.callbacks.evaluation import EvaluationHooks
 from runner.callbacks.fault_injection import FaultTrigger
 from runner.callbacks.heartbeat import Heartbeat
 from runner.callbacks.lightning_checkpoint import LightningCheckpoint
@@ -193,7 +194,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         # gives every step's logged values to the committed step's record in metrics.jsonl, which it follows
         logger=StepValues(metrics),
         # techniques' first (flash checkpoints: draining the persister runs while the heartbeat still beats)
-        callbacks=[*placement, *hooks.callbacks, heartbeat, faults, metrics, checkpoint,
+        callbacks=[*placement, *hooks.callbacks, heartbeat, faults, metrics,
+                   EvaluationHooks(strategy, metrics, cfg.runner.test_after_fit), checkpoint,
                    *([StepProgressBar(metrics)] if progress_bar else [])],
         enable_checkpointing=False,
         enable_progress_bar=progress_bar,
