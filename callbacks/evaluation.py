@@ -3,12 +3,13 @@ after fit.
 
 A validation's values are known only once the step that carried it commits (``runner.training.validation``), so
 at the end of that step they become ``trainer.callback_metrics`` (``logged_metrics`` and the progress bar's metrics
-as the module asked) and every callback's ``on_validation_epoch_end`` and ``on_validation_end`` run, as Lightning's
-validation loop runs them: a stock ``EarlyStopping`` or ``ModelCheckpoint`` monitoring ``val/loss`` sees it. Every
-member that commits the step does this with the same values. At the end of fit (``on_train_end``, while the group
-still stands) the final weights are validated once more when the run validates, and tested over the
-``test_dataloader`` with ``runner.test_after_fit``; their values go to ``callback_metrics``, the hooks (validation's)
-and a metrics.jsonl record of their own (``CommitMetrics.add_after_fit``), which the summary reports.
+as the module asked) and every callback's ``on_validation_epoch_end`` and ``on_validation_end`` run (but a progress
+bar's: no validation bar is shown), as Lightning's validation loop runs them: a stock ``EarlyStopping`` or
+``ModelCheckpoint`` monitoring ``val/loss`` sees it. Every member that commits the step does this with the same
+values. At the end of fit (``on_train_end``, while the group still stands) the final weights are validated once more
+when the run validates, and tested over the ``test_dataloader`` with ``runner.test_after_fit``; their values go to
+``callback_metrics``, the hooks (validation's) and a metrics.jsonl record of their own
+(``CommitMetrics.add_after_fit``), which the summary reports.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from runner.callbacks.metrics import CommitMetrics
@@ -67,7 +68,9 @@ class EvaluationHooks(Callback):
 
     def _validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, validated: Evaluated) -> None:
         _publish(trainer, validated)
-        callbacks = [c for c in trainer.callbacks if c is not self]  # type: ignore[attr-defined]
+        # a progress bar's validation hooks close the validation bar its own start hooks open: none is shown here
+        callbacks = [c for c in trainer.callbacks  # type: ignore[attr-defined]
+                     if c is not self and not isinstance(c, ProgressBar)]
         for callback in callbacks:
             callback.on_validation_epoch_end(trainer, pl_module)
         for callback in callbacks:

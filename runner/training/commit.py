@@ -58,12 +58,10 @@ class StepCommit:
                  guard: Optional[GradientGuard] = None, takeover: Optional[MicroBatchTakeover] = None,
                  recover: Optional[Recover] = None, on_commit: Optional[OnCommit] = None,
                  agree: Optional[Callable[[], None]] = None,
-                 replica_check: Optional[ReplicaDivergence] = None, epoch_sums: Optional[EpochSums] = None,
-                 validation_rows: bool = False) -> None:
+                 replica_check: Optional[ReplicaDivergence] = None, epoch_sums: Optional[EpochSums] = None) -> None:
         """``agree``: with tp*pp > 1, a collective over the world group after the reduction (``commit``);
         ``replica_check``: the replicas' fingerprints ride in the accounting every N steps; ``epoch_sums``: the
-        increments of synced epoch values ride in the synced slots after the step's synced values;
-        ``validation_rows``: the run validates, and a row per DP rank of what its share logged rides in the steps."""
+        increments of synced epoch values ride in the synced slots after the step's synced values."""
         self.comm, self.events, self.status = comm, events, status
         self.agree = agree
         self.state, self.update, self._module = state, update, module
@@ -72,7 +70,6 @@ class StepCommit:
         self.recover, self.on_commit = recover, on_commit
         self.replica_check = replica_check
         self.epoch_sums = epoch_sums
-        self.validation_rows = validation_rows
         self._reducer: Optional[GradReducer] = None  # built at the first step, once the module is set up
         self._batch_sample: Optional[Tensor] = None
         self._batch_loss: Optional[float] = None
@@ -313,10 +310,12 @@ class StepCommit:
 
     @property
     def _val_slots(self) -> slice:
-        """A row per DP rank of what its validation share logged (``runner.training.eval_logs``) when the run
-        validates: after the synced values, before the four sums."""
+        """A row per DP rank of what its validation share logged (``runner.training.eval_logs``): after the synced
+        values, before the four sums. Reserved whether the run validates or not, as the synced values' are: the
+        accounting's size decides how the all-reduce splits the bucket it rides in, and with it the order its
+        gradient sums are added in, so validating changes no bit of the training."""
         start = self._synced_slots.stop
-        return slice(start, start + (self.dp_size * ROW if self.validation_rows else 0))
+        return slice(start, start + self.dp_size * ROW)
 
     @property
     def _extras_size(self) -> int:

@@ -79,7 +79,7 @@ class EvalShare:
     @contextmanager
     def recording(self, module: pl.LightningModule) -> Iterator[None]:
         """``self.log`` and ``self.log_dict`` of the module record into this share while it is evaluated."""
-        module.log = self._log  # type: ignore[method-assign,assignment]
+        module.log = self._log  # type: ignore[method-assign]
         module.log_dict = self._log_dict  # type: ignore[method-assign,assignment]
         try:
             yield
@@ -92,7 +92,10 @@ class EvalShare:
 
     def _log(self, name: str, value: Any, prog_bar: bool = False, logger: Optional[bool] = None,
              on_step: Optional[bool] = None, on_epoch: Optional[bool] = None, reduce_fx: Any = "mean",
-             sync_dist: bool = False, batch_size: Optional[int] = None, **_lightning_only: Any) -> None:
+             enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
+             add_dataloader_idx: bool = True, batch_size: Optional[int] = None, metric_attribute: Optional[str] = None,
+             rank_zero_only: bool = False) -> None:
+        """``self.log``'s arguments, in its order; ``rank_zero_only`` values are logical rank 0's own."""
         if on_step or on_epoch is False:
             raise ValueError(f"{self.fx} logs {name!r} with on_step={on_step}, on_epoch={on_epoch}: the runner "
                              "records an evaluation's values once per evaluation, as Lightning's epoch-level values; "
@@ -102,7 +105,8 @@ class EvalShare:
             raise ValueError(f"{self.fx} logs {name!r} with reduce_fx={reduce_fx!r}; the runner reduces an "
                              "evaluation's values with mean, sum, max or min: use one of those.")
         number = _number(value, name, self.fx)
-        entry = self.values.setdefault(name, _Value(op, bool(sync_dist), bool(prog_bar), logger is not False))
+        sync = bool(sync_dist) and not rank_zero_only
+        entry = self.values.setdefault(name, _Value(op, sync, bool(prog_bar), logger is not False))
         if entry.op != op:
             raise ValueError(f"{self.fx} logs {name!r} with reduce_fx={entry.op} and {op}: use one.")
         size = batch_size if batch_size is not None else (1 if self.batch is None else _batch_size(self.batch))

@@ -146,7 +146,7 @@ class ResilientStrategy(ParallelStrategy):
                                  recover=recover, on_commit=on_commit,
                                  agree=self._agree_on_step if comm.replica_size > 1 else None,
                                  replica_check=check if options.replica_check_every_n_steps > 0 else None,
-                                 epoch_sums=epoch_sums, validation_rows=self.validation.enabled)
+                                 epoch_sums=epoch_sums)
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -518,6 +518,9 @@ class ResilientStrategy(ParallelStrategy):
                                 f"{type(dataloader.source).__name__} has no micro_batches(step, rank, k); add one "
                                 "(the step's batch in k slices) or set trainer.accumulate_grad_batches=1.")
             dataloader.accumulate = self.accumulate
+            if self.validation.fraction and self.validation.enabled:
+                raise ValueError(f"trainer.val_check_interval={self.validation.interval} is a fraction of an epoch, "
+                                 "and the training dataloader is an endless StepLoader: give an int number of steps.")
             return dataloader
         dataset = getattr(dataloader, "dataset", None)
         if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
@@ -529,7 +532,12 @@ class ResilientStrategy(ParallelStrategy):
         trainer = self._module.trainer
         collate = getattr(dataloader, "collate_fn", None) or torch.utils.data.default_collate
         source = IndexedDatasetSource(dataset, self.micro_batch, self.dp_size, collate)
-        self.validation.set_epoch_steps(len(dataset) // (self.micro_batch * self.dp_size))
+        epoch = len(dataset) // (self.micro_batch * self.dp_size)
+        if self.validation.fraction and self.validation.enabled and epoch == 0:
+            raise ValueError(f"trainer.val_check_interval={self.validation.interval} is a fraction of an epoch, and "
+                             f"the training set's {len(dataset)} samples are less than one step's "
+                             f"{self.micro_batch * self.dp_size}: give an int number of steps.")
+        self.validation.set_epoch_steps(epoch)
         self._source = source
         loader = StepLoader(source, lambda: trainer.global_step, lambda: self.data_rank)
         loader.accumulate = self.accumulate

@@ -64,9 +64,7 @@ class StepValidation:
             return False
         if not self.fraction:
             return step % self._every == 0
-        if self._every <= 0:
-            raise ValueError(f"trainer.val_check_interval={self.interval} is a fraction of an epoch, and the training "
-                             "dataloader has no length (an endless StepLoader): give an int number of steps.")
+        assert self._epoch_steps > 0  # the strategy refuses a fraction of a training set without an epoch
         return ((step - 1) % self._epoch_steps + 1) % self._every == 0
 
     def check(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
