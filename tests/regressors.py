@@ -6,6 +6,7 @@ import json
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -140,14 +141,18 @@ class SeenAtValidationEnd(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             seen = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            stopping = trainer.early_stopping_callback
+            if stopping is not None:
+                seen["early_stopping_best"] = float(stopping.best_score)
             with open(self.path, "a") as f:
                 f.write(json.dumps({"global_step": trainer.global_step, **seen}) + "\n")
 
 
 class EvaluatedRegressor(ValidatedRegressor):
     """Lightning's evaluation idioms: a validation_step that only logs (means weighted by batch size, a max, a sum,
-    one value without sync_dist), an on_validation_epoch_end that logs, a test_step, and (``seen``) a callback of its
-    own (``configure_callbacks``) that records what it sees at on_validation_end."""
+    one value without sync_dist), an on_validation_epoch_end that logs, a test_step, and (``seen``) Lightning's
+    EarlyStopping on val/loss and a callback of its own (``configure_callbacks``) that records what it sees at
+    on_validation_end."""
 
     def __init__(self, seen: str = "") -> None:
         super().__init__()
@@ -173,4 +178,5 @@ class EvaluatedRegressor(ValidatedRegressor):
         self.log("test/count", float(len(x)), sync_dist=True, reduce_fx="sum")
 
     def configure_callbacks(self):
-        return [SeenAtValidationEnd(self.seen)] if self.seen else []
+        stopping = EarlyStopping(monitor="val/loss", patience=100)  # stock: it checks at on_validation_end
+        return [stopping, SeenAtValidationEnd(self.seen)] if self.seen else []

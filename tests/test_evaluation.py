@@ -66,9 +66,11 @@ def test_callbacks_see_the_committed_values_at_on_validation_end(fault_free):
     run, seen = fault_free
     found = validations(run)
     assert [s["global_step"] for s in seen] == [4, 7, STEPS]
-    for s, (step, values) in zip(seen, sorted(found.items())):
+    for i, (s, (step, values)) in enumerate(zip(seen, sorted(found.items()))):
         assert {k: s[k] for k in values} == pytest.approx(values, rel=1e-6), step
         assert "val/hidden" in s  # logger=False still reaches callback_metrics
+        # Lightning's EarlyStopping checked val/loss at each on_validation_end (before the recording callback)
+        assert s["early_stopping_best"] == min(x["val/loss"] for x in seen[: i + 1])
 
 
 def test_test_after_fit_reports_what_test_step_logs(fault_free):

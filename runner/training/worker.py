@@ -202,6 +202,10 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         enable_model_summary=is_rank0 and not joining,
         num_sanity_val_steps=0,
         limit_val_batches=0,  # the strategy validates inside the committed-step protocol (runner.training.validation)
+        # what Lightning's own callbacks read to act at on_validation_end rather than at an epoch's end (EarlyStopping,
+        # ModelCheckpoint), as they do when validation is scheduled by steps; Lightning's loop never validates here
+        check_val_every_n_epoch=None if cfg.trainer.val_check_interval else 1,
+        val_check_interval=1 if cfg.trainer.val_check_interval else None,
         use_distributed_sampler=False,
         log_every_n_steps=1,  # every record is complete; the run logger keeps trainer.log_every_n_steps
         default_root_dir=str(run_dir),
