@@ -53,6 +53,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def committed_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """metrics.jsonl's records of committed steps: without the one of the evaluations after fit (``evaluation``)."""
+    return [m for m in records if "evaluation" not in m]
+
+
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()

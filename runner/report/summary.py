@@ -16,7 +16,7 @@ from typing import Optional
 from runner.control.records import Attempt, Recovery, RunRecord
 from runner.planning.model_cost import mfu
 from runner.planning.module_facts import ModuleFacts, module_facts
-from runner.plumbing.events import read_jsonl
+from runner.plumbing.events import committed_steps, read_jsonl
 from runner.report.loggers import run_name
 
 
@@ -24,7 +24,7 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     run_dir = Path(run_dir)
     events = read_jsonl(run_dir / "events.jsonl")
     records = read_jsonl(run_dir / "metrics.jsonl")
-    metrics = [m for m in records if "evaluation" not in m]  # the committed steps
+    metrics = committed_steps(records)
     done = record.done
     checksums = sorted({d["checksum"] for d in done.values()})
     status, error = record.status, record.error  # judged once, before run_end (RunRecord.judge_end)
