@@ -9,8 +9,11 @@ that rank 0's replacement joined (it does not hold the steps before). A step can
 the writer died between committing and writing, or it was a laggard that adopted the step from a
 peer. So every member keeps its last record, and at its first commit in a new generation writes
 that record if the file lacks it (under a file lock: once), so the accounting sees every step.
-A step that carried a validation (``runner.training.validation``) has ``val/loss`` in its record,
-the mean over every DP rank's validation batches, and the logger gets it at that step.
+A step that carried a validation (``runner.training.validation``) has its values in its record: ``val/loss``,
+the mean over every DP rank's validation batches, and what the module logged in ``validation_step`` under its own
+names (``runner.training.eval_logs``), listed in ``val_metrics``; the logger gets them at that step. The
+evaluations after fit (the final weights' validation, ``runner.test_after_fit``'s test) are one record more, at the
+step after the last (``evaluation``: ``after_fit``), which the summary reports.
 
 A record also holds, under their own names, what the module logged at that step and the learning rate of
 each param group (``train/lr``, or ``train/lr-pg<i>`` with several, as Lightning's LearningRateMonitor
@@ -37,7 +40,8 @@ from lightning.pytorch.loggers import Logger
 from runner.plumbing.events import METRICS_FIELDS, EventLog, JsonLines
 from runner.plumbing.protocol import Layout
 from runner.training.comm import Comm
-from runner.training.commit import LOSS_SUM, MISPLACED, VAL_BATCHES, VAL_LOSS_SUM
+from runner.training.commit import LOSS_SUM, MISPLACED
+from runner.training.eval_logs import Evaluated
 
 
 class CommitMetrics(Callback):
@@ -75,10 +79,7 @@ class CommitMetrics(Callback):
         record = self.last
         if record is None or record["step"] != step:  # a step this member adopted without committing it
             return
-        taken = sorted(set(values) & METRICS_FIELDS)
-        if taken:
-            raise ValueError(f"The module logs {taken}, a name the runner gives a field of metrics.jsonl "
-                             f"({sorted(METRICS_FIELDS)}): log it under another name (e.g. train/{taken[0]}).")
+        _refuse_runner_fields(set(values))
         record.update(values)
         if self._epoch_ended:
             record["epoch_metrics"] = sorted({*record.get("epoch_metrics", ()), *values})
@@ -90,7 +91,7 @@ class CommitMetrics(Callback):
             self.metrics.write(self._pending)
             self._pending = None
 
-    def on_commit(self, step: int, extras, reduce_s: float) -> None:
+    def on_commit(self, step: int, extras, reduce_s: float, validated: Optional[Evaluated] = None) -> None:
         gen, layout = self.comm.gen, self.comm.layout
         assert layout is not None  # a step is committed only inside a generation this worker joined
         dp = layout.dp // self.tp  # one count per model replica (the TP ranks of a replica read one batch)
@@ -100,12 +101,14 @@ class CommitMetrics(Callback):
         step_time = time.perf_counter() - self._t_step
         samples_per_s = sum(counts) * self.micro_batch / step_time if step_time > 0 else 0.0
         tokens_per_s = samples_per_s * self.tokens_per_sample if self.tokens_per_sample else None
-        record = {"step": step, "t": time.time(), "loss": loss, "step_time_s": step_time, "reduce_s": reduce_s,
-                  "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, "counts": counts,
-                  "misplaced": int(extras[MISPLACED]), "gen": gen}
-        val_batches = int(extras[VAL_BATCHES])
-        if val_batches:
-            record["val/loss"] = float(extras[VAL_LOSS_SUM]) / val_batches
+        record: dict[str, Any] = {
+            "step": step, "t": time.time(), "loss": loss, "step_time_s": step_time, "reduce_s": reduce_s,
+            "samples_per_s": samples_per_s, "tokens_per_s": tokens_per_s, "counts": counts,
+            "misplaced": int(extras[MISPLACED]), "gen": gen}
+        if validated is not None and validated.logged():
+            _refuse_runner_fields(set(validated.logged()) - {"val/loss"})
+            record.update(validated.logged())
+            record["val_metrics"] = sorted(validated.logged())
         record.update(learning_rates(self._trainer.optimizers if self._trainer is not None else []))
         self.last = record
         if gen != self._last_gen and self._unwritten is not None and self._unwritten["step"] == step - 1:
@@ -120,6 +123,17 @@ class CommitMetrics(Callback):
         self._last_gen = gen
         self._pending = record
 
+    def add_after_fit(self, step: int, values: dict[str, float], validation: list[str]) -> None:
+        """The evaluations after fit (their logged values; ``validation``: the validation's names among them): a record
+        of their own, at ``step`` (the number of committed updates they measured), after the last step's, by the
+        member that writes the records."""
+        layout = self.comm.layout
+        if not values or layout is None or metrics_writer(layout) != self.comm.wid:
+            return
+        self._flush()
+        record = {"step": step, "t": time.time(), "gen": self.comm.gen, "evaluation": "after_fit", **values}
+        self.metrics.write({**record, "val_metrics": sorted(validation)} if validation else record)
+
     def _write_if_missing(self, record: dict, tail_bytes: int = 1 << 16) -> None:
         """Append ``record`` unless metrics.jsonl's tail has its step; the lock makes one holder do it."""
         fcntl.flock(self.metrics.fd, fcntl.LOCK_EX)
@@ -132,6 +146,13 @@ class CommitMetrics(Callback):
                 self.metrics.write(record)
         finally:
             fcntl.flock(self.metrics.fd, fcntl.LOCK_UN)
+
+
+def _refuse_runner_fields(names: set[str]) -> None:
+    taken = sorted(names & METRICS_FIELDS)
+    if taken:
+        raise ValueError(f"The module logs {taken}, a name the runner gives a field of metrics.jsonl "
+                         f"({sorted(METRICS_FIELDS)}): log it under another name (e.g. train/{taken[0]}).")
 
 
 def metrics_writer(layout: Layout) -> int:

@@ -61,8 +61,17 @@ class Run:
             + [f"  {json.dumps(e)}" for e in self.events() if e["kind"] in RECOVERY_TRAIL])
         return recoveries[0]
 
-    def metrics(self) -> list[dict]:
+    def records(self) -> list[dict]:
+        """Every record of metrics.jsonl: the committed steps', and the evaluations' after fit."""
         return [json.loads(x) for x in (self.dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+    def metrics(self) -> list[dict]:
+        """The committed steps' records."""
+        return [m for m in self.records() if "evaluation" not in m]
+
+    def after_fit(self) -> list[dict]:
+        """The records of the evaluations after fit (validation of the final weights, runner.test_after_fit)."""
+        return [m for m in self.records() if m.get("evaluation") == "after_fit"]
 
 
 def run_cli(*overrides: str, run_dir: Path, timeout: float = 240, quiet: bool = True, cwd: Path = ROOT) -> Run:

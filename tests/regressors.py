@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -119,3 +122,61 @@ class LossLoggingRegressor(ValidatedRegressor):
         loss = super().training_step(batch, batch_idx)
         self.log("loss", loss)
         return loss
+
+
+class RegressionTestData(RegressionData):
+    """With a test set of 5 batches of 8 (``runner.test_after_fit``)."""
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(_regression(40, 2), batch_size=8)
+
+
+class SeenAtValidationEnd(pl.Callback):
+    """A user's callback: what logical rank 0 finds in ``trainer.callback_metrics`` at each ``on_validation_end``, one
+    JSON line per call, in ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            seen = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            stopping = trainer.early_stopping_callback
+            if stopping is not None:
+                seen["early_stopping_best"] = float(stopping.best_score)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"global_step": trainer.global_step, **seen}) + "\n")
+
+
+class EvaluatedRegressor(ValidatedRegressor):
+    """Lightning's evaluation idioms: a validation_step that only logs (means weighted by batch size, a max, a sum,
+    one value without sync_dist), an on_validation_epoch_end that logs, a test_step, and (``seen``) Lightning's
+    EarlyStopping on val/loss and a callback of its own (``configure_callbacks``) that records what it sees at
+    on_validation_end."""
+
+    def __init__(self, seen: str = "") -> None:
+        super().__init__()
+        self.seen = seen
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        err = self.net(x) - y
+        self.log("val/loss", (err ** 2).mean(), sync_dist=True, prog_bar=True)
+        self.log_dict({"val/mae": err.abs().mean(), "val/rows": float(len(x))}, sync_dist=True)
+        self.log("val/worst", err.abs().max(), sync_dist=True, reduce_fx="max")
+        self.log("val/count", float(len(x)), sync_dist=True, reduce_fx="sum")
+        self.log("val/rank0_mae", err.abs().mean())  # no sync_dist: logical rank 0's own batches
+        self.log("val/hidden", err.abs().mean(), sync_dist=True, logger=False)
+
+    def on_validation_epoch_end(self):
+        self.log("val/ranks", 1.0, sync_dist=True, reduce_fx="sum")
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        err = self.net(x) - y
+        self.log("test/mae", err.abs().mean(), sync_dist=True)
+        self.log("test/count", float(len(x)), sync_dist=True, reduce_fx="sum")
+
+    def configure_callbacks(self):
+        stopping = EarlyStopping(monitor="val/loss", patience=100)  # stock: it checks at on_validation_end
+        return [stopping, SeenAtValidationEnd(self.seen)] if self.seen else []

@@ -140,6 +140,8 @@ def test_validation_through_the_stages_logs_the_val_loss_of_pure_data_parallel_a
     ours = _val_losses(run)
     assert sorted(ours) == [3, 6, 9]
     assert ours == pytest.approx(_val_losses(dp2_validated), rel=1e-5)
+    # the final weights, validated after the last step through the stages too
+    assert run.summary["val"]["val/loss"] == pytest.approx(dp2_validated.summary["val"]["val/loss"], rel=1e-5)
     assert run.summary["param_checksum"] == reference.summary["param_checksum"]
     assert [m["loss"] for m in run.metrics()] == [m["loss"] for m in reference.metrics()]
 
@@ -154,6 +156,7 @@ def test_a_stage_restarted_at_a_validation_step_leaves_val_loss_exact(pp2_valida
     assert s["status"] == "completed" and len(s["recoveries"]) == 1, run.output[-4000:]
     assert s["param_checksum"] == pp2_validated.summary["param_checksum"]
     assert _val_losses(run) == _val_losses(pp2_validated)
+    assert run.summary["val"] == pp2_validated.summary["val"]
 
 
 @pytest.mark.slow

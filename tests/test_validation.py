@@ -21,7 +21,8 @@ USER = ["+recipe=gpt_tiny", "model._target_=tests.regressors.ValidatedRegressor"
 
 
 def val_losses(run) -> dict[int, float]:
-    return {m["step"]: m["val/loss"] for m in run.metrics() if "val/loss" in m}
+    """By step: the validations at steps, and the final weights' after fit (at the step after the last)."""
+    return {m["step"]: m["val/loss"] for m in run.records() if "val/loss" in m}
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,10 @@ def fault_free(tmp_path_factory):
 
 def test_val_loss_appears_at_the_configured_interval(fault_free):
     losses = val_losses(fault_free)
-    assert sorted(losses) == [5, 10, 15]
+    assert sorted(losses) == [5, 10, 15, 16]  # 16: the final weights, validated once after the last step
     assert all(math.isfinite(v) and 0 < v < 10 for v in losses.values())
     assert losses[15] < losses[5]  # the model learns the held-out chain too
+    assert fault_free.summary["val"] == {"val/loss": losses[16]}
 
 
 @pytest.mark.slow
@@ -65,7 +67,7 @@ def test_a_user_validation_step_is_sharded_and_averaged_over_ranks(tmp_path):
     two = run_cli(*USER, "trainer.val_check_interval=3", run_dir=tmp_path / "two")
     for run in (one, two):
         assert run.summary["status"] == "completed", run.output[-3000:]
-    assert sorted(val_losses(two)) == [3, 6]
+    assert sorted(val_losses(two)) == [3, 6, 9]
     assert val_losses(two) == pytest.approx(val_losses(one), rel=1e-5)
 
 
@@ -88,7 +90,7 @@ def test_memmap_data_validates_on_its_separate_held_out_file(tmp_path):
                   "trainer.limit_val_batches=2", run_dir=tmp_path / "run")
     assert run.summary["status"] == "completed", run.output[-3000:]
     losses = val_losses(run)
-    assert sorted(losses) == [3, 6] and all(math.isfinite(v) for v in losses.values())
+    assert sorted(losses) == [3, 6, 7] and all(math.isfinite(v) for v in losses.values())
 
 
 @pytest.mark.parametrize(
@@ -109,12 +111,15 @@ def test_validation_keys_that_cannot_work_are_refused(overrides, expected):
     assert expected in str(err.value)
 
 
-def test_a_validation_step_that_logs_and_returns_nothing_does_not_fail_the_run(tmp_path):
-    """Validation runs at its steps, adds no val/loss, and logical rank 0 says once that the logged values are not
-    recorded."""
+def test_a_validation_step_that_logs_and_returns_nothing_records_what_it_logs(tmp_path):
+    """Lightning's idiom: validation runs at its steps and after the last, adds no val/loss of the runner's, and
+    what it logs is recorded under its own name, the mean over all 5 validation batches of both ranks."""
     run = run_cli(*USER, "model._target_=tests.regressors.LoggingOnlyRegressor", "trainer.val_check_interval=3",
                   run_dir=tmp_path / "run")
     assert run.returncode == 0, run.output[-3000:]
     assert (run.summary["status"], run.summary["global_step"]) == ("completed", 9)
     assert not val_losses(run)
-    assert run.output.count("LoggingOnlyRegressor.validation_step returned nothing") == 1
+    logged = {m["step"]: m["val_loss"] for m in run.records() if "val_loss" in m}
+    assert sorted(logged) == [3, 6, 9] and all(math.isfinite(v) for v in logged.values())
+    assert run.summary["val"] == {"val_loss": logged[9]}
+    assert "not recorded" not in run.output

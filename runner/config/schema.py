@@ -59,6 +59,7 @@ PositiveInt = Annotated[int, Range(ge=1)]
 NonNegativeInt = Annotated[int, Range(ge=0)]
 Positive = Annotated[float, Range(gt=0)]
 NonNegative = Annotated[float, Range(ge=0)]
+StepsOrFraction = Annotated[Any, Range(ge=0)]  # an int number of steps, or a float fraction of an epoch
 
 
 def choices(hint: Any) -> Optional[tuple[Any, ...]]:
@@ -396,9 +397,11 @@ class TrainerConfig:
     """Experiment-logger cadence (metrics.jsonl gets every committed step regardless)."""
     progress_bar: bool = True
     """Progress bar on the console (logical rank 0): committed step, loss and tokens/s."""
-    val_check_interval: NonNegativeInt = 0
-    """Validate every N committed steps (val/loss in metrics.jsonl and the logger), sharded over the DP ranks;
-    0 = never."""
+    val_check_interval: StepsOrFraction = 0
+    """Validate every N committed steps (an int), or every that fraction of an epoch (a float in (0, 1], with a
+    finite training set of your own DataModule or module: epoch = len(dataset) // global_batch_size steps, counted
+    within each epoch as Lightning does), sharded over the DP ranks; the final weights are validated once more after
+    the last step; 0 = never. val/loss and what validation_step logs go to metrics.jsonl and the logger."""
     limit_val_batches: NonNegativeInt = 0
     """Validation batches per validation over all DP ranks; 0 = the whole val_dataloader() of your module or
     DataModule (the built-in data's held-out split has no end: set it)."""
@@ -499,6 +502,10 @@ class RunnerConfig:
     trainer.max_steps; auto = continue the run this run dir already holds, in place (from its newest checkpoint,
     else from scratch; its earlier outputs move to previous/<n>/): the default under torchrun and SLURM, so that a
     requeued or relaunched job goes on with the same command line; null = start from scratch (elsewhere)."""
+    test_after_fit: bool = False
+    """After the last step, run the module's test_step over the test_dataloader() of your DataModule (or module) with
+    the final weights, its batches split over the DP ranks; what it logs (self.log, aggregated as Lightning's test
+    loop does) goes to summary.json's ``test`` and the logger under the names it logs."""
     optimized_metric: Optional[str] = "train/loss"
     """The logged metric whose final value the job returns to Hydra (for a sweeper such as Optuna to optimise):
     train/loss, train/samples_per_s, train/tokens_per_s (token batches), train/step_time_s, or val/loss (with

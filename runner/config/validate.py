@@ -453,7 +453,25 @@ def _loop_problems(cfg: DictConfig) -> list[str]:
     """Validation and gradient accumulation."""
     t, d = cfg.trainer, cfg.data
     out: list[str] = []
-    if t.val_check_interval <= 0 or cfg.model._target_ or d._target_:
+    interval, own = t.val_check_interval, cfg.model._target_ or d._target_
+    if cfg.runner.test_after_fit and not cfg.model._target_:
+        out.append("runner.test_after_fit=true runs your module's test_step, and the built-in GPT has none: train your "
+                   "own LightningModule (model._target_=...) with a test_step and a test_dataloader, or set "
+                   "runner.test_after_fit=false.")
+    if cfg.runner.test_after_fit and cfg.parallel.pp > 1:
+        out.append(f"runner.test_after_fit=true runs test_step on the whole model, and parallel.pp={cfg.parallel.pp} "
+                   "cuts it into stages: set runner.test_after_fit=false or parallel.pp=1.")
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+        return out + [f"trainer.val_check_interval={interval!r} is neither a number of steps (an int) nor a fraction "
+                      "of an epoch (a float in (0, 1]): give one of those, or 0 for no validation."]
+    if isinstance(interval, float) and not 0 < interval <= 1:
+        out.append(f"trainer.val_check_interval={interval} is a float, which is a fraction of an epoch in (0, 1]: give "
+                   f"a fraction, or an int number of steps (e.g. trainer.val_check_interval={max(1, int(interval))}).")
+    elif isinstance(interval, float) and not own:
+        out.append(f"trainer.val_check_interval={interval} is a fraction of an epoch, and the built-in data has no "
+                   "epochs (its batches are drawn without end): give an int number of steps, or train on a finite "
+                   "dataset of your own (data._target_=... or model._target_=...).")
+    if interval <= 0 or own:
         return out
     if t.limit_val_batches == 0:  # the built-in data
         out.append(f"trainer.val_check_interval={t.val_check_interval} with the built-in data: set "
@@ -619,4 +637,29 @@ def _target_problems(cfg: DictConfig) -> list[str]:
         if (isinstance(obj, type) and not issubclass(obj, base)) or not callable(obj):
             out.append(f"{group}._target_={target} is {_described(obj)}, not a lightning.pytorch.{kind}: "
                        f"{_TARGET_ADVICE[group]}")
+    return out + (_test_problems(cfg) if cfg.runner.test_after_fit and not out else [])
+
+
+def _overrides(cls: type, base: type, name: str) -> bool:
+    return getattr(cls, name) is not getattr(base, name)
+
+
+def _test_problems(cfg: DictConfig) -> list[str]:
+    """``runner.test_after_fit`` needs a test_step and a test_dataloader; a class says whether it has them (a
+    function that builds the module is asked at the worker's set-up)."""
+    import lightning.pytorch as pl
+
+    module: Any = get_object(cfg.model._target_)
+    data: Any = get_object(cfg.data._target_) if cfg.data._target_ else None
+    if not isinstance(module, type) or (data is not None and not isinstance(data, type)):
+        return []
+    out = []
+    if not _overrides(module, pl.LightningModule, "test_step"):
+        out.append(f"runner.test_after_fit=true but {module.__name__} has no test_step(): add one (logging what it "
+                   "measures with self.log) or set runner.test_after_fit=false.")
+    holders = [c for c in (data, module) if c is not None]
+    if not any(_overrides(c, pl.LightningDataModule if c is data else pl.LightningModule, "test_dataloader")
+               for c in holders):
+        out.append(f"runner.test_after_fit=true but neither {' nor '.join(c.__name__ for c in holders)} defines "
+                   "test_dataloader(): add one or set runner.test_after_fit=false.")
     return out

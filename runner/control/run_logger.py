@@ -5,10 +5,11 @@ controller does its own, to ``events.jsonl``. A thread of the controller follows
 when the controller was built, in time order, and turns them into rows of the backend (``runner.report.loggers``):
 ``train/loss``, ``train/samples_per_s``, ``train/tokens_per_s`` (token batches), ``train/step_time_s``,
 ``train/lr`` and every value the module logged (``self.log``) every ``trainer.log_every_n_steps`` committed steps
-(epoch-end values at the epoch's last step whatever the cadence); an ``event/*`` row for each fault, detection,
-decision and the other events of a recovery when it happens; and a ``recovery/*`` row with the RTO, its phases and
-the RPO as soon as the recovered world commits its first step (computed as summary.json computes them), with an
-alert. Every row carries the ``global_step`` and ``wall_time`` axes. At the end the run's summary (RTO phases, RPO,
+(epoch-end values at the epoch's last step, a validation's values at its step, and the evaluations after fit at the
+step after the last, whatever the cadence); an ``event/*`` row for each fault, detection, decision and the other
+events of a recovery when it happens; and a ``recovery/*`` row with the RTO, its phases and the RPO as soon as the
+recovered world commits its first step (computed as summary.json computes them), with an alert. Every row carries
+the ``global_step`` and ``wall_time`` axes. At the end the run's summary (RTO phases, RPO,
 ETTR, sample accounting) goes into the backend's summary and the backend is finished: ``finish`` sits in the
 controller's outermost ``finally``, so every ending (completed, failed, Ctrl-C, SIGTERM, a crash) finishes it.
 
@@ -114,17 +115,22 @@ class RunLogger:
         self._log_recoveries()  # one whose record got its complete generation after the commit was read
 
     def _on_commit(self, m: dict) -> None:
+        if "evaluation" in m:  # the evaluations after fit: their values, at the step after the last
+            self._log(m["step"], m["t"], {k: v for k, v in m.items() if k not in METRICS_FIELDS or k == "val/loss"})
+            return
         self._last_step = m["step"]
         self._first_commit.setdefault(m["gen"], m)
         self._recent.append(m)
-        logged = {k: v for k, v in m.items() if k not in METRICS_FIELDS}  # the module's self.log values, train/lr
+        validation = set(m.get("val_metrics", ()))
+        # the module's self.log values of training_step, train/lr
+        logged = {k: v for k, v in m.items() if k not in METRICS_FIELDS and k not in validation}
         if m["step"] % self.log_every == 0:  # what the module logs itself replaces the runner's train/loss
             self._log(m["step"], m["t"], {**{name: m[field] for name, field in TRAIN_ROW.items()
                                              if m.get(field) is not None}, **logged})
         elif m.get("epoch_metrics"):  # an epoch's values are logged whatever log_every_n_steps says
             self._log(m["step"], m["t"], {k: logged[k] for k in m["epoch_metrics"]})
-        if "val/loss" in m:  # a validation step is logged whatever log_every_n_steps says
-            self._log(m["step"], m["t"], {"val/loss": m["val/loss"]})
+        if validation:  # a validation step's values are logged whatever log_every_n_steps says
+            self._log(m["step"], m["t"], {k: m[k] for k in sorted(validation)})
         self._log_recoveries()  # a recovery closed by this commit is logged in its place among the rows
 
     def _on_event(self, e: dict) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 METRICS_FIELDS = frozenset({"step", "t", "loss", "step_time_s", "reduce_s", "samples_per_s", "tokens_per_s",
-                            "counts", "misplaced", "gen", "val/loss", "epoch_metrics"})
+                            "counts", "misplaced", "gen", "val/loss", "epoch_metrics", "val_metrics", "evaluation"})
 """The fields of a metrics.jsonl record that the runner computes (``runner.callbacks.metrics``); every other field is a
 value the module logged (``self.log``) or the learning rate (``train/lr``), logged under its own name."""
 
@@ -51,6 +51,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not Path(path).exists():
         return []
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def committed_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """metrics.jsonl's records of committed steps: without the one of the evaluations after fit (``evaluation``)."""
+    return [m for m in records if "evaluation" not in m]
 
 
 def _jsonable(value: Any) -> Any:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import yaml
 
-from runner.plumbing.events import read_jsonl
+from runner.plumbing.events import committed_steps, read_jsonl
 
 PHASES = ("detect_s", "decide_s", "replace_s", "rebuild_s", "restore_s")
 
@@ -91,7 +91,7 @@ def read_job(path: Path, root: Path) -> Job:
         name=name,
         summary=json.loads(summary_path.read_text()) if summary_path.exists() else None,
         events=read_jsonl(path / "events.jsonl"),
-        metrics=read_jsonl(path / "metrics.jsonl"),
+        metrics=committed_steps(read_jsonl(path / "metrics.jsonl")),
         overrides=_yaml(path / ".hydra" / "overrides.yaml") or [],
         seed=(_yaml(path / ".hydra" / "config.yaml") or {}).get("seed"),
     )

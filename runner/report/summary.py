@@ -16,14 +16,15 @@ from typing import Optional
 from runner.control.records import Attempt, Recovery, RunRecord
 from runner.planning.model_cost import mfu
 from runner.planning.module_facts import ModuleFacts, module_facts
-from runner.plumbing.events import read_jsonl
+from runner.plumbing.events import committed_steps, read_jsonl
 from runner.report.loggers import run_name
 
 
 def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     run_dir = Path(run_dir)
     events = read_jsonl(run_dir / "events.jsonl")
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = committed_steps(records)
     done = record.done
     checksums = sorted({d["checksum"] for d in done.values()})
     status, error = record.status, record.error  # judged once, before run_end (RunRecord.judge_end)
@@ -75,10 +76,24 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
         "steps_redone": len(metrics) - len(committed),
         "phase_timeouts": record.phase_timeouts,
         **accounting,
+        **_after_fit(records),
     }
     summary["effective_training_time_ratio"] = _ettr(train_s, recoveries)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _after_fit(records: list[dict]) -> dict:
+    """The evaluations after fit (``runner.callbacks.evaluation``): ``val``, the final weights' validation values, and
+    ``test``, ``runner.test_after_fit``'s, each under the names logged (the test's: what test_step logs)."""
+    last = next((m for m in reversed(records) if m.get("evaluation") == "after_fit"), None)
+    if last is None:
+        return {}
+    values = {k: v for k, v in last.items() if k not in ("step", "t", "gen", "evaluation")}
+    val = {k: v for k, v in values.items() if k in last.get("val_metrics", ())}
+    out = {"val": val} if val else {}
+    test = {k: v for k, v in values.items() if k not in val and k != "val_metrics"}
+    return {**out, **({"test": test} if test else {})}
 
 
 def throughput(s: dict) -> tuple[float, str]:

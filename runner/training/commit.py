@@ -9,7 +9,9 @@ Once committed, the sums become means in ``.grad``, and ``on_commit`` learns the
 (one count per logical rank whose micro-batch went in, whether any member was asked to stop (a signal to the
 controller, or ``trainer.should_stop`` set by a callback: ``request_stop``), the
 validation loss sum and batch count when the step carries a validation, the loss sum, misplaced
-batches). The stop flag lets every member learn a stop at the same committed step (``stop_agreed``).
+batches), and the step's validation values (``validated``: each DP rank's row of what its share
+logged, ``runner.training.eval_logs``, resolved alike on every rank). The stop flag lets every member learn
+a stop at the same committed step (``stop_agreed``).
 
 What the module's ``training_step`` logs with ``self.log(..., sync_dist=True)`` rides in the same
 reduction (``defer_sync``): a collective of its own inside the step would pair with another member's
@@ -35,13 +37,15 @@ from runner.recovery.sdc import GradientGuard
 from runner.training.comm import CollectiveFailure, Comm
 from runner.training.divergence import ReplicaDivergence
 from runner.training.epoch_sums import EpochSums
+from runner.training.eval_logs import ROW, EvalShare, Evaluated
 from runner.training.reducer import GradReducer
 from runner.training.state import ReplicaState
 from runner.training.status import WorkerStatus
 from runner.training.update import CommittedUpdate
 
 Recover = Callable[[ReplicaState, str], Optional[dict]]  # the run's recovery: (this replica's state, why)
-OnCommit = Callable[[int, Tensor, float], None]  # (step, accounting, seconds from reduce to commit)
+# (step, accounting, seconds from reduce to commit, the values of the validation the step carried)
+OnCommit = Callable[[int, Tensor, float, Optional[Evaluated]], None]
 # the accounting vector after the one count per logical rank: these entries, indexed from its end
 VAL_LOSS_SUM, VAL_BATCHES, LOSS_SUM, MISPLACED = -4, -3, -2, -1
 SYNCED_PER_STEP = 16  # values a training_step may log with sync_dist=True; each DP rank's row has a flag first
@@ -70,7 +74,8 @@ class StepCommit:
         self._reducer: Optional[GradReducer] = None  # built at the first step, once the module is set up
         self._batch_sample: Optional[Tensor] = None
         self._batch_loss: Optional[float] = None
-        self._validation = (0.0, 0)  # this rank's validation loss sum and batch count for the current step
+        self._validation: Optional[EvalShare] = None  # this rank's share of the current step's validation
+        self.validated: Optional[Evaluated] = None  # the values of the validation the last committed step carried
         self._synced: list[tuple[Tensor, str]] = []  # what the step's training_step logged with sync_dist
         self._committed = False  # the current step's reduction is done: nothing more can ride in it
         self._t_batch = 0.0
@@ -87,7 +92,7 @@ class StepCommit:
     def begin(self, batch: Any) -> None:
         """A new step's batch: its sample id (for the accounting) and a clean slate."""
         self._batch_sample = batch.get("sample") if isinstance(batch, dict) else None
-        self._validation = (0.0, 0)
+        self._validation, self.validated = None, None
         self._batch_loss = None
         self._synced, self._committed = [], False
         if self.epoch_sums is not None:
@@ -121,9 +126,9 @@ class StepCommit:
             self._stop_requested = True
             self.events.emit("stop_requested_by_callback", at_step=self._module().trainer.global_step)
 
-    def record_validation(self, loss_sum: float, batches: int) -> None:
+    def record_validation(self, share: EvalShare) -> None:
         """This rank's share of a validation, carried by the step's reduction (however often it is retried)."""
-        self._validation = (loss_sum, batches)
+        self._validation = share
 
     def clear_synced(self, first_micro: bool = True) -> None:
         """A (re)computation of the step's forward logs its synced values anew (from the step's epoch
@@ -223,6 +228,7 @@ class StepCommit:
         if self.agree is None:
             self._write_back()
         self._resolve_synced(extras)
+        self._resolve_validation(extras)
         if self.takeover is not None:
             self.takeover.record_step(time.perf_counter() - self._t_batch)
         self.stop_agreed = bool(extras[self.dp_size] > 0)
@@ -233,7 +239,7 @@ class StepCommit:
             self.status.record_timing(step, compute_s, t_end - t0 + launched_s + self._sync_s, self.reducer.launch_s)
         self._t_reduced, self._sync_s = t_end, 0.0
         if self.on_commit is not None:
-            self.on_commit(step, extras, t_end - t0)
+            self.on_commit(step, extras, t_end - t0, self.validated)
         return True
 
     def _write_back(self) -> None:
@@ -291,6 +297,14 @@ class StepCommit:
             start = len(self._synced)
             self.epoch_sums.resolve(filled[:, start: start + self.epoch_sums.size].double())
 
+    def _resolve_validation(self, extras: Tensor) -> None:
+        """The committed step's validation values, from every DP rank's row and the summed loss."""
+        share = self._validation
+        if share is None:
+            return
+        rows = extras[self._val_slots].view(self.dp_size, ROW)
+        self.validated = share.resolve(rows, float(extras[VAL_LOSS_SUM]), int(extras[VAL_BATCHES]))
+
     # -- the reduction and its accounting --------------------------------------------------------
     @property
     def _check_slots(self) -> slice:
@@ -305,10 +319,19 @@ class StepCommit:
         return slice(start, start + self.dp_size * (SYNCED_PER_STEP + 1))
 
     @property
+    def _val_slots(self) -> slice:
+        """A row per DP rank of what its validation share logged (``runner.training.eval_logs``): after the synced
+        values, before the four sums. Reserved whether the run validates or not, as the synced values' are: the
+        accounting's size decides how the all-reduce splits the bucket it rides in, and with it the order its
+        gradient sums are added in, so validating changes no bit of the training."""
+        start = self._synced_slots.stop
+        return slice(start, start + self.dp_size * ROW)
+
+    @property
     def _extras_size(self) -> int:
-        """The counts per logical rank, the stop flag, the replica check's slots, the synced values, and the four
-        sums from ``VAL_LOSS_SUM`` to the end."""
-        return self._synced_slots.stop - VAL_LOSS_SUM
+        """The counts per logical rank, the stop flag, the replica check's slots, the synced values, the validation
+        rows, and the four sums from ``VAL_LOSS_SUM`` to the end."""
+        return self._val_slots.stop - VAL_LOSS_SUM
 
     @property
     def reducer(self) -> GradReducer:
@@ -340,7 +363,11 @@ class StepCommit:
             row = self._synced_slots.start + self.comm.dp_rank * (SYNCED_PER_STEP + 1)
             extras[row] = 1.0
             extras[row + 1: row + 1 + len(values)] = torch.tensor(values)
-        extras[VAL_LOSS_SUM], extras[VAL_BATCHES] = self._validation
+        share = self._validation
+        if share is not None:
+            row = self._val_slots.start + self.comm.dp_rank * ROW
+            extras[row: row + ROW] = torch.tensor(share.row(), dtype=torch.float64)
+            extras[VAL_LOSS_SUM], extras[VAL_BATCHES] = share.loss_sum, share.batches
         extras[LOSS_SUM] = self._batch_loss if self._batch_loss is not None else float("nan")
         extras[MISPLACED] = float(sample_step != step)
         for loss, (extra_step, extra_rank) in self.takeover.contributions() if self.takeover is not None else ():

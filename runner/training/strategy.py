@@ -56,12 +56,13 @@ from runner.training.commit import OnCommit, Recover, StepCommit
 from runner.training.divergence import ReplicaDivergence
 from runner.training.environment import RunnerEnvironment
 from runner.training.epoch_sums import EpochSums
+from runner.training.eval_logs import ROW, EvalShare, Evaluated
 from runner.training.packed import from_bytes, to_bytes
 from runner.training.reducer import trainable_params
 from runner.training.status import WorkerStatus
 from runner.training.transfer import TrainerState
 from runner.training.update import CommittedUpdate
-from runner.training.validation import StepValidation
+from runner.training.validation import StepValidation, evaluate, loader_hook
 from runner.training.zero import ZeroOne
 
 # Lightning restores a checkpoint at the right moment of fit() (before or after setup, loops included) when
@@ -88,7 +89,7 @@ class StrategyOptions:
     accumulate: int = 1  # micro-batches per optimizer step on each rank
     pipeline_micro_batches: int = 1
     replica_check_every_n_steps: int = 0  # 0: no replica check during training
-    val_check_interval: int = 0  # steps between validations (0: never)
+    val_check_interval: float = 0  # steps between validations (an int; 0: never) or a fraction of an epoch (a float)
     limit_val_batches: int = 0  # validation batches over all DP ranks (0: all)
     sdc_factor: float = 0.0  # the gradient corruption guard's factor (0: no guard)
     sdc_window: int = 0
@@ -326,7 +327,7 @@ class ResilientStrategy(ParallelStrategy):
             self.commit.sync_params()
         if self.validation.due(step):
             self.status.phase = "validate"
-            self.commit.record_validation(*self._validate())
+            self.commit.record_validation(self._validate())
             seed_step(derive_seed(self.seed, step, self.data_rank, 1), self.root_device)
         self.status.phase = "compute"
         if self._pipeline is not None:  # the schedule runs the step's forward and backward (``backward``)
@@ -367,20 +368,42 @@ class ResilientStrategy(ParallelStrategy):
             (optimizers[0] if isinstance(optimizers, list) else optimizers).step()
         return torch.zeros((), device=self.root_device, requires_grad=True)
 
-    def _validate(self) -> tuple[float, int]:
-        """This rank's share of the step's validation: the loss sum and number of its DP coordinate's batches. With
-        pp > 1 they run forward only through the replica's stages, and the last stage's sum is summed over the PP
-        group in float64 (the other stages add 0, so every stage records that sum exactly, as the loss)."""
+    def _validate(self) -> EvalShare:
+        """This rank's share of a validation: its DP coordinate's batches. With pp > 1 they run forward only through
+        the replica's stages, and the last stage's loss sum is summed over the PP group in float64 (the other stages
+        add 0, so every stage records that sum exactly, as the loss)."""
         module = self._module
         pipeline = self._pipeline
         if pipeline is None:
             return self.validation.run(module.trainer, module, self.data_rank, self.dp_size)
-        total, count = self.validation.run(
+        share = self.validation.run(
             module.trainer, module, self.data_rank, self.dp_size,
             lambda batches: pipeline.forward_only((b["idx"], b["targets"]) for b in batches))
-        summed = torch.tensor([total], dtype=torch.float64, device=self.root_device)
+        summed = torch.tensor([share.loss_sum], dtype=torch.float64, device=self.root_device)
         pipeline.group.allreduce([summed])
-        return float(summed[0]), count
+        share.loss_sum = float(summed[0])
+        return share
+
+    def evaluate_after_fit(self, stage: str) -> Evaluated:
+        """After the last step, with the final weights: this rank's share of a validation (``stage`` "validation") or
+        of the test over the whole ``test_dataloader`` ("test"), then one all-reduce over the world of every DP
+        coordinate's row (filled by its replica's TP rank and PP stage 0), resolved alike on every rank. No step's
+        reduction remains to carry it, and the group still stands (``on_train_end``, before teardown)."""
+        module = self._module
+        if stage == "validation":
+            share = self._validate()
+        else:
+            hook = loader_hook(module.trainer, module, "test")
+            assert hook is not None  # checked at set-up
+            share = evaluate(module.trainer, module, hook(), 0, self.data_rank, self.dp_size, "test", module.test_step)
+        sums = torch.zeros(self.dp_size * ROW + 2, dtype=torch.float64)
+        if self.comm.tp_rank == 0 and self.comm.pp_rank == 0:
+            sums[self.data_rank * ROW: (self.data_rank + 1) * ROW] = torch.tensor(share.row(), dtype=torch.float64)
+            sums[-2:] = torch.tensor([share.loss_sum, float(share.batches)], dtype=torch.float64)
+        reduced = sums.to(self.root_device)
+        self.comm.allreduce([reduced])
+        sums = reduced.cpu()
+        return share.resolve(sums[:-2].view(self.dp_size, ROW), float(sums[-2]), int(sums[-1]))
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self.update.skip_pending:  # the step's update is already in the restored state: nothing to compute
@@ -496,6 +519,9 @@ class ResilientStrategy(ParallelStrategy):
                                 f"{type(dataloader.source).__name__} has no micro_batches(step, rank, k); add one "
                                 "(the step's batch in k slices) or set trainer.accumulate_grad_batches=1.")
             dataloader.accumulate = self.accumulate
+            if self.validation.fraction and self.validation.enabled:
+                raise ValueError(f"trainer.val_check_interval={self.validation.interval} is a fraction of an epoch, "
+                                 "and the training dataloader is an endless StepLoader: give an int number of steps.")
             return dataloader
         dataset = getattr(dataloader, "dataset", None)
         if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
@@ -507,6 +533,12 @@ class ResilientStrategy(ParallelStrategy):
         trainer = self._module.trainer
         collate = getattr(dataloader, "collate_fn", None) or torch.utils.data.default_collate
         source = IndexedDatasetSource(dataset, self.micro_batch, self.dp_size, collate)
+        epoch = len(dataset) // (self.micro_batch * self.dp_size)
+        if self.validation.fraction and self.validation.enabled and epoch == 0:
+            raise ValueError(f"trainer.val_check_interval={self.validation.interval} is a fraction of an epoch, and "
+                             f"the training set's {len(dataset)} samples are less than one step's "
+                             f"{self.micro_batch * self.dp_size}: give an int number of steps.")
+        self.validation.set_epoch_steps(epoch)
         self._source = source
         loader = StepLoader(source, lambda: trainer.global_step, lambda: self.data_rank)
         loader.accumulate = self.accumulate

@@ -25,6 +25,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from runner.callbacks.evaluation import EvaluationHooks
 from runner.callbacks.fault_injection import FaultTrigger
 from runner.callbacks.heartbeat import Heartbeat
 from runner.callbacks.lightning_checkpoint import LightningCheckpoint
@@ -200,12 +201,17 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         # holds every callback's state of its step
         callbacks=[*placement, *configured_callbacks(cfg, run_dir, show_summary=is_rank0 and not joining),
                    *hooks.callbacks, heartbeat, faults, metrics,
+                   EvaluationHooks(strategy, metrics, cfg.runner.test_after_fit),
                    *([StepProgressBar(metrics)] if progress_bar else []), checkpoint],
         enable_checkpointing=True,  # LightningCheckpoint is one: Lightning adds no ModelCheckpoint of its own
         enable_progress_bar=progress_bar,
         enable_model_summary=False,  # the callbacks group's model_summary, on logical rank 0 (user_callbacks)
         num_sanity_val_steps=0,
         limit_val_batches=0,  # the strategy validates inside the committed-step protocol (runner.training.validation)
+        # what Lightning's own callbacks read to act at on_validation_end rather than at an epoch's end (EarlyStopping,
+        # ModelCheckpoint), as they do when validation is scheduled by steps; Lightning's loop never validates here
+        check_val_every_n_epoch=None if cfg.trainer.val_check_interval else 1,
+        val_check_interval=1 if cfg.trainer.val_check_interval else None,
         use_distributed_sampler=False,
         log_every_n_steps=1,  # every record is complete; the run logger keeps trainer.log_every_n_steps
         default_root_dir=str(run_dir),
