@@ -448,9 +448,14 @@ def _join_problems(cfg: DictConfig) -> list[str]:
 
 
 def _loop_problems(cfg: DictConfig) -> list[str]:
-    """Validation and gradient accumulation."""
+    """Epochs, validation and gradient accumulation."""
     t, d = cfg.trainer, cfg.data
     out: list[str] = []
+    if t.max_epochs is not None and not (cfg.model._target_ or d._target_):
+        out.append(f"trainer.max_epochs={t.max_epochs} counts passes over a finite training set, but the built-in "
+                   f"data (data.kind={d.kind}) draws each step's batch afresh and has no end: end the run with "
+                   "trainer.max_steps and set trainer.max_epochs=null, or train your own LightningModule or "
+                   "DataModule (model._target_ or data._target_) over a map-style dataset.")
     if t.val_check_interval <= 0 or cfg.model._target_ or d._target_:
         return out
     if t.limit_val_batches == 0:  # the built-in data

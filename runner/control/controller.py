@@ -33,7 +33,7 @@ from runner.control.incidents import Incidents
 from runner.control.membership import Membership
 from runner.control.records import RunRecord
 from runner.control.run_logger import RunLogger
-from runner.control.stop import StopOnSignal
+from runner.control.stop import StopOnSignal, last_step
 from runner.control.stragglers import StragglerWatch
 from runner.faults.chaos_injector import ChaosInjector
 from runner.faults.injector import FaultInjector
@@ -115,7 +115,8 @@ class Controller:
         """The run's one verdict, then everyone is told: every host's agent (its exit code), the actions, run_end.
         summary.json is written from the same record."""
         self.record.done = self.members.done_records()
-        if self.record.status == "completed" and stop.stopped_early(self.record.done, self.cfg.trainer.max_steps):
+        last = last_step(self.record.done, self.cfg.trainer.max_steps)
+        if self.record.status == "completed" and stop.stopped_early(self.record.done, last):
             self.record.status = "stopped"  # at the step SIGINT/SIGTERM asked for, with a checkpoint
         self.record.judge_end()
         self.record.phase_timeouts = self.detector.timeouts.state()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from runner.control.records import Attempt, Recovery, RunRecord
+from runner.control.stop import last_step
 from runner.planning.model_cost import mfu
 from runner.planning.module_facts import ModuleFacts, module_facts
 from runner.plumbing.events import read_jsonl
@@ -34,7 +35,8 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     steps_in_metrics = len({m["step"] for m in metrics})
     # a resumed run accounts from its checkpoint's step, a stopped one up to the step it stopped at
     first = next((e["at_step"] for e in events if e["kind"] == "resumed"), 0)
-    last = max((d["global_step"] for d in done.values()), default=0) if status == "stopped" else cfg.trainer.max_steps
+    last = (max((d["global_step"] for d in done.values()), default=0) if status == "stopped"
+            else last_step(done, cfg.trainer.max_steps))
     accounting = _accounting(committed, cfg, record.dp, range(first, last), module_facts(cfg).tokens_per_sample)
     train_s = _train_seconds(metrics)
     facts = module_facts(cfg)
