@@ -145,7 +145,8 @@ class IndexedData(pl.LightningDataModule):
 class IndexRecordingRegressor(ValidatedRegressor):
     """Writes, to a file of its process under ``record_dir``, the dataset indices each training step read (with the
     step, epoch and data rank) and the epoch every ``on_train_epoch_start``/``end`` saw, with the epoch its
-    sampler was set to: what the epoch tests account for across processes, a replacement's included."""
+    sampler was set to: what the epoch tests account for across processes, a replacement's included. The mean
+    index of the epoch's rows is logged as an epoch value (``rows/mean_index``)."""
 
     def __init__(self, record_dir: str) -> None:
         super().__init__()
@@ -160,6 +161,7 @@ class IndexRecordingRegressor(ValidatedRegressor):
         x, y, idx = batch
         self._record(kind="step", step=self.trainer.global_step, epoch=self.trainer.current_epoch,
                      batch_idx=batch_idx, rank=self.trainer.strategy.data_rank, idx=idx.tolist())
+        self.log("rows/mean_index", idx.double().mean(), on_step=False, on_epoch=True, sync_dist=True)
         return nn.functional.mse_loss(self.net(x), y)
 
     def on_train_epoch_start(self) -> None:

@@ -31,9 +31,9 @@ from runner.control.execution import Executor
 from runner.control.handover import Handover
 from runner.control.incidents import Incidents
 from runner.control.membership import Membership
-from runner.control.records import RunRecord
+from runner.control.records import RunRecord, last_step
 from runner.control.run_logger import RunLogger
-from runner.control.stop import StopOnSignal, last_step
+from runner.control.stop import StopOnSignal
 from runner.control.stragglers import StragglerWatch
 from runner.faults.chaos_injector import ChaosInjector
 from runner.faults.injector import FaultInjector

@@ -62,9 +62,3 @@ class StopOnSignal:
             return f"[runner] {self.requested}: no checkpoint was saved ({last_checkpoint(run_dir)} does not exist)"
         return (f"checkpoint saved: {saved[-1]['path']} (step {saved[-1]['at_step']}); continue it with the same "
                 f"command plus runner.resume=auto (in this run dir), or runner.resume={run_dir} (in a new one)")
-
-
-def last_step(done: dict[int, dict], max_steps: int) -> int:
-    """The step the run ends at: ``trainer.max_steps``, or the earlier end of its ``trainer.max_epochs`` that the
-    workers found once they knew the training set's length (the ``max_steps`` of their final records)."""
-    return min((d.get("max_steps", max_steps) for d in done.values()), default=max_steps)

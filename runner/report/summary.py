@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from runner.control.records import Attempt, Recovery, RunRecord
-from runner.control.stop import last_step
+from runner.control.records import Attempt, Recovery, RunRecord, last_step
 from runner.planning.model_cost import mfu
 from runner.planning.module_facts import ModuleFacts, module_facts
 from runner.plumbing.events import read_jsonl
