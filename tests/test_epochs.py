@@ -19,9 +19,10 @@ from tests.test_config import _compose
 ROWS, BATCH, DP, EPOCHS = 68, 8, 2, 2  # 8 steps an epoch: 64 rows, the last 4 left out (drop_last)
 STEPS_PER_EPOCH = ROWS // BATCH
 SAMPLER_SEED = 7  # tests.regressors.IndexedData's DistributedSampler seed
-EPOCHS_RUN = ["model._target_=tests.regressors.IndexRecordingRegressor", "data._target_=tests.regressors.IndexedData",
-              f"+data.kwargs.rows={ROWS}", f"trainer.global_batch_size={BATCH}", "trainer.max_steps=100",
-              f"trainer.max_epochs={EPOCHS}", "ft=[flashrecovery]"]
+EPOCHS_OF = ["model._target_=tests.regressors.IndexRecordingRegressor", "data._target_=tests.regressors.IndexedData",
+             f"+data.kwargs.rows={ROWS}", f"trainer.global_batch_size={BATCH}", "trainer.max_steps=100",
+             f"trainer.max_epochs={EPOCHS}"]
+EPOCHS_RUN = [*EPOCHS_OF, "ft=[flashrecovery]"]
 SHUFFLED = [*EPOCHS_RUN, "+data.kwargs.sampler=distributed"]
 
 
@@ -134,6 +135,18 @@ def test_a_rank_killed_in_an_epoch_is_replaced_in_that_epoch_and_trains_the_same
     assert killed and all(e["step"] <= step for e in killed if e["kind"] == "step")
 
 
+@pytest.mark.slow
+def test_every_rank_restored_from_a_snapshot_mid_epoch_trains_the_same(shuffled, tmp_path):
+    run, records = train(tmp_path, *EPOCHS_OF, "+data.kwargs.sampler=distributed", "ft=[flash_ckpt]",
+                         "ft.flash_ckpt.every_n_steps=3", "ft.flash_ckpt.persist_every_n_steps=0", "fault=kill_rank",
+                         "fault.rank=1", "fault.step=11")
+    s, c = run.summary, shuffled[0].summary
+    assert [(r["action"], r["rpo_steps"]) for r in s["recoveries"]] == [("restart_all", 2)]  # from step 9's snapshot
+    assert (s["global_step"], s["param_checksum"]) == (c["global_step"], c["param_checksum"])
+    assert records.rows() == shuffled[1].rows()
+    assert_epoch_values(run, records)
+
+
 def _by_role(records: Records) -> tuple[list, list, list]:
     """The survivor (rank 0), the killed rank 1 and its replacement (which started at the kill)."""
     def first_step(process: list) -> int:
@@ -157,6 +170,10 @@ def test_a_run_resumed_mid_epoch_from_its_checkpoint_trains_the_same(shuffled, t
     assert records.rows() == {key: idx for key, idx in rows.items() if key[0] >= 10}
     ends = [(e, (e + 1) * STEPS_PER_EPOCH) for e in range(EPOCHS)]
     assert records.hooks("epoch_end") == [ends[1:]] * DP
+    last = STEPS_PER_EPOCH * EPOCHS - 1  # the epoch value over the whole epoch, the first run's steps included
+    clean_values = {m["step"]: m for m in shuffled[0].metrics()}
+    assert [m for m in resumed.metrics() if m["step"] == last][0]["rows/mean_index"] == clean_values[last][
+        "rows/mean_index"]
 
 
 def test_max_epochs_with_the_built_in_data_is_refused_at_config_time():

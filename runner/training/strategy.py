@@ -473,6 +473,7 @@ class ResilientStrategy(ParallelStrategy):
         if checkpoint_path == SNAPSHOT_CKPT:
             assert self._restore_snapshot is not None
             ckpt = self._restore_snapshot(self.state)
+            self.state.adopt_guard_history(ckpt)
             if self.update.zero is not None:  # a snapshot's other shards may be one update old: all ranks sync
                 self.update.zero.stale = True
             return ckpt
