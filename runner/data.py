@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 
 def derive_seed(*parts: int) -> int:
@@ -37,6 +38,7 @@ def seed_step(seed: int, device: torch.device) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+SHUFFLE = 0x5EED  # seed-stream tag of the epoch permutations of a shuffling DataLoader with no seed of its own
 HELD_OUT = 0x7E57  # seed-stream tag of the held-out batches (4-part seeds: never a training batch's 3-part one)
 
 
@@ -135,10 +137,19 @@ class MemmapTokens(TokenSource):
 
 
 class IndexedDatasetSource:
-    """Any map-style dataset under the same contract: rows of (step, rank) are fixed index ranges."""
+    """Any map-style dataset under the same contract, in epochs: an epoch is ``steps_per_epoch`` steps of
+    ``dp_size * micro_batch`` rows (the rows that do not fill a step are left out, DataLoader's ``drop_last``), and
+    the rows of (step, rank) are a fixed range of the epoch's order. That order is the dataset's own, or with
+    ``shuffle_seed`` the permutation ``torch.randperm(len(dataset))`` draws from a generator seeded with
+    ``shuffle_seed + epoch`` (the one torch's DistributedSampler draws): a pure function of the step, so a
+    replacement, a restored rank and a neighbour serve the same rows at every position of every epoch."""
 
-    def __init__(self, dataset: Any, micro_batch: int, dp_size: int, collate: Callable[[list], Any]) -> None:
+    def __init__(self, dataset: Any, micro_batch: int, dp_size: int, collate: Callable[[list], Any],
+                 shuffle_seed: int | None = None) -> None:
         self.dataset, self.micro_batch, self.dp_size, self.collate = dataset, micro_batch, dp_size, collate
+        self.shuffle_seed = shuffle_seed
+        self.steps_per_epoch = steps_per_epoch(len(dataset), micro_batch * dp_size)
+        self._order: tuple[int, list[int]] = (-1, [])  # the last epoch's permutation (consecutive steps share it)
 
     def batch(self, step: int, logical_rank: int) -> Any:
         return self.collate(self._rows(step, logical_rank, 0, self.micro_batch))
@@ -148,10 +159,55 @@ class IndexedDatasetSource:
         size = self.micro_batch // k
         return MicroBatches(self.collate(self._rows(step, logical_rank, m * size, size)) for m in range(k))
 
+    def epoch_order(self, epoch: int) -> list[int] | None:
+        """The dataset indices of ``epoch`` in the order its steps read them; None: the dataset's own order."""
+        if self.shuffle_seed is None:
+            return None
+        if self._order[0] != epoch:
+            g = torch.Generator().manual_seed(self.shuffle_seed + epoch)
+            self._order = (epoch, torch.randperm(len(self.dataset), generator=g).tolist())
+        return self._order[1]
+
     def _rows(self, step: int, logical_rank: int, first: int, count: int) -> list:
-        base = (step * self.dp_size + logical_rank) * self.micro_batch + first
-        n = len(self.dataset)
-        return [self.dataset[(base + i) % n] for i in range(count)]
+        epoch, within = divmod(step, self.steps_per_epoch)
+        base = (within * self.dp_size + logical_rank) * self.micro_batch + first
+        order = self.epoch_order(epoch)
+        return [self.dataset[p if order is None else order[p]] for p in range(base, base + count)]
+
+
+def steps_per_epoch(rows: int, global_batch: int) -> int:
+    """Optimizer steps in one pass over ``rows`` samples, ``global_batch`` a step, an incomplete last step left out
+    (``drop_last``): what ``trainer.max_epochs`` counts, and what a fraction of an epoch is a fraction of."""
+    steps = rows // global_batch
+    if steps == 0:
+        raise ValueError(f"The training dataset holds {rows} samples, fewer than one step's "
+                         f"trainer.global_batch_size={global_batch}; lower trainer.global_batch_size or use more data.")
+    return steps
+
+
+def shuffle_seed(dataloader: Any, seed: int) -> int | None:
+    """The seed of the epoch permutations (``IndexedDatasetSource``) a user's DataLoader asks for with its sampler;
+    None: the dataset's own order. A DistributedSampler's permutations are its own (its ``seed``; its rank and
+    replica count are the runner's); a RandomSampler has no seed to reproduce, so the run's ``seed`` draws them.
+    Any other sampler would be ignored, so it is refused."""
+    sampler = getattr(dataloader, "sampler", None)
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        raise TypeError(f"The training DataLoader's batch_sampler is a {type(batch_sampler).__name__}; the runner "
+                        "decides which rows each (step, rank) reads, in epochs of the dataset's order or of a "
+                        "permutation per epoch, so it can only follow shuffle=True/False, a RandomSampler or a "
+                        "DistributedSampler. Pass one of those, or return a runner.data.StepLoader of your own.")
+    if sampler is None or type(sampler) is SequentialSampler:
+        return None
+    if type(sampler) is DistributedSampler:
+        return sampler.seed if sampler.shuffle else None
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return derive_seed(seed, SHUFFLE)
+    raise TypeError(f"The training DataLoader's sampler is a {type(sampler).__name__} (or a RandomSampler with "
+                    "replacement or num_samples); the runner decides which rows each (step, rank) reads, in epochs "
+                    "of the dataset's order or of a permutation per epoch, so it can only follow shuffle=True/False, "
+                    "a RandomSampler or a DistributedSampler. Pass one of those, or return a runner.data.StepLoader "
+                    "of your own.")
 
 
 def split_token_batch(batch: dict[str, torch.Tensor], k: int) -> MicroBatches:
@@ -166,22 +222,42 @@ def _token_batch(seq: torch.Tensor, step: int, logical_rank: int) -> dict[str, t
 
 
 class StepLoader:
-    """An endless iterable whose position is read from the trainer each time iteration starts.
+    """An iterable whose position is read from the trainer each time iteration starts.
 
     ``start_step`` returns the number of committed optimizer steps and ``logical_rank`` the rank
     this process currently computes; both are asked at ``iter()`` time, after any restore. With
     ``accumulate`` > 1 (the strategy sets it) each step's item is the step's ``MicroBatches``.
+
+    Endless by default. With ``steps_per_epoch`` it is one epoch long (``len``) and an iteration runs from the
+    committed step to the end of that step's epoch, so a rank restored or replaced mid-epoch finishes the same epoch
+    and Lightning's fit loop ends each epoch where every other rank does. ``sampler`` is the user's sampler, for
+    Lightning to call its ``set_epoch`` at each epoch start as it does for its own loaders.
     """
 
-    def __init__(self, source: BatchSource, start_step: Callable[[], int], logical_rank: Callable[[], int]) -> None:
+    def __init__(self, source: BatchSource, start_step: Callable[[], int], logical_rank: Callable[[], int],
+                 steps_per_epoch: int | None = None, sampler: Any = None) -> None:
         self.source, self.start_step, self.logical_rank = source, start_step, logical_rank
+        self.steps_per_epoch, self.sampler = steps_per_epoch, sampler
         self.accumulate = 1
+
+    def __len__(self) -> int:
+        if self.steps_per_epoch is None:
+            raise TypeError("an endless StepLoader has no length")
+        return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
         step = self.start_step()
-        while True:
+        end = None if self.steps_per_epoch is None else (step // self.steps_per_epoch + 1) * self.steps_per_epoch
+        while end is None or step < end:
             if self.accumulate > 1:
                 yield self.source.micro_batches(step, self.logical_rank(), self.accumulate)  # type: ignore[attr-defined]
             else:
                 yield self.source.batch(step, self.logical_rank())
             step += 1
+
+    def state_dict(self) -> dict:
+        """Resumable (Lightning asks, mid-epoch): the position is the trainer's committed step, nothing to keep."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore: ``__iter__`` starts at the restored committed step."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import EarlyStopping
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def _regression(rows: int, seed: int) -> TensorDataset:
@@ -180,3 +182,51 @@ class EvaluatedRegressor(ValidatedRegressor):
     def configure_callbacks(self):
         stopping = EarlyStopping(monitor="val/loss", patience=100)  # stock: it checks at on_validation_end
         return [stopping, SeenAtValidationEnd(self.seen)] if self.seen else []
+
+
+class IndexedData(pl.LightningDataModule):
+    """Regression rows that carry their dataset index, in the order of the sampler asked for: ``sequential``,
+    ``random`` (shuffle=True) or ``distributed`` (a DistributedSampler with shuffle and a seed of its own)."""
+
+    def __init__(self, rows: int = 68, sampler: str = "sequential", sampler_seed: int = 7) -> None:
+        super().__init__()
+        self.rows, self.sampler, self.sampler_seed = rows, sampler, sampler_seed
+
+    def train_dataloader(self) -> DataLoader:
+        data = _regression(self.rows, 0)
+        dataset = TensorDataset(*data.tensors, torch.arange(self.rows))
+        if self.sampler == "distributed":
+            sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=self.sampler_seed)
+            return DataLoader(dataset, batch_size=4, sampler=sampler)
+        return DataLoader(dataset, batch_size=4, shuffle=self.sampler == "random")
+
+
+class IndexRecordingRegressor(ValidatedRegressor):
+    """Writes, to a file of its process under ``record_dir``, the dataset indices each training step read (with the
+    step, epoch and data rank) and the epoch every ``on_train_epoch_start``/``end`` saw, with the epoch its
+    sampler was set to: what the epoch tests account for across processes, a replacement's included. The mean
+    index of the epoch's rows is logged as an epoch value (``rows/mean_index``)."""
+
+    def __init__(self, record_dir: str) -> None:
+        super().__init__()
+        self.record_dir = Path(record_dir)
+
+    def _record(self, **entry: object) -> None:
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.record_dir / f"{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self._record(kind="step", step=self.trainer.global_step, epoch=self.trainer.current_epoch,
+                     batch_idx=batch_idx, rank=self.trainer.strategy.data_rank, idx=idx.tolist())
+        self.log("rows/mean_index", idx.double().mean(), on_step=False, on_epoch=True, sync_dist=True)
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_epoch_start(self) -> None:
+        sampler = self.trainer.train_dataloader.sampler
+        self._record(kind="epoch_start", epoch=self.trainer.current_epoch, step=self.trainer.global_step,
+                     sampler_epoch=getattr(sampler, "epoch", None))
+
+    def on_train_epoch_end(self) -> None:
+        self._record(kind="epoch_end", epoch=self.trainer.current_epoch, step=self.trainer.global_step)

@@ -361,7 +361,13 @@ class TrainerConfig:
     """Optimisation settings shared by every rank."""
 
     max_steps: PositiveInt = 50
-    """Optimizer steps."""
+    """Optimizer steps; with max_epochs, the run ends at whichever of the two comes first (as in Lightning), so
+    raise max_steps to train every epoch."""
+    max_epochs: Optional[PositiveInt] = None
+    """Passes over a finite training set (your DataModule's or module's map-style DataLoader): an epoch is
+    len(dataset) // global_batch_size steps (the incomplete last step dropped, drop_last) and its order the sampler's
+    (docs/quickstart.md, the data contract); null = epochs without end, max_steps ends the run. Not for the built-in
+    GPT data, which has no end."""
     global_batch_size: PositiveInt = 8
     """Samples per step over all DP ranks; micro-batch = global_batch_size / dp."""
     lr: Positive = 3e-3

@@ -450,10 +450,15 @@ def _join_problems(cfg: DictConfig) -> list[str]:
 
 
 def _loop_problems(cfg: DictConfig) -> list[str]:
-    """Validation and gradient accumulation."""
+    """Epochs, validation and gradient accumulation."""
     t, d = cfg.trainer, cfg.data
     out: list[str] = []
     interval, own = t.val_check_interval, cfg.model._target_ or d._target_
+    if t.max_epochs is not None and not own:
+        out.append(f"trainer.max_epochs={t.max_epochs} counts passes over a finite training set, but the built-in "
+                   f"data (data.kind={d.kind}) draws each step's batch afresh and has no end: end the run with "
+                   "trainer.max_steps and set trainer.max_epochs=null, or train your own LightningModule or "
+                   "DataModule (model._target_ or data._target_) over a map-style dataset.")
     if cfg.runner.test_after_fit and not cfg.model._target_:
         out.append("runner.test_after_fit=true runs your module's test_step, and the built-in GPT has none: train your "
                    "own LightningModule (model._target_=...) with a test_step and a test_dataloader, or set "

@@ -31,7 +31,7 @@ from runner.control.execution import Executor
 from runner.control.handover import Handover
 from runner.control.incidents import Incidents
 from runner.control.membership import Membership
-from runner.control.records import RunRecord
+from runner.control.records import RunRecord, last_step
 from runner.control.run_logger import RunLogger
 from runner.control.stop import StopOnSignal
 from runner.control.stragglers import StragglerWatch
@@ -115,7 +115,8 @@ class Controller:
         """The run's one verdict, then everyone is told: every host's agent (its exit code), the actions, run_end.
         summary.json is written from the same record."""
         self.record.done = self.members.done_records()
-        if self.record.status == "completed" and stop.stopped_early(self.record.done, self.cfg.trainer.max_steps):
+        last = last_step(self.record.done, self.cfg.trainer.max_steps)
+        if self.record.status == "completed" and stop.stopped_early(self.record.done, last):
             self.record.status = "stopped"  # at the step SIGINT/SIGTERM asked for, with a checkpoint
         self.record.judge_end()
         self.record.phase_timeouts = self.detector.timeouts.state()

@@ -101,3 +101,9 @@ class RunRecord:
         if self.status == "completed" and len(checksums) != 1:
             self.status = "failed"
             self.error = f"replicas ended with different parameters: {len(checksums)} distinct checksums"
+
+
+def last_step(done: dict[int, dict], max_steps: int) -> int:
+    """The step the run ends at: ``trainer.max_steps``, or the earlier end of its ``trainer.max_epochs`` that the
+    workers found once they knew the training set's length (the ``max_steps`` of their final records)."""
+    return min((d.get("max_steps", max_steps) for d in done.values()), default=max_steps)

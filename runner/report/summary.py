@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from runner.control.records import Attempt, Recovery, RunRecord
+from runner.control.records import Attempt, Recovery, RunRecord, last_step
 from runner.planning.model_cost import mfu
 from runner.planning.module_facts import ModuleFacts, module_facts
 from runner.plumbing.events import committed_steps, read_jsonl
@@ -37,7 +37,8 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
     # up to the step its members agreed to stop at
     first = next((e["at_step"] for e in events if e["kind"] == "resumed"), 0)
     agreed_stop = status == "stopped" or any(e["kind"] == "stop_agreed" for e in events)
-    last = max((d["global_step"] for d in done.values()), default=0) if agreed_stop else cfg.trainer.max_steps
+    last = max((d["global_step"] for d in done.values()), default=0) if agreed_stop else \
+        last_step(done, cfg.trainer.max_steps)
     accounting = _accounting(committed, cfg, record.dp, range(first, last), module_facts(cfg).tokens_per_sample)
     train_s = _train_seconds(metrics)
     facts = module_facts(cfg)

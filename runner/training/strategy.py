@@ -28,6 +28,7 @@ only through the stages (``OneFOneB.forward_only``), and the last stage's loss s
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -42,7 +43,15 @@ from torch import Tensor
 from runner.checkpoint import RUNNER_KEY
 from runner.checkpoint.tp_state import optimizer_params, slice_model_state, slice_optimizer_state
 from runner.checkpoint.zero_state import shard_of_full_state
-from runner.data import BatchSource, IndexedDatasetSource, MicroBatches, StepLoader, derive_seed, seed_step
+from runner.data import (
+    BatchSource,
+    IndexedDatasetSource,
+    MicroBatches,
+    StepLoader,
+    derive_seed,
+    seed_step,
+    shuffle_seed,
+)
 from runner.parallel.full_model import gather_model
 from runner.parallel.generation_group import GenerationGroup
 from runner.parallel.pipeline import GPTStage, OneFOneB
@@ -93,6 +102,7 @@ class StrategyOptions:
     limit_val_batches: int = 0  # validation batches over all DP ranks (0: all)
     sdc_factor: float = 0.0  # the gradient corruption guard's factor (0: no guard)
     sdc_window: int = 0
+    max_epochs: Optional[int] = None  # with a finite dataset, the run ends after this many epochs (or max_steps)
 
 
 class ResilientStrategy(ParallelStrategy):
@@ -124,6 +134,9 @@ class ResilientStrategy(ParallelStrategy):
         self.master_weights = options.master_weights  # ZeRO-1 keeps fp32 masters of 16-bit parameters
         self._shard_replication = hooks.shard_replication  # a technique copies each updated shard elsewhere
         self._source: Optional[BatchSource] = None  # the step-indexed batch source, for taken-over micro-batches
+        # steps in one epoch of the training data (``runner.data.steps_per_epoch``), known once Lightning hands the
+        # loader over (``process_dataloader``); None: endless step-indexed data, one epoch
+        self.steps_per_epoch: Optional[int] = None
         self.accumulate = options.accumulate  # micro-batches per optimizer step on each rank
         self.validation = StepValidation(options.val_check_interval, options.limit_val_batches)
         guard = GradientGuard(options.sdc_factor, options.sdc_window) if options.sdc_factor > 0 else None
@@ -484,6 +497,7 @@ class ResilientStrategy(ParallelStrategy):
         if checkpoint_path == SNAPSHOT_CKPT:
             assert self._restore_snapshot is not None
             ckpt = self._restore_snapshot(self.state)
+            self.state.adopt_guard_history(ckpt)
             if self.update.zero is not None:  # a snapshot's other shards may be one update old: all ranks sync
                 self.update.zero.stale = True
             return ckpt
@@ -512,16 +526,23 @@ class ResilientStrategy(ParallelStrategy):
 
     # -- data: every loader follows the (seed, step, logical rank) contract ---------------------
     def process_dataloader(self, dataloader: object) -> object:
+        """The training loader as a ``StepLoader``: a user's DataLoader over a map-style dataset becomes one in epochs
+        of ``steps_per_epoch`` steps (``IndexedDatasetSource``), its sampler's order followed (``shuffle_seed``)."""
         if isinstance(dataloader, StepLoader):
             self._source = dataloader.source
+            self.steps_per_epoch = dataloader.steps_per_epoch
             if self.accumulate > 1 and not hasattr(dataloader.source, "micro_batches"):
                 raise TypeError(f"trainer.accumulate_grad_batches={self.accumulate}: the StepLoader's source "
                                 f"{type(dataloader.source).__name__} has no micro_batches(step, rank, k); add one "
                                 "(the step's batch in k slices) or set trainer.accumulate_grad_batches=1.")
             dataloader.accumulate = self.accumulate
             if self.validation.fraction and self.validation.enabled:
-                raise ValueError(f"trainer.val_check_interval={self.validation.interval} is a fraction of an epoch, "
-                                 "and the training dataloader is an endless StepLoader: give an int number of steps.")
+                if self.steps_per_epoch is None:
+                    raise ValueError(f"trainer.val_check_interval={self.validation.interval} is a fraction of an "
+                                     "epoch, and the training dataloader is an endless StepLoader: give an int number "
+                                     "of steps, or give the StepLoader steps_per_epoch.")
+                self.validation.set_epoch_steps(self.steps_per_epoch)
+            self._end_after_epochs(self._module.trainer)
             return dataloader
         dataset = getattr(dataloader, "dataset", None)
         if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
@@ -532,17 +553,35 @@ class ResilientStrategy(ParallelStrategy):
             )
         trainer = self._module.trainer
         collate = getattr(dataloader, "collate_fn", None) or torch.utils.data.default_collate
-        source = IndexedDatasetSource(dataset, self.micro_batch, self.dp_size, collate)
-        epoch = len(dataset) // (self.micro_batch * self.dp_size)
-        if self.validation.fraction and self.validation.enabled and epoch == 0:
-            raise ValueError(f"trainer.val_check_interval={self.validation.interval} is a fraction of an epoch, and "
-                             f"the training set's {len(dataset)} samples are less than one step's "
-                             f"{self.micro_batch * self.dp_size}: give an int number of steps.")
-        self.validation.set_epoch_steps(epoch)
+        source = IndexedDatasetSource(dataset, self.micro_batch, self.dp_size, collate,
+                                      shuffle_seed(dataloader, self.seed))
+        self.validation.set_epoch_steps(source.steps_per_epoch)
         self._source = source
-        loader = StepLoader(source, lambda: trainer.global_step, lambda: self.data_rank)
+        loader = StepLoader(source, lambda: trainer.global_step, lambda: self.data_rank, source.steps_per_epoch,
+                            getattr(dataloader, "sampler", None))
         loader.accumulate = self.accumulate
+        self.steps_per_epoch = source.steps_per_epoch
+        self._end_after_epochs(trainer)
         return loader
+
+    def _end_after_epochs(self, trainer: Any) -> None:
+        """``trainer.max_epochs``: Lightning's step limit becomes the step the last epoch ends at when that comes
+        first, so that ``trainer.max_steps`` is the run's last step for every callback (the final checkpoint, the
+        metrics) and the final record the controller reads, as Lightning's own epoch limit ends the fit there."""
+        epochs = self.options.max_epochs
+        if epochs is None:
+            return
+        if self.steps_per_epoch is None:
+            raise TypeError("trainer.max_epochs needs a finite training set, but train_dataloader() returned an "
+                            "endless runner.data.StepLoader (no steps_per_epoch); give it steps_per_epoch, return a "
+                            "DataLoader over a map-style dataset, or set trainer.max_epochs=null and end the run "
+                            "with trainer.max_steps.")
+        loop = trainer.fit_loop.epoch_loop
+        if loop.max_steps < epochs * self.steps_per_epoch and self.logical_rank == 0 and not self.joining:
+            print(f"[runner] warning: trainer.max_steps={loop.max_steps} ends the run before trainer.max_epochs="
+                  f"{epochs} ({epochs} x {self.steps_per_epoch} steps): raise trainer.max_steps to train every epoch",
+                  file=sys.stderr, flush=True)
+        loop.max_steps = min(loop.max_steps, epochs * self.steps_per_epoch)
 
     # -- Lightning's own collectives (logging, barriers) ---------------------------------------
     def on_train_start(self) -> None:

@@ -190,6 +190,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         devices=[device.index] if device.type == "cuda" else 1,
         strategy=strategy,
         max_steps=cfg.trainer.max_steps,
+        max_epochs=cfg.trainer.max_epochs,  # None: Lightning's -1 (epochs without end; max_steps ends the run)
         precision=cfg.trainer.precision,
         gradient_clip_val=cfg.trainer.grad_clip or None,
         # the controller owns the job's experiment logger (runner/control/run_logger.py): Lightning's logger connector
@@ -222,6 +223,7 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     status.phase = "done"
     checksum = strategy.full_checksum if strategy.full_checksum is not None else param_checksum(module)
     final = {"global_step": trainer.global_step, "checksum": checksum,
+             "max_steps": trainer.max_steps,  # the run's last step (trainer.max_epochs may end it before max_steps)
              "logical_rank": strategy.logical_rank, "t": time.time(), **hooks.final_record(),
              # its own rank and those it computed too (NDB) to the end: the controller waits for no one else for them
              "computed_ranks": [strategy.logical_rank, *comm.joined.extra_of(spec.wid)]}
@@ -267,7 +269,7 @@ def strategy_options(cfg: DictConfig, role: str, first_gen: int, micro_batch: in
         zero_stage=cfg.parallel.zero, master_weights=t.master_weights, accumulate=t.accumulate_grad_batches,
         pipeline_micro_batches=t.micro_batches or pp, replica_check_every_n_steps=t.replica_check_every_n_steps,
         val_check_interval=t.val_check_interval, limit_val_batches=t.limit_val_batches,
-        sdc_factor=t.sdc_factor, sdc_window=t.sdc_window)
+        sdc_factor=t.sdc_factor, sdc_window=t.sdc_window, max_epochs=t.max_epochs)
 
 
 def set_up_before_rank(cfg: DictConfig, topology: Topology) -> bool:

@@ -150,7 +150,11 @@ class FlashCheckpoint(Callback):
         if step == self._last_step or step % self.every_n_steps:
             return
         with checkpoint_phase(trainer):
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            # under the runner's strategy its state: Lightning's checkpoint with what the runner keeps beside it (the
+            # synced epoch values' accumulations, the corruption guard's history), which a restore adopts
+            state = getattr(trainer.strategy, "state", None)
+            checkpoint = (state.dump_state() if state is not None
+                          else trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
             for key in self.exclude_keys:
                 checkpoint.pop(key, None)
             snap = self._snapshotter
