@@ -31,8 +31,8 @@ class CommittedBatches(pl.Callback):
 
 
 class EveryBatchEarlyStopping(EarlyStopping):
-    """Lightning's EarlyStopping, checked after every committed batch (the runner's loader is one endless epoch, so
-    its epoch-end check never comes): its decision goes through ``strategy.reduce_boolean_decision`` and
+    """Lightning's EarlyStopping, checked after every committed batch rather than at an epoch's end, so that a test's
+    stop comes within a few steps: its decision goes through ``strategy.reduce_boolean_decision`` and
     ``trainer.should_stop`` as the stock one's does."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

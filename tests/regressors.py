@@ -117,6 +117,16 @@ class LoggingRegressor(ValidatedRegressor):
                                                    "interval": "step"}}
 
 
+class LoggingValidatingRegressor(LoggingRegressor):
+    """And a validation_step in Lightning's idiom: it logs and returns nothing."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        err = self.net(x) - y
+        self.log("val/mse", (err ** 2).mean(), sync_dist=True)
+        self.log("val/worst", err.abs().max(), sync_dist=True, reduce_fx="max")
+
+
 class LossLoggingRegressor(ValidatedRegressor):
     """Logs under ``loss``, a field the runner writes itself in metrics.jsonl."""
 

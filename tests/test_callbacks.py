@@ -89,6 +89,37 @@ def test_a_killed_rank_ends_with_the_fault_free_step_state_and_top_k(fault_free,
     assert _top_k(killed) == _top_k(fault_free)
 
 
+# Lightning's own EarlyStopping and ModelCheckpoint on val/loss, as a user configures them: validation every 2 steps
+# (at steps 2, 4, 6, ...); no validation improves by 100 on the first, so with patience 2 the stop is decided at the
+# third and agreed at the next committed step, well before trainer.max_steps
+ON_VAL_LOSS = [*USER, "trainer.max_steps=20", "trainer.val_check_interval=2",
+               "+callbacks.early._target_=lightning.pytorch.callbacks.EarlyStopping",
+               "+callbacks.early.monitor=val/loss", "+callbacks.early.min_delta=100", "+callbacks.early.patience=2",
+               "+callbacks.best._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+               "+callbacks.best.monitor=val/loss", "+callbacks.best.save_top_k=2"]
+
+
+def test_early_stopping_and_top_k_on_val_loss_are_the_same_after_a_rank_is_killed(tmp_path):
+    clean = run_cli(*ON_VAL_LOSS, run_dir=tmp_path / "clean")
+    killed = run_cli(*ON_VAL_LOSS, "fault=kill_rank", "fault.rank=1", "fault.step=5", run_dir=tmp_path / "killed")
+    for run in (clean, killed):
+        assert run.summary["status"] == "completed", run.output[-3000:]
+    c, k = clean.summary, killed.summary
+    assert len(k["recoveries"]) == 1 and not c["recoveries"]
+    assert 6 < c["global_step"] < 20  # stopped early, after the third validation
+    assert (k["global_step"], k["param_checksum"]) == (c["global_step"], c["param_checksum"])
+    assert (k["samples_lost"], k["samples_duplicated"]) == (0, 0)
+    stops = [[e["at_step"] for e in run.events("stop_requested_by_callback")] for run in (clean, killed)]
+    assert stops[0] and set(stops[0]) == set(stops[1])
+    assert _callback_state(killed) == _callback_state(clean)
+    kept = [name for name in _top_k(clean) if name != "last.ckpt"]
+    assert len(kept) == 2 and _top_k(killed) == _top_k(clean)
+    for name in kept:  # the same weights in each kept file, bit for bit
+        a, b = (torch.load(run.dir / "checkpoints" / name, map_location="cpu", weights_only=True)["state_dict"]
+                for run in (clean, killed))
+        assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
 def test_a_resumed_run_continues_the_callbacks_state_of_last_ckpt(fault_free, tmp_path):
     """EarlyStopping's wait count and the batch count come back from last.ckpt: the stop is asked for again after
     the first resumed step and agreed at the second."""

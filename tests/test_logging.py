@@ -1,6 +1,7 @@
 """What a module logs (``self.log``, ``self.log_dict``) and the learning rate reach metrics.jsonl, the CSV logger and
 the W&B run under their own names, once per committed step, with the committed values: a rank killed mid-run
-changes none of them (real processes, FlashRecovery, compared with the fault-free run), epoch values included."""
+changes none of them (real processes, FlashRecovery, compared with the fault-free run), epoch values and what a
+validation_step that only logs (Lightning's idiom) logs included."""
 
 from __future__ import annotations
 
@@ -11,16 +12,20 @@ import pytest
 from tests.conftest import run_cli
 from tests.test_wandb_run import _number, read_wandb_run
 
-MAX_STEPS, LOG_EVERY = 20, 3
-USER = ["+recipe=gpt_tiny", "model._target_=tests.regressors.LoggingRegressor",
+MAX_STEPS, LOG_EVERY, VAL_EVERY = 20, 3, 5
+USER = ["+recipe=gpt_tiny", "model._target_=tests.regressors.LoggingValidatingRegressor",
         "data._target_=tests.regressors.RegressionData", "trainer.global_batch_size=8",
         f"trainer.max_steps={MAX_STEPS}", "parallel.nodes=2", "parallel.procs_per_node=2", "ft=[flashrecovery]",
-        f"trainer.log_every_n_steps={LOG_EVERY}", "trainer.progress_bar=false"]
+        f"trainer.log_every_n_steps={LOG_EVERY}", f"trainer.val_check_interval={VAL_EVERY}",
+        "trainer.progress_bar=false"]
 KILLED = ["fault=kill_rank", "fault.rank=1", "fault.step=6"]
 # LoggingRegressor's values at every step (on_step), and at the epoch's end (on_epoch: its last step)
 STEP_NAMES = {"train/lr", "my/mae", "my/rank_loss", "my/pred_max", "my/loss_mean", "my/loss_peak", "my/both_step"}
 EPOCH_NAMES = {"my/epoch_loss", "my/both_epoch"}
 LOGGED = STEP_NAMES | EPOCH_NAMES
+# what its validation_step logs (sync_dist: over every rank's validation batches), at steps 5, 10, 15 and after fit
+VAL_NAMES = {"val/mse", "val/worst"}
+VAL_STEPS = [*range(VAL_EVERY, MAX_STEPS, VAL_EVERY), MAX_STEPS]
 # what stays the same whichever rank dies: the values reduced over the ranks (sync_dist) and the learning rate
 SYNCED = {"train/lr", "my/mae", "my/loss_mean", "my/loss_peak", "my/epoch_loss"}
 
@@ -75,6 +80,11 @@ def test_every_value_logged_at_a_step_is_in_its_record(fault_free):
     # on_epoch: the mean of the epoch's steps, over every rank's batches with sync_dist, rank 0's own without
     assert last["my/epoch_loss"] == pytest.approx(sum(m["loss"] for m in records) / MAX_STEPS, rel=1e-5)
     assert last["my/both_epoch"] == pytest.approx(sum(m["my/rank_loss"] for m in records) / MAX_STEPS, rel=1e-5)
+    # the logging-only validation_step: its values in the records of the steps that validated and after fit
+    validated = [m for m in fault_free.records() if VAL_NAMES & set(m)]
+    assert [m["step"] for m in validated] == VAL_STEPS and all(VAL_NAMES <= set(m) for m in validated)
+    assert [m["step"] for m in fault_free.after_fit()] == [MAX_STEPS]
+    assert all(m["val/worst"] ** 2 >= m["val/mse"] for m in validated)  # the largest error, the mean squared one
 
 
 def test_a_killed_rank_changes_no_logged_value_in_metrics_jsonl_or_csv(fault_free, tmp_path):
@@ -83,6 +93,10 @@ def test_a_killed_rank_changes_no_logged_value_in_metrics_jsonl_or_csv(fault_fre
     records = run.metrics()
     assert [m["step"] for m in records] == list(range(MAX_STEPS))  # the redone step once
     assert [logged(m) for m in records] == [logged(m) for m in fault_free.metrics()]
+
+    assert [logged(m, VAL_NAMES) for m in run.records()] == [logged(m, VAL_NAMES) for m in fault_free.records()]
+    val_rows = logger_rows(csv_rows(run), VAL_NAMES)
+    assert sorted(val_rows) == VAL_STEPS and val_rows == logger_rows(csv_rows(fault_free), VAL_NAMES)
 
     rows = logger_rows(csv_rows(run))
     assert rows == logger_rows(csv_rows(fault_free))
@@ -97,8 +111,9 @@ def test_a_killed_rank_changes_no_logged_value_in_metrics_jsonl_or_csv(fault_fre
 def test_the_wandb_run_of_a_killed_rank_holds_the_fault_free_values(fault_free, tmp_path):
     run = killed(tmp_path / "run", "wandb")
     assert run.summary["param_checksum"] == fault_free.summary["param_checksum"]
-    rows = logger_rows(read_wandb_run(run.dir).rows)
-    assert rows == logger_rows(csv_rows(fault_free))
+    wandb_rows = read_wandb_run(run.dir).rows
+    assert logger_rows(wandb_rows) == logger_rows(csv_rows(fault_free))
+    assert logger_rows(wandb_rows, VAL_NAMES) == logger_rows(csv_rows(fault_free), VAL_NAMES)
     assert [m["step"] for m in run.metrics()] == list(range(MAX_STEPS))
 
 
