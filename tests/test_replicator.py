@@ -36,9 +36,11 @@ def _replicator(rank: int, mode: str = "copy", verify_every_n_steps: int = 50) -
 
 
 def _group(store, gen: int, rank: int) -> SimpleNamespace:
-    """What ShardReplicator.start() reads of a Comm: the generation, its side group, the logical ranks."""
+    """What ShardReplicator.start() reads of a Comm: the generation, its side group, the logical ranks, the hook
+    before a payload (nothing held here)."""
     pg = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{gen}/", store), rank, 2, timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return SimpleNamespace(gen=gen, side_pg=pg, logical_rank=rank, layout=SimpleNamespace(logical=[0, 1]))
+    return SimpleNamespace(gen=gen, side_pg=pg, logical_rank=rank, layout=SimpleNamespace(logical=[0, 1]),
+                           before_side_payload=lambda: None)
 
 
 def _own_shard(rep: ShardReplicator, rank: int) -> list[torch.Tensor]:
