@@ -51,6 +51,14 @@ class LightningCheckpoint(Checkpoint):
         self._saved_step = -1
         self._stopping = False
 
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        """Every checkpoint the run dumps (last.ckpt, a ModelCheckpoint's, a snapshot, a hand-over) leaves out the
+        step loaders' states: they are empty (a loader's position is the committed step), and plain Lightning, resuming
+        the file with a DataLoader of its own, refuses a loader state it has no loader for."""
+        fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        if fit.get("combined_loader") and not any(fit["combined_loader"]):
+            del fit["combined_loader"]
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
         assert isinstance(strategy, ResilientStrategy)  # the writer and the gather are the runner's
