@@ -336,8 +336,8 @@ def test_every_schema_field_has_a_docstring_and_a_row_in_the_docs(section):
         (["launcher.run_timeout_s=0"], "launcher.run_timeout_s=0 must be > 0."),
         (["+trainer.gradient_clip_val=1"], "trainer.gradient_clip_val is not a config key: use trainer.grad_clip."),
         (["runner.optimized_metric=train/acc"], "runner.optimized_metric=train/acc is not a metric this run logs"),
-        (["runner.optimized_metric=val/loss"], "use one of train/loss, train/tokens_per_s, train/step_time_s, or "
-         "val/loss with trainer.val_check_interval=N"),
+        (["runner.optimized_metric=val/loss"], "use one of train/loss, train/samples_per_s, train/tokens_per_s, "
+         "train/step_time_s, or val/loss with trainer.val_check_interval=N"),
     ],
 )
 def test_no_silent_keys_unknown_out_of_set_ignored_or_unimportable(overrides, expected):
