@@ -16,8 +16,9 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
-from hydra.utils import get_object
 from omegaconf import DictConfig
+
+from runner.config.errors import imported
 
 ADVICE = ("give the import path of a lightning.pytorch.Callback subclass (package.module.Class) with its keyword "
           "arguments beside it, e.g. +callbacks.NAME._target_=lightning.pytorch.callbacks.EarlyStopping "
@@ -46,12 +47,9 @@ def target_problems(cfg: DictConfig) -> list[str]:
         target = entry["_target_"]
         if target in STOCK:
             continue
-        try:
-            obj = get_object(target)
-        except Exception as err:  # noqa: BLE001 - any import-time failure of the user's code is the answer
-            cause = err.__cause__ or err  # Hydra wraps the import's own error
-            reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-            out.append(f"callbacks.{name}._target_={target} cannot be imported ({reason.rstrip('.')}): {ADVICE}, "
+        obj, reason = imported(target)
+        if reason is not None:
+            out.append(f"callbacks.{name}._target_={target} cannot be imported ({reason}): {ADVICE}, "
                        "and make sure its package is on PYTHONPATH.")
             continue
         import lightning.pytorch as pl  # here only: a config without callbacks is refused without Lightning

@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.config import callbacks
 from runner.config.coverage import mix_problems
-from runner.config.errors import ConfigError
+from runner.config.errors import ConfigError, imported
 from runner.config.registry import recipe_names
 from runner.config.schema import (
     ChaosKind,
@@ -628,12 +628,9 @@ def _target_problems(cfg: DictConfig) -> list[str]:
         target: Optional[str] = cfg[group]._target_
         if target is None:
             continue
-        try:
-            obj = get_object(target)
-        except Exception as err:  # noqa: BLE001 - any import-time failure of the user's code is the answer
-            cause = err.__cause__ or err  # Hydra wraps the import's own error
-            reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-            out.append(f"{group}._target_={target} cannot be imported ({reason.rstrip('.')}): give the import path of "
+        obj, reason = imported(target)
+        if reason is not None:
+            out.append(f"{group}._target_={target} cannot be imported ({reason}): give the import path of "
                        f"your {kind} (package.module.Class) and make sure its package is on PYTHONPATH.")
             continue
         import lightning.pytorch as pl  # here only: a config without a _target_ is refused without Lightning
