@@ -27,7 +27,7 @@ from runner.config.validate import RANK_FAULTS
 from runner.faults import chaos
 from runner.faults.comm_faults import FaultInjectingComm
 from runner.plumbing import protocol
-from runner.training.comm import Comm
+from runner.training.comm import Comm, RunFailedError
 
 
 class FaultTrigger(Callback):
@@ -52,7 +52,18 @@ class FaultTrigger(Callback):
         self._ordered = True
 
     def on_train_start(self, trainer, pl_module) -> None:
+        """Refuse a fault set for a step the run never reaches: the configuration check compared it with
+        ``trainer.max_steps``, but ``trainer.max_epochs`` ends the run at a step known only now, from the training
+        set's length (the run fails before its first step, as it would have been refused)."""
         self._t_start = time.monotonic()
+        end = trainer.max_steps
+        late = [f"fault {i} ({fault.kind} at step {fault.step})" for i, fault in self.faults
+                if fault.kind != "none" and 0 <= end <= fault.step]
+        if late:
+            raise RunFailedError(
+                f"{', '.join(late)} would never fire: trainer.max_epochs ends this run after step {end - 1} "
+                f"(trainer.max_epochs={trainer.max_epochs} epochs of the training set). Set the fault's step below "
+                f"{end}, or raise trainer.max_epochs.")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step

@@ -182,6 +182,20 @@ def test_max_epochs_with_the_built_in_data_is_refused_at_config_time():
         validate(_compose("+recipe=gpt_tiny", "trainer.max_epochs=2"), for_training=False)
 
 
+def test_a_fault_after_the_last_epoch_fails_the_run_before_its_first_step(tmp_path):
+    """The configuration check passes a fault before trainer.max_steps=100; the epochs end the run at step 16,
+    which the workers learn from the training set: the run fails naming the fault instead of completing without
+    it, and no step was trained."""
+    end = EPOCHS * STEPS_PER_EPOCH
+    run = run_cli(*EPOCHS_RUN, "fault=kill_rank", "fault.rank=1", f"fault.step={end}",
+                  f"+model.kwargs.record_dir={tmp_path / 'rows'}", run_dir=tmp_path / "run")
+    assert run.returncode != 0
+    assert run.summary["status"] == "failed", run.summary
+    assert (f"fault 0 (kill_rank at step {end}) would never fire: trainer.max_epochs ends this run after step "
+            f"{end - 1}") in run.summary["error"]
+    assert run.summary["samples_committed"] == 0 and not run.summary["recoveries"]
+
+
 def test_the_sampler_says_the_order_and_any_other_is_refused():
     rows = list(range(10))
     loader = torch.utils.data.DataLoader(rows, batch_size=2)

@@ -208,8 +208,12 @@ class Controller:
 
     def round(self, now: float, heartbeats: bool) -> None:
         """One pass over everything but the exits: reports, faults, heartbeats (when due), replacements
-        that became ready, the actions' own pacing, a due decision, and the end of the run."""
+        that became ready, the actions' own pacing, a due decision, and the end of the run. A worker's fatal report
+        ends the run here: nothing after it may decide a recovery (the worker's exit opened one) or publish a
+        generation."""
         self.detector.poll_reports()
+        if self.record.status != "running":
+            return
         self.injector.poll()
         if self.chaos is not None:
             self.chaos.poll(now)
