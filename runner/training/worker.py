@@ -199,9 +199,10 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         # the configured ones first, so that a technique's snapshot after a step holds their state of that step;
         # then the techniques' (flash checkpoints: draining the persister runs while the heartbeat still beats);
         # Lightning moves checkpoint callbacks to the end, in order: a ModelCheckpoint's, then last.ckpt's, which so
-        # holds every callback's state of its step
+        # holds every callback's state of its step. The metrics before the faults: a step's start writes the
+        # previous step's record before a fault injected there can end every process holding it
         callbacks=[*placement, *configured_callbacks(cfg, run_dir, show_summary=is_rank0 and not joining),
-                   *hooks.callbacks, heartbeat, faults, metrics,
+                   *hooks.callbacks, heartbeat, metrics, faults,
                    EvaluationHooks(strategy, metrics, cfg.runner.test_after_fit),
                    *([StepProgressBar(metrics)] if progress_bar else []), checkpoint],
         enable_checkpointing=True,  # LightningCheckpoint is one: Lightning adds no ModelCheckpoint of its own
