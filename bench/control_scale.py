@@ -204,7 +204,10 @@ class Generator:
         while not self.stop.is_set():  # the bench's orders, through files: cheap, and no store traffic counted
             self.dump()
             for path in sorted(self.out.glob("order-*.json")):
-                order = json.loads(path.read_text())
+                try:
+                    order = json.loads(path.read_text())
+                except FileNotFoundError:
+                    continue  # the generator whose victim it names carried it out and removed it meanwhile
                 if order.get("wid") in self.workers or order.get("node") in self.hosts:  # the victim is here
                     self.carry_out(order, control)
                     path.unlink()
@@ -356,6 +359,7 @@ class Run:
         self.counts.mkdir()
         self.gens: list[subprocess.Popen] = []
         self.controller: Optional[subprocess.Popen] = None
+        self.logs: dict[int, Path] = {}  # pid -> its stderr: the directory is gone after close()
 
     def start(self) -> None:
         from runner.agents import auth
@@ -367,8 +371,7 @@ class Run:
         me = str(Path(__file__).resolve())
         argv = [sys.executable, me, "--serve-controller", str(self.hosts), str(self.rph), str(self.misses),
                 str(self.run_dir)]
-        self.controller = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                                           stderr=open(self.dir / "controller.log", "w"))
+        self.controller = self.spawn(argv, env, "controller")
         port_file = self.run_dir / "port"
         self.wait_for("the store's port", lambda: port_file.exists())
         port = port_file.read_text()
@@ -377,18 +380,24 @@ class Run:
         env["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # a wait's slice running out is no news here
         n_gen = min(len(nodes), max(1, self.generators))
         for i in range(n_gen):
-            self.gens.append(subprocess.Popen(
-                [sys.executable, me, "--serve-hosts", port, ",".join(map(str, nodes[i::n_gen])), str(self.out),
-                 str(secret_file)], env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                stderr=open(self.dir / f"generator{i}.log", "w")))
+            self.gens.append(self.spawn([sys.executable, me, "--serve-hosts", port, ",".join(map(str, nodes[i::n_gen])),
+                                         str(self.out), str(secret_file)], env, f"generator{i}"))
         self.wait_for("generation 0 adopted by every rank", lambda: self.adopted(0) >= self.world, timeout_s=600)
+
+    def spawn(self, argv: list[str], env: dict, name: str) -> subprocess.Popen:
+        log = self.dir / f"{name}.log"
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr)
+        self.logs[proc.pid] = log
+        return proc
 
     def wait_for(self, what: str, cond, timeout_s: float = FAULT_TIMEOUT_S) -> float:
         deadline = time.monotonic() + timeout_s
         while not cond():
             for p in [self.controller, *self.gens]:
-                if p is not None and p.poll() is not None:
-                    raise RuntimeError(f"{what}: a bench process exited ({p.args[2]}); see {self.dir}/*.log")
+                if p is not None and p.poll() is not None:  # its log goes with the bench's directory: quote it
+                    log = self.logs[p.pid].read_text()[-2000:]
+                    raise RuntimeError(f"{what}: a bench process exited ({p.args[2]}), its log ends:\n{log}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what}: not within {timeout_s:.0f}s; see {self.dir}")
             time.sleep(0.01)
