@@ -95,11 +95,16 @@ def assert_no_straggler(run: Run) -> None:
         assert not found, f"straggler detected in a fault-free run: {found}"
 
 
-def assert_nothing_left(token: str, run: Run) -> None:
+def assert_no_process_of(token: str) -> None:
+    """Every process started with ``token`` in its environment is gone (within 10 s)."""
     deadline = time.monotonic() + 10
     while (left := processes_of(token)) and time.monotonic() < deadline:
         time.sleep(0.1)  # the fork server exits when it sees its parent gone
     assert not left, f"processes left behind: {left}"
+
+
+def assert_nothing_left(token: str, run: Run) -> None:
+    assert_no_process_of(token)
     if (run.dir / "events.jsonl").exists():
         starts = run.events("run_start")
         if starts:

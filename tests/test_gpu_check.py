@@ -6,15 +6,17 @@ table, the bit-for-bit comparison) are checked on their own. No timing is assert
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import subprocess
 import sys
+import uuid
 
-import psutil
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_no_process_of
+from tests.local_hosts import TOKEN_ENV
 
 
 @pytest.fixture
@@ -37,10 +39,10 @@ def rows(stdout: str) -> dict[str, tuple[str, str]]:
 @pytest.mark.timeout(600)
 def test_the_dry_run_passes_every_check_on_cpu():
     from runner.recovery.flash_ckpt.shm import SHM_DIR as shm
-    before_pids = {p.pid for p in psutil.process_iter()}
     before_shm = {p.name for p in shm.iterdir()}
+    token = uuid.uuid4().hex  # every process the bench starts inherits it: tests running beside this one don't
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=570)
+                         env={**os.environ, TOKEN_ENV: token}, capture_output=True, text=True, timeout=570)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.rstrip().endswith("all checks passed")
     table = rows(run.stdout)
@@ -60,9 +62,7 @@ def test_the_dry_run_passes_every_check_on_cpu():
     killed = table["rank 1 SIGKILLed at step 6: checksum = fault-free"][1]
     assert clean and f"checksum {clean[1]} = fault-free" in killed and killed.startswith("completed, 1 recoveries")
     assert not [n for n in {p.name for p in shm.iterdir()} - before_shm if "gpucheck" in n]  # snapshot's segments
-    left = [p.info["cmdline"] for p in psutil.process_iter(["cwd", "cmdline"]) if p.pid not in before_pids
-            and p.info["cwd"] == str(ROOT) and "runner" in " ".join(p.info["cmdline"] or [])]
-    assert not left, left  # the bench's jobs run in this checkout (other jobs on the host may not)
+    assert_no_process_of(token)  # nothing the bench started (its jobs, their agents and workers) is left
 
 
 def test_the_gpu_runs_jobs_pass_the_runners_config_checks_here(bench):
