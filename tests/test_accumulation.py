@@ -34,7 +34,7 @@ def accounting(run) -> tuple:
     return s["samples_committed"], s["samples_lost"], s["samples_duplicated"], s["samples_misplaced"]
 
 
-@pytest.mark.slow  # CI time: two runs each, left out of the default tier
+@pytest.mark.slow  # run time: two runs each, left out of the default tier
 @pytest.mark.parametrize("k", [2, 4])
 def test_accumulation_equals_the_bigger_micro_batch(k, tmp_path):
     whole = run_cli(*TWO, run_dir=tmp_path / "whole")

@@ -72,7 +72,7 @@ def test_plain_lightning_resumes_the_checkpoint_in_one_process(first30, tmp_path
     assert trainer.optimizers[0].state_dict()["state"][0]["step"] == 32  # AdamW's state came from the file
 
 
-@pytest.mark.slow  # CI time: a variant of what the default tier covers
+@pytest.mark.slow  # run time: a variant of what the default tier covers
 def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(first30, straight60, tmp_path):
     assert straight60.returncode == 0, straight60.output[-3000:]
     resumed = run_cli(*TINY, "trainer.max_steps=60", f"runner.resume={first30.dir}", run_dir=tmp_path / "run")

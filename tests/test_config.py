@@ -189,7 +189,7 @@ def test_bad_input_exits_2_before_any_worker_starts(overrides, expected, mislead
     assert not [p.name for p in run_dir.glob("*") if p.name not in (".hydra", "cli.log")]
 
 
-@pytest.mark.slow  # CI time: the message is checked in-process above, the CLI's exit 2 by the unimportable-target runs
+@pytest.mark.slow  # run time: the message is checked in-process above, the CLI's exit 2 by the unimportable-target runs
 def test_impossible_layout_exits_2_before_any_worker(run_dir):
     run = run_cli("+recipe=gpt_tiny", "parallel.tp=3", run_dir=run_dir, timeout=60)
     assert run.returncode == 2
@@ -358,7 +358,7 @@ def test_unknown_key_added_with_plus_exits_2_naming_the_closest_key(run_dir):
     assert not (run_dir / "events.jsonl").exists()
 
 
-@pytest.mark.slow  # CI time: the message is checked in-process above, the CLI's exit 2 by the unimportable-target runs
+@pytest.mark.slow  # run time: the message is checked in-process above, the CLI's exit 2 by the unimportable-target runs
 def test_a_key_the_chosen_data_ignores_exits_2(run_dir):
     run = run_cli("+recipe=gpt_tiny", "data.path=/nonexistent.bin", run_dir=run_dir, timeout=60)
     assert run.returncode == 2

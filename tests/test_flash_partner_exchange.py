@@ -113,7 +113,7 @@ print(json.dumps({{**out, "events": [[e.kind, e.where, e.detail] for e in events
 """
 
 
-@pytest.mark.slow  # CI time: a variant of what the default tier covers
+@pytest.mark.slow  # run time: a variant of what the default tier covers
 def test_an_abandoned_exchange_commits_nothing_when_its_copy_arrives_after(job, tmp_path):
     store = str(tmp_path / "store")
     procs = [subprocess.Popen([sys.executable, "-c", _ABANDONED.format(tests=str(REPO / "tests"), repo=str(REPO),

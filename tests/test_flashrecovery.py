@@ -94,7 +94,7 @@ def assert_hang_recovered(run, fault_free, hung: int) -> None:
     assert_diagnosed(run, rec, hung=hung, answering=answering)  # where everyone was before the kill
 
 
-@pytest.mark.slow  # CI time: a variant of what the default tier covers
+@pytest.mark.slow  # run time: a variant of what the default tier covers
 def test_transient_error_is_retried_without_restarting_anyone(fault_free, run_dir):
     run = run_cli(*FOUR, *FR, "fault=transient", "fault.rank=3", "fault.step=8", run_dir=run_dir)
     s = assert_exact(run, fault_free, recoveries=1)

@@ -157,7 +157,7 @@ def test_a_group_holding_bytes_no_receive_will_take_is_dropped_once_its_connecti
     assert done.stdout.strip() == "dropped"
 
 
-@pytest.mark.slow  # CI time: the control of the test above keeps a core busy for 10 s
+@pytest.mark.slow  # run time: the control of the test above keeps a core busy for 10 s
 def test_without_closing_its_connections_such_a_group_never_goes():
     """What the test above guards against: gloo's destructor waits for its event loop, which the socket keeps
     busy (the process is killed after 10 s)."""

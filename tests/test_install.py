@@ -80,7 +80,7 @@ def test_the_wheel_trains_gpt_tiny_from_another_directory(site, tmp_path):
     assert (summary["status"], summary["global_step"]) == ("completed", 3)
 
 
-@pytest.mark.slow  # CI time: a variant of what the default tier covers (the wheel's contents, recipes composed)
+@pytest.mark.slow  # run time: a variant of what the default tier covers (the wheel's contents, recipes composed)
 def test_a_users_recipe_in_their_recipes_folder_runs_through_hydra_searchpath(site, tmp_path):
     (tmp_path / "recipes").mkdir()
     (tmp_path / "recipes" / "my_gpt.yaml").write_text(USER_RECIPE)

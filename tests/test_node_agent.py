@@ -174,7 +174,7 @@ def test_an_agent_refuses_a_config_other_than_the_signed_one(fleet, tmp_path):
     assert not store.check([protocol.agent_key(5)])  # never registered
 
 
-@pytest.mark.slow  # CI time: a variant of what the default tier covers
+@pytest.mark.slow  # run time: a variant of what the default tier covers
 def test_a_lost_node_recovers_on_the_spare_node(run_dir):
     run = run_cli("+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=1", "parallel.spares=1",
                   "ft=[deadpool]", "trainer.max_steps=20", "fault=kill_node", "fault.node=1", "fault.step=8",

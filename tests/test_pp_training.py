@@ -53,7 +53,7 @@ def _val_losses(run: Run) -> dict[int, float]:
     return {m["step"]: m["val/loss"] for m in run.metrics() if "val/loss" in m}
 
 
-@pytest.mark.slow  # CI time: test_pipeline_parallel.py checks pp=2 against the unsharded model
+@pytest.mark.slow  # run time: test_pipeline_parallel.py checks pp=2 against the unsharded model
 def test_pp2_dp2_trains_and_matches_pure_data_parallel(pp2, dp2):
     s, ref = pp2.summary, dp2.summary
     assert s["global_step"] == MAX_STEPS and s["final_loss"] < s["initial_loss"] - 0.2
@@ -65,7 +65,7 @@ def test_pp2_dp2_trains_and_matches_pure_data_parallel(pp2, dp2):
     assert all(m["counts"] == [1, 1] for m in pp2.metrics())  # one count per replica per step
 
 
-@pytest.mark.slow  # CI time: test_tp_checkpoint.py checks the one-file checkpoint at tp=2
+@pytest.mark.slow  # run time: test_tp_checkpoint.py checks the one-file checkpoint at tp=2
 def test_a_pp_run_writes_the_full_model_and_optimizer_state_into_one_file(pp2):
     assert [e["at_step"] for e in pp2.events("checkpoint_saved")] == [5, 10]
     path = pp2.dir / "checkpoints" / "last.ckpt"

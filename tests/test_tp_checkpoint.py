@@ -46,7 +46,7 @@ def test_a_tp_run_writes_the_full_model_and_optimizer_state_into_one_file(tp2_dp
     module.configure_optimizers()["optimizer"].load_state_dict(ckpt["optimizer_states"][0])
 
 
-@pytest.mark.slow  # CI time: a variant of what the default tier covers
+@pytest.mark.slow  # run time: a variant of what the default tier covers
 def test_a_tp_run_resumed_from_the_file_ends_bit_identical_to_an_uninterrupted_one(first10, tmp_path):
     straight = run_cli(*TP2, "trainer.max_steps=20", run_dir=tmp_path / "straight")
     assert straight.returncode == 0, straight.output[-3000:]

@@ -21,7 +21,7 @@ def tp2(tp2_dp2):
     return tp2_dp2
 
 
-@pytest.mark.slow  # CI time: test_tensor_parallel.py checks tp=2 against the unsharded model
+@pytest.mark.slow  # run time: test_tensor_parallel.py checks tp=2 against the unsharded model
 def test_tp2_dp2_trains_and_matches_pure_data_parallel(tp2, run_dir):
     dp2 = run_cli("+recipe=gpt_tiny", "parallel.nodes=2", "parallel.procs_per_node=1", f"trainer.max_steps={MAX_STEPS}",
                   *FR, run_dir=run_dir)  # the same DP size and global batch, one rank per replica

@@ -102,7 +102,7 @@ def test_every_recipe_runs_two_steps_in_smoke_mode(recipe, run_dir):
     assert run.summary["global_step"] == 2
 
 
-@pytest.mark.slow  # CI time: test_plan.py's gpt13b run with ft=deadpool checks the same exit 3, plan and advice
+@pytest.mark.slow  # run time: test_plan.py's gpt13b run with ft=deadpool checks the same exit 3, plan and advice
 def test_big_recipe_on_a_host_without_gpus_prints_the_plan_and_exits(run_dir):
     run = run_cli("+recipe=gpt13b", run_dir=run_dir, timeout=60)
     assert run.returncode == 3
@@ -135,7 +135,7 @@ def _torchrun(tmp_path, *overrides: str):
     )
 
 
-@pytest.mark.slow  # CI time: a variant of what the default tier covers
+@pytest.mark.slow  # run time: a variant of what the default tier covers
 def test_under_torchrun_each_process_is_one_rank_with_the_same_result(tmp_path):
 
     local = run_cli("+recipe=gpt_tiny", "trainer.max_steps=16", run_dir=tmp_path / "local")

@@ -136,7 +136,7 @@ def assert_complete(logged: LoggedRun, run: Run, victim: int) -> None:
     assert logged.exit_code in (None, 0)  # CSV has no exit record; W&B's is checked by its test
 
 
-@pytest.mark.parametrize("victim", [pytest.param(2, marks=pytest.mark.slow), 0])  # CI time: victim 2 in the slow tier
+@pytest.mark.parametrize("victim", [pytest.param(2, marks=pytest.mark.slow), 0])  # run time: victim 2 in the slow tier
 def test_one_complete_wandb_run_per_job_whichever_rank_dies(tmp_path, victim, request):
     run = request.getfixturevalue("rank0_killed") if victim == 0 else run_cli(  # the default logger
         *KILL_RANK, f"fault.rank={victim}", run_dir=tmp_path / "run", quiet=False)
@@ -185,7 +185,7 @@ def test_ctrl_c_finishes_the_run(run_dir):
     assert logged_steps == [s for s in committed if s % LOG_EVERY == 0] and logged_steps
 
 
-@pytest.mark.slow  # CI time: a variant of what the default tier covers
+@pytest.mark.slow  # run time: a variant of what the default tier covers
 def test_csv_is_as_complete(tmp_path):
     import csv
 
