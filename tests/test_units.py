@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -78,6 +79,23 @@ def test_a_recovery_is_logged_with_its_rto_phases_and_rpo():
     row = recovery_row(entry)
     assert row["recovery/id"] == 0 and row["recovery/rto_s"] == 0.2 and row["recovery/rpo_steps"] == 0
     assert row["recovery/restore_s"] == 0.05 and "recovery/survivors_ready_s" not in row
+
+
+def test_rto_phases_add_up_when_the_controller_saw_a_replacement_ready_after_its_group_formed():
+    """On a loaded host the controller polls a replacement's readiness after the new group already formed: that
+    phase ends where the next begins (rebuild 0), and the phases still add up to the RTO."""
+    from runner.control.records import Recovery
+    from runner.report.summary import recovery_entry
+
+    rec = Recovery(id=0, t_detect=10.1, t_detect_mono=0.0, fault="crash", victims=[1], action="restart_rank",
+                   t_decide=10.2, t_ready=10.9, full_gen=1)
+    events = [{"kind": "fault_injected", "t": 10.0, "t_fault": 10.0, "step": 9, "at_step": 9},
+              {"kind": "group_formed", "t": 10.6, "gen": 1}, {"kind": "group_formed", "t": 10.7, "gen": 1}]
+    metrics = [{"step": s, "t": 1.0 + s, "gen": 0} for s in range(9)] + [{"step": 9, "t": 11.0, "gen": 1}]
+    entry = recovery_entry(rec, events, metrics)
+    phases = [entry[k] for k in ("detect_s", "decide_s", "replace_s", "rebuild_s", "restore_s")]
+    assert phases == pytest.approx([0.1, 0.1, 0.7, 0.0, 0.1]) and entry["rto_s"] == pytest.approx(1.0)
+    assert sum(phases) == pytest.approx(entry["rto_s"], abs=1e-9)
 
 
 def test_decision_tree_with_ndb():

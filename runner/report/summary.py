@@ -265,8 +265,13 @@ def recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> di
     survivors = [e for e in events if e["kind"] == "group_formed" and e.get("gen") == rec.survivors_gen]
     after = [m for m in metrics if rec.full_gen is not None and m["gen"] >= rec.full_gen]
     t_commit = after[0]["t"] if after else None
-    t_decide, t_ready = rec.t_decide or rec.t_detect, rec.t_ready or rec.t_decide or rec.t_detect
-    t_formed = t_formed or t_ready
+    # each phase boundary no earlier than the one before: a time the controller observed late (a replacement's
+    # readiness polled after its group had formed) ends its phase where the next one begins, so that the phases
+    # add up to the RTO exactly
+    last = t_commit if t_commit else float("inf")
+    t_decide = min(max(rec.t_decide or rec.t_detect, rec.t_detect), last)
+    t_ready = min(max(rec.t_ready or t_decide, t_decide), last)
+    t_formed = min(max(t_formed or t_ready, t_ready), last)
     entry = {
         "id": rec.id,
         "fault": rec.fault,
@@ -280,8 +285,8 @@ def recovery_entry(rec: Recovery, events: list[dict], metrics: list[dict]) -> di
         "rto_s": (t_commit - t_fault) if t_commit else None,
         "detect_s": rec.t_detect - t_fault,
         "decide_s": t_decide - rec.t_detect,
-        "replace_s": max(0.0, t_ready - t_decide),
-        "rebuild_s": max(0.0, t_formed - t_ready),
+        "replace_s": t_ready - t_decide,
+        "rebuild_s": t_formed - t_ready,
         "restore_s": (t_commit - t_formed) if t_commit else None,
         "survivors_ready_s": (min(e["t"] for e in survivors) - t_fault) if survivors else None,
         "t_fault": t_fault,
