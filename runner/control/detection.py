@@ -114,7 +114,7 @@ class Detector:
             if w.hb_seq >= 0 or self.store.check([f"hb/{w.wid}"]):
                 beating.append(w)
                 continue
-            timeout_s, calibrated = self.timeouts.startup_limit(w.role)
+            timeout_s, calibrated = self.timeouts.startup_limit(w.role, w.t_spawn)
             if now - w.t_spawn > timeout_s and not w.killed_for:
                 source = f"calibrated from this run's {w.role} start-ups" if calibrated else "launcher.start_timeout_s"
                 self.kill_hung(w, f"no heartbeat within {timeout_s:.3g}s of its start ({source})", "hang",
@@ -127,7 +127,7 @@ class Detector:
             for reader in self.beat_readers:
                 reader(w, hb)
             if w.hb_seq < 0:  # its first beat, as this loop saw it
-                self.timeouts.observe_startup(w.role, now - w.t_spawn)
+                self.timeouts.observe_startup(w.role, now - w.t_spawn, at=now)
             if hb["seq"] != w.hb_seq:
                 w.hb_seq, w.hb_change = hb["seq"], now
             if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:

@@ -15,7 +15,8 @@ rules themselves compare (``runner.control.detection``), so the heartbeat's reso
   ``launcher.collective_timeout_s``, the workers' own bound).
 * ``startup``: from a worker's spawn to its first heartbeat, by the role it was started in (an initial rank, a
   replacement that proves its host first, ...): ``max(floor_s, k x the slowest start-up of that role so far)``
-  once ``KEYED_SAMPLES`` were seen (before: ``launcher.start_timeout_s``). The slowest, not a p99: there are few.
+  for a worker spawned after ``KEYED_SAMPLES`` were seen (before, and for the rest of the wave that gave them:
+  ``launcher.start_timeout_s``). The slowest, not a p99: there are few.
 * ``recovery``: from the publication of a recovery's complete generation until every member trains in it, by the
   recovery's action (a retry regroups in milliseconds, a restart of every rank loads a checkpoint):
   ``max(floor_s, k x the slowest regroup of that action so far)`` once ``KEYED_SAMPLES`` were seen (before:
@@ -66,6 +67,7 @@ class PhaseTimeouts:
         self.dwells: dict[str, deque] = {p: deque(maxlen=WINDOW) for p in (*set(JUDGED.values()), "reduction")}
         self.steps: dict[str, set[int]] = {p: set() for p in self.dwells}
         self.slowest: dict[str, dict[str, tuple[float, int]]] = {"startup": {}, "recovery": {}}  # kind -> (s, n)
+        self.calibrated_at: dict[str, float] = {}  # a start-up role -> when its KEYED_SAMPLES-th start-up was seen
         self.backoff = {"reduction": 1, "startup": 1, "recovery": 1}  # 2 ** the times each rule acted
         self.logged: dict[str, float] = {}  # phase (or phase/kind) -> the timeout last logged
 
@@ -78,9 +80,13 @@ class PhaseTimeouts:
         self.dwells[phase].append(dwell_s)
         self.steps[phase].add(step)
 
-    def observe_startup(self, role: str, seconds: float) -> None:
-        """A worker started as ``role`` beat for the first time ``seconds`` after it was spawned."""
+    def observe_startup(self, role: str, seconds: float, at: float = 0.0) -> None:
+        """A worker started as ``role`` beat for the first time ``seconds`` after it was spawned, seen at ``at``
+        (monotonic)."""
         self._slowest("startup", role, seconds)
+        seen = self.slowest["startup"].get(role)
+        if seen is not None and seen[1] == KEYED_SAMPLES:
+            self.calibrated_at[role] = at
 
     def observe_recovery(self, action: str, seconds: float) -> None:
         """Every member of the complete generation a recovery by ``action`` published trained in it ``seconds``
@@ -109,10 +115,14 @@ class PhaseTimeouts:
         timeout_s, calibrated = self._pooled("reduction")
         return timeout_s * self.backoff["reduction"] if calibrated and self.group_rules else None
 
-    def startup_limit(self, role: str) -> tuple[float, bool]:
-        """(timeout, calibrated) from the spawn of a worker started as ``role`` to its first heartbeat."""
+    def startup_limit(self, role: str, spawned_at: float = math.inf) -> tuple[float, bool]:
+        """(timeout, calibrated) from the spawn of a worker started as ``role`` at ``spawned_at`` (monotonic) to its
+        first heartbeat. A worker spawned before its role was calibrated keeps the fixed bound: it started in the
+        same wave as the samples, and on a loaded host the last of a wave can take several times the others."""
         timeout_s, calibrated = self._keyed("startup", role)
-        return (timeout_s * self.backoff["startup"], True) if calibrated else (timeout_s, False)
+        if calibrated and self.calibrated_at.get(role, math.inf) <= spawned_at:
+            return timeout_s * self.backoff["startup"], True
+        return self.fixed["startup"], False
 
     def recovery_limit(self, action: str) -> Optional[float]:
         """The calibrated timeout from the publication of a complete generation by a recovery of ``action`` until
