@@ -113,6 +113,17 @@ def test_startups_and_regroups_are_calibrated_per_role_and_action_from_the_slowe
     assert [f["changed"] for kind, f in events.emitted if kind == "phase_timeouts"][-1] == ["recovery", "startup"]
 
 
+def test_a_worker_spawned_in_the_wave_that_calibrated_its_role_keeps_the_fixed_start_up_bound():
+    """Three of a job's four first ranks beat within 0.4 s; the fourth, spawned with them on a loaded host, is not
+    held to 1.6 s (its own wave is no distribution of its start-up); a rank spawned after that is."""
+    t = timeouts(Events())
+    for seen_at, seconds in ((10.05, 0.05), (10.2, 0.2), (10.4, 0.4)):  # spawned at 10.0, seen in this order
+        t.observe_startup("initial", seconds, at=seen_at)
+    assert t.startup_limit("initial", spawned_at=10.0) == (120.0, False)
+    assert t.startup_limit("initial", spawned_at=10.3) == (120.0, False)  # before the third start-up was seen
+    assert t.startup_limit("initial", spawned_at=11.0) == (pytest.approx(1.6), True)
+
+
 def test_the_timeouts_are_logged_when_calibrated_and_when_they_move_materially():
     events = Events()
     t = timeouts(events)
@@ -182,12 +193,12 @@ COLLECTIVE_TIMEOUT_S = 30.0  # launcher.collective_timeout_s, the default: what 
 
 
 def test_a_reduction_stuck_on_every_member_is_cut_off_by_its_calibrated_timeout(two_by_two, run_dir):
-    """Rank 1's part of step 25's reduction never leaves it (``fault.during=reduction``: a link dropping packets
+    """Rank 1's part of step 15's reduction never leaves it (``fault.during=reduction``: a link dropping packets
     silently), so every rank waits in the reduction and nobody computes: no rank's own rule can find it. The controller
     cuts the generation off after the calibrated reduction timeout, every member gives the collective up, and the
     retry completes the run exactly."""
     run = run_cli(*TWO_BY_TWO, *FR, *CALIBRATED, "fault=transient", "fault.during=reduction", "fault.rank=1",
-                  "fault.step=25", run_dir=run_dir)
+                  "fault.step=15", run_dir=run_dir)
     s = assert_exact(run, two_by_two.summary, recoveries=1)
     rec = s["recoveries"][0]
     assert (rec["fault"], rec["action"], rec["victims"]) == ("transient", "retry", []), rec
@@ -197,11 +208,11 @@ def test_a_reduction_stuck_on_every_member_is_cut_off_by_its_calibrated_timeout(
     # found within the timeout and the controller's next judging round, far inside the collective timeout
     assert rec["detect_s"] <= stuck["timeout_s"] + 1.0 and rec["detect_s"] < COLLECTIVE_TIMEOUT_S / 4, rec
     (cut,) = run.events("generation_cut_off")
-    assert cut["phase"] == "reduction" and "in the reduction of step 25" in cut["reason"], cut
+    assert cut["phase"] == "reduction" and "in the reduction of step 15" in cut["reason"], cut
     logged = [e["timeouts"]["reduction"] for e in run.events("phase_timeouts") if e["t"] < cut["t"]]
     assert logged and logged[-1]["calibrated"]
     assert abs(logged[-1]["timeout_s"] - stuck["timeout_s"]) <= MATERIAL * logged[-1]["timeout_s"]
-    assert rec["verdict"].startswith("ranks 0, 1, 2, 3 stuck in all_reduce of step 25 (gen 0)"), rec["verdict"]
+    assert rec["verdict"].startswith("ranks 0, 1, 2, 3 stuck in all_reduce of step 15 (gen 0)"), rec["verdict"]
     assert not run.events("worker_killed")  # nobody was blamed: every process lived on
     failed = run.events("collective_failed")  # the cut-off's reason, or a peer that gave up first closing its links
     assert {e["rank"] for e in failed} == {0, 1, 2, 3} and {e["gen"] for e in failed} == {0}, failed
@@ -210,7 +221,8 @@ def test_a_reduction_stuck_on_every_member_is_cut_off_by_its_calibrated_timeout(
     # the back-off of the one cut-off)
     reduction = s["phase_timeouts"]["reduction"]
     assert reduction["backoff"] == 2 and reduction["p99_s"] < stuck["timeout_s"], reduction
-    # the retry's regroup was timed, but one is no distribution: the next retry still has the fixed bound
+    # the retry's regroup was timed (seen in the heartbeats of the 15 steps after it), but one is no distribution:
+    # the next retry still has the fixed bound
     retry = s["phase_timeouts"]["recovery"]["kinds"]["retry"]
     assert retry["samples"] == 1 and not retry["calibrated"], s["phase_timeouts"]
     startup = s["phase_timeouts"]["startup"]["kinds"]["initial"]  # one start-up per rank of the first generation
