@@ -372,8 +372,14 @@ def test_a_lost_training_host_is_replaced_by_the_spare_host(layout, make_job, re
     assert s["samples_committed"] == ref["samples_committed"] and s["param_checksum"] == ref["param_checksum"]
     assigned = events(job.run_dir, "spare_assigned")
     assert sorted(e["logical"] for e in assigned) == lost and {e["node"] for e in assigned} == {2}
-    assert sorted(e["rank"] for e in events(job.run_dir, "state_restored")) == ([] if shards else lost)
-    assert sorted(e["rank"] for e in events(job.run_dir, "state_sent")) == sources
+    restored = events(job.run_dir, "state_restored")
+    assert sorted(e["rank"] for e in restored if e["role"] == "joiner") == ([] if shards else lost)
+    # a survivor whose reduction of the step in progress had not ended when the host was lost is a step behind the
+    # others: a laggard, served the newest state by the next survivor at its coordinate
+    laggards = {e["rank"] for e in restored if e["role"] == "laggard"}
+    sent = sorted(e["rank"] for e in events(job.run_dir, "state_sent"))
+    assert sent == sources or (laggards and len(sent) == len(sources) and not laggards & {*sent, *lost}), \
+        (sent, laggards)
     assert {e["rank"]: e["holder"] for e in events(job.run_dir, "shard_restored")} == shards
     assert_survivors_end(job, rest)
 
