@@ -14,14 +14,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from runner.sim import calibration, report, schema
-from runner.sim.anchors import flashrecovery_phases, requeue_phases
+from runner.sim.anchors import rank_restart_phases, requeue_phases
 from runner.sim.cli import CONF_DIR
 from runner.sim.costs import CostModel
 from runner.sim.engine import make_plan, run_point
 from runner.sim.errors import ConfigError
 from runner.sim.failures import FailureModel, FaultClass
-from runner.sim.strategies import Pricing, check_mix
-from runner.sim.sweep import policy_for, simulate
+from runner.sim.pricing import Pricing
+from runner.sim.sweep import check_mix, policy_for, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 F = FaultClass
@@ -64,7 +64,7 @@ def test_restart_all_has_no_quadratic_term_unless_the_profile_asks(model):
 
 
 def test_flashrecovery_rto_flat_in_n(model):
-    rtos = [flashrecovery_phases(model, g).total for g in (512, 4096, 10240, 16384)]
+    rtos = [rank_restart_phases(model, g).total for g in (512, 4096, 10240, 16384)]
     assert max(rtos) / min(rtos) < 1.25
 
 
@@ -77,7 +77,7 @@ def test_fast_paths_beat_full_restart_by_far_at_scale_on_the_papers_stack(paper_
         assert rec.phases.total < restart / 50, rec
 
 
-def test_bad_strategy_name_is_a_config_error():
+def test_bad_technique_name_is_a_config_error():
     with pytest.raises(ConfigError, match="Valid names: flashrecovery, deadpool, ndb, flash_ckpt"):
         check_mix(["flashrecovery", "flashrecover"])
     with pytest.raises(ConfigError, match="repeated"):
@@ -153,7 +153,7 @@ def test_deadpool_needs_spares():
     def deadpool_node_losses(spares):
         cfg = small("cluster.gpus=16384", f"cluster.spares_nodes={spares}", "mixes=[[deadpool]]")
         point = next(iter(simulate(cfg, {}).points.values()))
-        return sum(e.strategy == "deadpool" and e.fault == "node_loss"
+        return sum(e.technique == "deadpool" and e.fault == "node_loss"
                    for r in point.runs for e in r.events)
 
     assert deadpool_node_losses(0) == 0
@@ -197,7 +197,7 @@ def test_calibration_file(tmp_path, cfg):
     phases = Pricing(model, overrides, 16384).price("restart_rank", "flashrecovery", F.process_crash).phases
     assert phases.rebuild == 2.0 and phases.detect == pytest.approx(2.5)
     other = Pricing(model, overrides, 16384).price("restart_rank", "deadpool", F.process_crash).phases
-    assert other.rebuild != 2.0  # a measured phase replaces only its own strategy's
+    assert other.rebuild != 2.0  # a measured phase replaces only its own technique's
     path.write_text(json.dumps({"costs": {"detect_seconds": 1}}))
     with pytest.raises(ConfigError, match="detect_seconds"):
         calibration.load(str(path), cfg.costs)
@@ -236,7 +236,7 @@ def run_cli(*args, cwd=REPO):
                           capture_output=True, text=True, timeout=120)
 
 
-def test_cli_unknown_strategy_fails_with_clear_message(tmp_path):
+def test_cli_unknown_technique_fails_with_clear_message(tmp_path):
     proc = run_cli("ft=[flashrecovery,warp_drive]", f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0
     assert "warp_drive" in proc.stderr

@@ -33,7 +33,7 @@ def test_bytedance_at_megascale_scale_above_90_percent_and_catches_up_in_15_minu
     cfg = load_cfg("profile=bytedance")
     ettr, events = anchors.baseline_ettr(anchors.megascale_setting(cfg), anchors.MEGASCALE_GPUS, 54)
     assert ettr > 0.90
-    catch_up = [e.phases.restart + e.lost_work_s for e in events if e.strategy == "restart"]
+    catch_up = [e.phases.restart + e.lost_work_s for e in events if e.technique == "restart"]
     assert sum(catch_up) / len(catch_up) <= anchors.MEGASCALE_CATCH_UP_S
     assert model_of(cfg).comm_init(anchors.MEGASCALE_GPUS) < 30
 
@@ -45,7 +45,7 @@ def test_flashrecovery_paper_restart_table_within_25_percent():
     for gpus, at_least in anchors.FLASHRECOVERY_RESTART_ALL_AT_LEAST_S.items():
         assert anchors.requeue_phases(model, gpus).restart > at_least
     for gpus, published in anchors.FLASHRECOVERY_S.items():
-        assert abs(anchors.flashrecovery_phases(model, gpus).restart / published - 1) <= 0.25, gpus
+        assert abs(anchors.rank_restart_phases(model, gpus).restart / published - 1) <= 0.25, gpus
 
 
 @pytest.mark.parametrize("profile", PROFILES)

@@ -5,15 +5,16 @@ import pytest
 from omegaconf import OmegaConf
 
 from runner.control.decision import decide
+from runner.recovery.registry import TECHNIQUES
 from runner.sim import report
 from runner.sim.failures import FaultClass
-from runner.sim.strategies import RESTART, STRATEGY_NAMES
+from runner.sim.pricing import RESTART
 from runner.sim.sweep import policy_for, simulate
 from tests.test_sim import load_cfg
 
 F = FaultClass
 G = 8  # GPUs (ranks) per node
-ALL_SUBSETS = [list(c) for k in range(len(STRATEGY_NAMES) + 1) for c in combinations(STRATEGY_NAMES, k)]
+ALL_SUBSETS = [list(c) for k in range(len(TECHNIQUES) + 1) for c in combinations(TECHNIQUES, k)]
 ORDERS = [list(p) for p in permutations(["flashrecovery", "deadpool", "ndb"])]
 
 
@@ -107,7 +108,7 @@ def events(*overrides, mix):
 def test_restart_budget_spent_means_the_job_is_requeued():
     spent = events("decision.flashrecovery.max_restarts=0", mix="[flashrecovery]")
     crashes = [e for e in spent if e.fault == "process_crash"]
-    assert crashes and all(e.strategy == RESTART for e in crashes)
+    assert crashes and all(e.technique == RESTART for e in crashes)
     plenty = events("decision.flashrecovery.max_restarts=100000", mix="[flashrecovery]")
     assert all(e.action == "restart_rank" for e in plenty if e.fault == "process_crash")
     for run in runs("decision.flashrecovery.max_restarts=1", mix="[flashrecovery]"):  # then it fails, is requeued

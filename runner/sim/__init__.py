@@ -1,4 +1,4 @@
-"""Cluster-scale discrete-event simulator of recovery strategies.
+"""Cluster-scale discrete-event simulator of the runner's recovery techniques.
 
 Answers "what ETTR and RTO would each fault-tolerance mix give at N GPUs?" from
 published failure rates, component costs from published measurements (a

@@ -10,9 +10,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional
 
+from runner.recovery.registry import offering
 from runner.sim.costs import CostModel, Phases
 from runner.sim.failures import FaultClass
-from runner.sim.strategies import RESTART, Pricing
+from runner.sim.pricing import RESTART, Pricing
 from runner.sim.sweep import simulate
 
 # ByteRobust (arXiv 2509.16293) Table 7: whole-job requeue, seconds.
@@ -52,9 +53,11 @@ def requeue_phases(model: CostModel, gpus: int, fault: FaultClass = FaultClass.n
     return Pricing(model, {}, gpus).requeue(fault).phases
 
 
-def flashrecovery_phases(model: CostModel, gpus: int) -> Phases:
-    """The runner's FlashRecovery path for a crashed rank: restart it in place, state from a replica."""
-    return Pricing(model, {}, gpus).price("restart_rank", "flashrecovery", FaultClass.process_crash).phases
+def rank_restart_phases(model: CostModel, gpus: int) -> Phases:
+    """The FlashRecovery paper's path for a crashed rank, as the runner carries it out: restart it in place, state
+    from a replica, by the technique that restarts a rank by itself."""
+    technique = offering("restarts_rank_alone")[0]
+    return Pricing(model, {}, gpus).price("restart_rank", technique, FaultClass.process_crash).phases
 
 
 def _timed(name: str, published: float, source: str, simulated: float) -> Anchor:
@@ -92,7 +95,7 @@ def anchors(cfg) -> list[Anchor]:
                           "MegaScale s3.5", model.comm_init(MEGASCALE_GPUS), "s", None, 30.0))
         setting = megascale_setting(cfg)
         ettr, events = baseline_ettr(setting, MEGASCALE_GPUS, cfg.job.days)
-        catch_up = statistics.fmean(e.phases.restart + e.lost_work_s for e in events if e.strategy == RESTART)
+        catch_up = statistics.fmean(e.phases.restart + e.lost_work_s for e in events if e.technique == RESTART)
         out.append(Anchor(f"ETTR, ft=[] at {MEGASCALE_GPUS:,} GPUs, diagnosis {MEGASCALE_DIAGNOSE_S:.0f} s",
                           "> 0.90 effective training time", "MegaScale s4", ettr, "ratio", 0.90, None))
         out.append(Anchor("catch-up after a fault (restart + lost work), mean", "within 15 minutes",
@@ -105,6 +108,6 @@ def anchors(cfg) -> list[Anchor]:
                        requeue_phases(model, g).restart, "s", s, None)
                 for g, s in FLASHRECOVERY_RESTART_ALL_AT_LEAST_S.items()]
         out += [_timed(f"flashrecovery at {g:,} GPUs", s, "FlashRecovery restart table",
-                       flashrecovery_phases(model, g).restart) for g, s in FLASHRECOVERY_S.items()]
+                       rank_restart_phases(model, g).restart) for g, s in FLASHRECOVERY_S.items()]
         return out
     return []

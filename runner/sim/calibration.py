@@ -8,19 +8,21 @@ writes one from this host's measurements:
      "phases": {"flashrecovery": {"detect_s": 3.2, "rebuild_s": 2.4}}}
 
 `costs` replaces component costs (names as in `costs.*`), so the N-dependence
-of every strategy built on them is kept. `phases` replaces one strategy's
-modelled phase with a measured constant at every N; use it for phases that are
-flat in N or were measured at the target scale. Unknown names are errors, so a
-typo cannot silently leave a paper default in place.
+of every recovery built on them is kept. `phases` replaces one technique's
+(a name in the technique registry, or `restart`) modelled phase with a measured
+constant at every N; use it for phases that are flat in N or were measured at
+the target scale. Unknown names are errors, so a typo cannot silently leave a
+paper default in place.
 """
 import json
 from collections.abc import Mapping
 from dataclasses import fields, replace
 from pathlib import Path
 
+from runner.recovery.registry import TECHNIQUES
 from runner.sim.costs import PHASES
 from runner.sim.errors import ConfigError
-from runner.sim.strategies import RESTART, STRATEGY_NAMES
+from runner.sim.pricing import RESTART
 
 PhaseOverrides = Mapping[str, Mapping[str, float]]
 
@@ -65,26 +67,24 @@ def apply(cfg, path: str) -> PhaseOverrides:
     where = label(path)
     for key in _read(path).get("costs", {}):
         cfg.sources[f"costs.{key}"] = f"measured: {where}"
-    for strategy, phases in overrides.items():
+    for technique, phases in overrides.items():
         for phase in phases:
-            cfg.sources[f"phases.{strategy}.{phase}_s"] = f"measured: {where}"
+            cfg.sources[f"phases.{technique}.{phase}_s"] = f"measured: {where}"
     return overrides
 
 
 def load(path: str, costs) -> tuple[object, PhaseOverrides]:
-    """Return (costs with overrides applied, per-strategy phase overrides)."""
+    """Return (costs with overrides applied, per-technique phase overrides)."""
     data = _read(path)
     measured = _numbers(data.get("costs", {}), [f.name for f in fields(costs)], "calibration.costs")
     typed = {k: type(getattr(costs, k))(v) for k, v in measured.items()}
-    strategies = _check_keys(
-        data.get("phases", {}), (*STRATEGY_NAMES, RESTART), "calibration.phases"
-    )
+    techniques = _check_keys(data.get("phases", {}), (*TECHNIQUES, RESTART), "calibration.phases")
     phase_keys = [f"{p}_s" for p in PHASES]
     overrides = {
         name: {
             key[: -len("_s")]: value
             for key, value in _numbers(per, phase_keys, f"calibration.phases.{name}").items()
         }
-        for name, per in strategies.items()
+        for name, per in techniques.items()
     }
     return replace(costs, **typed), overrides

@@ -1,6 +1,6 @@
 """Hydra entry point: compose the config, run the sweep, print and save results.
 
-Config problems that types cannot catch (strategy names, GPU counts, the
+Config problems that types cannot catch (technique names, GPU counts, the
 calibration file) end the run with one readable paragraph and exit status 2.
 """
 import json

@@ -1,6 +1,6 @@
 """Component costs, in seconds, as functions of the job size, from published measurements.
 
-Every recovery is assembled from these parts (see strategies.py), so a change
+Every recovery is assembled from these parts (see pricing.py), so a change
 of one measured component moves every recovery that uses it. Each part is the
 shape a published measurement shows (docs/simulator.md has the sources); the
 constants come from the profile (conf/profile/*.yaml), which says for each one

@@ -7,6 +7,7 @@ runner would do. Silent corruption is not classified by `decide`; its action is
 the policy table's `silent_corruption` row (the gradient guard's recompute).
 """
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from omegaconf import OmegaConf
 
@@ -15,6 +16,7 @@ from runner.control.decision import Decision, decide, decide_straggler
 from runner.recovery.registry import restart_owner, with_
 from runner.sim.errors import ConfigError
 from runner.sim.failures import FaultClass
+from runner.sim.schema import TECHNIQUE_DECISIONS, decision_choices
 
 # The launchers under which the runner itself restarts processes (decide's can_restart).
 OWN_PROCESSES = ("local", "auto")
@@ -23,16 +25,11 @@ LAUNCHERS = (*OWN_PROCESSES, "torchrun", "slurm")
 
 def runner_cfg(decision_conf, nodes: int, mix: Sequence[str], spares: int = 0, gpus_per_node: int = 1):
     """The part of the runner's config that `decide` reads, from the simulator's `decision` block
-    (``spares``: warm spare ranks). The `ft=[]` baseline has no strategy to carry out any action, so it
-    takes no policy rows."""
+    (``spares``: warm spare ranks): each technique's block is its `ft.<name>` options. The `ft=[]` baseline has no
+    technique to carry out any action, so it takes no policy rows."""
     d = decision_conf
     return OmegaConf.create({
-        "ft": {
-            "flashrecovery": {"max_restarts": d.flashrecovery.max_restarts,
-                              "retry_transient": d.flashrecovery.retry_transient},
-            "deadpool": {"crash_action": d.deadpool.crash_action, "max_restarts": d.deadpool.max_restarts},
-            "flash_ckpt": {"max_restarts": d.flash_ckpt.max_restarts},
-        },
+        "ft": {name: asdict(getattr(d, name)) for name in TECHNIQUE_DECISIONS},
         "parallel": {"nodes": nodes, "zero": 0, "spares": spares, "procs_per_node": gpus_per_node},
         "policy": dict(d.policy) if mix else {},
         "trainer": {"sdc_factor": 100.0 if d.sdc_guard else 0.0},
@@ -40,12 +37,15 @@ def runner_cfg(decision_conf, nodes: int, mix: Sequence[str], spares: int = 0, g
 
 
 def check(decision_conf, mix: Sequence[str], spares: int = 0, gpus_per_node: int = 1) -> None:
-    """Rows of `decision.policy` the runner would refuse for this mix, as one ConfigError."""
+    """Values of the `decision` block the runner would refuse for this mix (the launcher, a technique's option
+    outside its set, `decision.policy` rows), as one ConfigError."""
     if decision_conf.launcher not in LAUNCHERS:
         raise ConfigError(f"decision.launcher={decision_conf.launcher!r}: use one of {', '.join(LAUNCHERS)}")
-    if decision_conf.deadpool.crash_action not in ("restart_in_place", "swap"):
-        raise ConfigError(f"decision.deadpool.crash_action={decision_conf.deadpool.crash_action!r}: "
-                          "use restart_in_place or swap")
+    for name in TECHNIQUE_DECISIONS:
+        for option, allowed in decision_choices(name).items():
+            value = getattr(getattr(decision_conf, name), option)
+            if value not in allowed:
+                raise ConfigError(f"decision.{name}.{option}={value!r}: use {' or '.join(allowed)}")
     problems = policy.row_problems(runner_cfg(decision_conf, 2, mix, spares, gpus_per_node), list(mix))
     if problems:
         raise ConfigError(f"decision.policy with ft={list(mix)}: {' '.join(problems)}")
@@ -71,7 +71,7 @@ class RunnerPolicy:
         self._providers: dict[str, str] = {}
 
     def provider(self, action: str) -> str:
-        """The strategy in `ft` (first in ft order) that carries `action` out."""
+        """The technique in `ft` (first in ft order) that carries `action` out (or guard, or the controller)."""
         if action not in self._providers:
             found = policy.providers(action, self.cfg, self.ft)
             self._providers[action] = next((s for s in self.ft if s in found), found[0] if found else action)

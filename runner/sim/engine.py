@@ -1,4 +1,4 @@
-"""Discrete-event simulation of one long job under one strategy mix.
+"""Discrete-event simulation of one long job under one technique mix.
 
 Time advances from event to event (failure, checkpoint, snapshot, a node or
 spare coming back, a straggler turning up or being found, end of job). Every
@@ -11,16 +11,17 @@ RNG stream of their own, so the failures a mix meets do not change): while a
 slow host is in the job, the job runs at its pace (step time x
 ``stragglers.slowdown``). ``window_steps`` slow steps later the runner has found
 it, and the policy's straggler row decides: ``report`` leaves it until a restart
-of every process brings fresh nodes; ``swap_spare`` (DeadPool, enough warm
-spares) hands the host's ranks to spares at a committed step.
+of every process brings fresh nodes; ``swap_spare`` (a technique that uses spares,
+enough warm spares) hands the host's ranks to spares at a committed step.
 
 Each fault is decided by the runner's own decision function (decisions.py)
-with the budgets and spares left at that moment, and priced by strategies.py.
+with the budgets and spares left at that moment, and priced by pricing.py.
 Assumptions (documented in docs/simulator.md): failures strike only while the
 job runs (the failure clock stops during a recovery); a failed node is replaced
-from the cluster pool unless DeadPool uses a spare or NDB covers it; a full
-restart brings in fresh nodes, which ends any NDB takeover; a run the runner
-fails is requeued from the last disk checkpoint with every budget full again.
+from the cluster pool unless a spare takes its place (swap_spare) or a neighbour
+covers it (takeover); a full restart brings in fresh nodes, which ends any
+takeover; a run the runner fails is requeued from the last disk checkpoint with
+every budget full again.
 """
 import heapq
 import itertools
@@ -30,10 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from runner.recovery.registry import with_
 from runner.sim.costs import CostModel, Phases
 from runner.sim.decisions import RunnerPolicy
 from runner.sim.failures import FailureModel
-from runner.sim.strategies import Pricing, Recovery, Rollback
+from runner.sim.pricing import Pricing, Recovery, Rollback
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class JobPlan:
     gpus: int
     gpus_per_node: int
     model_parallel_nodes: int
-    spares: int  # warm spare ranks (DeadPool)
+    spares: int  # warm spare ranks (swap_spare)
     end_s: float
     step_s: float
     checkpoint_interval_s: float
@@ -62,9 +64,10 @@ class JobPlan:
 
 
 def make_plan(cfg, model: CostModel, failures: FailureModel, gpus: int, mix: Sequence[str]) -> JobPlan:
-    """Resolve the checkpoint policy for this size and mix. With in-memory
-    snapshots in the mix the disk copy is persisted from a snapshot in the
-    background, so only the snapshot's device-to-host copy stalls training."""
+    """Resolve the checkpoint policy for this size and mix. With a technique in the
+    mix that restarts from in-memory snapshots, the disk copy is persisted from a
+    snapshot in the background, so only the snapshot's device-to-host copy stalls
+    training."""
     save_s = model.storage_write(gpus)
     interval_min = cfg.job.checkpoint_interval_min
     interval_s = (
@@ -72,7 +75,7 @@ def make_plan(cfg, model: CostModel, failures: FailureModel, gpus: int, mix: Seq
         if interval_min is None
         else interval_min * 60.0
     )
-    snapshots = "flash_ckpt" in mix
+    snapshots = bool(with_(mix, "restarts_from_snapshots"))
     return JobPlan(
         gpus=gpus,
         gpus_per_node=cfg.cluster.gpus_per_node,
@@ -97,7 +100,7 @@ class Event:
     t_s: float
     cause: str
     fault: str
-    strategy: str
+    technique: str  # who carried it out (Recovery.technique)
     action: str
     phases: Phases
     lost_work_s: float
@@ -152,7 +155,7 @@ class Job:
         self.next_snap = plan.snapshot_interval_s or math.inf
         self._next_straggler()
 
-    # NDB neighbours -----------------------------------------------------------
+    # covering neighbours (takeover) -------------------------------------------
     def neighbour(self, node: int) -> Optional[int]:
         """A live DP peer (same model position, next replica) that is not already
         covering for someone; None when the node itself is covering."""
@@ -169,20 +172,20 @@ class Job:
 
     # time accounting ------------------------------------------------------------
     def _speed(self) -> float:
-        return self._ndb_speed() * self._straggler_speed()
+        return self._covering_speed() * self._straggler_speed()
 
-    def _ndb_speed(self) -> float:
+    def _covering_speed(self) -> float:
         return self.plan.degraded_speed if self.takeovers else 1.0
 
     def _straggler_speed(self) -> float:
         return 1.0 / self.plan.straggler_slowdown if self.slow_hosts else 1.0
 
     def _train(self, dt: float) -> None:
-        ndb, slow = self._ndb_speed(), self._straggler_speed()
+        covering, slow = self._covering_speed(), self._straggler_speed()
         self.t += dt
-        self.r.progress_s += ndb * slow * dt
-        self.r.degraded_s += (1.0 - ndb) * dt
-        self.r.straggler_s += ndb * (1.0 - slow) * dt
+        self.r.progress_s += covering * slow * dt
+        self.r.degraded_s += (1.0 - covering) * dt
+        self.r.straggler_s += covering * (1.0 - slow) * dt
 
     def _stall(self, seconds: float) -> float:
         """Advance the clock without progress, never past the end of the job."""
@@ -275,7 +278,7 @@ class Job:
             self.takeovers[node] = _Takeover(neighbour, token)
             self._later(t_fail + rec.takeover_s, self._rejoin, node, token, rec.rejoin_s)
         self.r.events.append(
-            Event(t_fail, failure.cause, failure.fault.value, rec.strategy, rec.action, rec.phases, lost)
+            Event(t_fail, failure.cause, failure.fault.value, rec.technique, rec.action, rec.phases, lost)
         )
 
     def _running_node(self, draw: float) -> int:
@@ -306,7 +309,7 @@ class Job:
                                        spare_ranks=self.spares)
         if action != "swap_spare":
             return
-        rec = self.pricing.straggler_swap()
+        rec = self.pricing.straggler_swap(self.policy.provider("swap_spare"))
         self.r.downtime_s += self._stall(rec.phases.total)
         self.spares -= rec.spare_ranks
         self._later(self.t + rec.spare_back_s, self._spare_back, rec.spare_ranks)

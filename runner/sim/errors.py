@@ -5,4 +5,4 @@ Anything else escaping the simulator is a bug and keeps its traceback.
 
 
 class ConfigError(ValueError):
-    """A config value, strategy name or calibration file the user must fix."""
+    """A config value, technique name or calibration file the user must fix."""

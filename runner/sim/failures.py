@@ -2,7 +2,7 @@
 
 The per-GPU rate comes from a reference deployment (Llama 3: 419 unexpected
 interruptions in 54 days on 16,384 GPUs); each arrival draws a cause from the
-configured mix, and the cause decides the fault class the strategies see.
+configured mix, and the cause decides the fault class the runner decides on.
 """
 import bisect
 import enum

@@ -9,30 +9,37 @@ from collections import defaultdict
 from dataclasses import fields
 from typing import Optional
 
+from runner.recovery.registry import able
 from runner.sim import anchors
 from runner.sim.costs import PHASES
 from runner.sim.failures import FaultClass
+from runner.sim.pricing import RESTART, Pricing
 from runner.sim.schema import source_kind
-from runner.sim.strategies import RESTART, Pricing
 from runner.sim.sweep import Sweep, mix_label, policy_for
 
 F = FaultClass
-# The recovery paths whose phases are tabled against N: (label, action, strategy, fault).
-PATHS = (
-    ("restart (requeue, node loss)", "fail", RESTART, F.node_loss),
-    ("flashrecovery restart_rank (crash)", "restart_rank", "flashrecovery", F.process_crash),
-    ("deadpool swap_spare (node loss)", "swap_spare", "deadpool", F.node_loss),
-    ("ndb takeover (node loss)", "takeover", "ndb", F.node_loss),
-    ("flash_ckpt restart_all (node loss)", "restart_all", "flash_ckpt", F.node_loss),
-)
+# The actions whose phases are tabled against N, after the whole-job requeue, with the fault each one is shown for.
+TABLED_ACTIONS = (("restart_rank", F.process_crash), ("swap_spare", F.node_loss), ("takeover", F.node_loss),
+                  ("restart_all", F.node_loss))
+FAULT_WORDS = {F.process_crash: "crash", F.node_loss: "node loss"}
+
+
+def paths() -> list[tuple[str, str, str, FaultClass]]:
+    """(label, action, technique, fault) of each tabled recovery path: the requeue, then each tabled action
+    carried out by the first registered technique able to."""
+    out = [("restart (requeue, node loss)", "fail", RESTART, F.node_loss)]
+    for action, fault in TABLED_ACTIONS:
+        technique = able(action)[0]
+        out.append((f"{technique} {action} ({FAULT_WORDS[fault]})", action, technique, fault))
+    return out
 
 
 def path_phases(sweep: Sweep, gpus: int) -> dict[str, dict]:
     """Phases of every recovery path at `gpus`, from the phase model (calibration included)."""
     pricing = Pricing(sweep.model, sweep.overrides, gpus)
     out = {}
-    for label, action, strategy, fault in PATHS:
-        rec = pricing.requeue(fault) if action == "fail" else pricing.price(action, strategy, fault)
+    for label, action, technique, fault in paths():
+        rec = pricing.requeue(fault) if action == "fail" else pricing.price(action, technique, fault)
         out[label] = {p: getattr(rec.phases, p) for p in PHASES} | {"total": rec.phases.total,
                                                                      "restart": rec.phases.restart}
     return out
@@ -40,10 +47,10 @@ def path_phases(sweep: Sweep, gpus: int) -> dict[str, dict]:
 
 def _point_summary(point) -> dict:
     runs, hours = point.runs, 3600.0
-    per_strategy = defaultdict(list)
+    per_technique = defaultdict(list)
     for run in runs:
         for ev in run.events:
-            per_strategy[ev.strategy].append(ev)
+            per_technique[ev.technique].append(ev)
     events = [ev for run in runs for ev in run.events]
     return {
         "gpus": point.gpus,
@@ -64,7 +71,7 @@ def _point_summary(point) -> dict:
         "failures_per_run": len(events) / len(runs),
         "mean_rto_s": statistics.fmean(e.phases.total for e in events) if events else 0.0,
         "checkpoint_interval_min": point.plan.checkpoint_interval_s / 60.0,
-        "strategies": {
+        "strategies": {  # sim.json's key: what handled the failures (a technique, guard or restart)
             name: {
                 "count": len(evs),
                 "actions": sorted({e.action for e in evs}),
@@ -72,7 +79,7 @@ def _point_summary(point) -> dict:
                 "mean_lost_work_s": statistics.fmean(e.lost_work_s for e in evs),
                 "faults": sorted({e.fault for e in evs}),
             }
-            for name, evs in sorted(per_strategy.items())
+            for name, evs in sorted(per_technique.items())
         },
     }
 
@@ -98,9 +105,9 @@ def constants(cfg, overrides) -> dict[str, dict]:
     for name in ("per_node_day", "slowdown"):
         key = f"stragglers.{name}"
         out[key] = {"value": getattr(cfg.stragglers, name), "source": cfg.sources[key]}
-    for strategy, phases in overrides.items():
+    for technique, phases in overrides.items():
         for phase, value in phases.items():
-            key = f"phases.{strategy}.{phase}_s"
+            key = f"phases.{technique}.{phase}_s"
             out[key] = {"value": value, "source": cfg.sources.get(key, "measured: calibration file")}
     return out
 
@@ -118,11 +125,11 @@ def summarize(sweep: Sweep, cfg) -> dict:
             "disk_interval_min": m.young_interval_s(m.storage_write(g), mtbf) / 60.0,
             "snapshot_interval_min": m.young_interval_s(cfg.costs.snapshot_block_s, mtbf) / 60.0,
         })
-    pooled: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))  # strategy -> gpus -> RTOs
+    pooled: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))  # technique -> gpus -> RTOs
     for (g, _), point in sweep.points.items():
         for run in point.runs:
             for ev in run.events:
-                pooled[ev.strategy][g].append(ev.phases.total)
+                pooled[ev.technique][g].append(ev.phases.total)
     consts = constants(cfg, sweep.overrides)
     return {
         "profile": {"name": cfg.profile_name, "about": cfg.profile_about},

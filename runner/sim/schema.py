@@ -3,15 +3,20 @@
 The schema rejects unknown keys and wrongly typed values before any simulation
 runs. Defaults live only in `conf/config.yaml` (fields here are MISSING), so
 there is one place to read and change them. `check_ranges` adds the value
-ranges types cannot express; strategy names are checked in `strategies.check_mix`
-so that error can list the valid names.
+ranges types cannot express; technique names are checked in `sweep.check_mix`
+so that error can list the valid names. The `decision` block holds a block per
+registered technique with options the decision reads (DECISION_OPTIONS), typed
+as that technique's own options dataclass.
 """
-from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from runner.config.schema import choices
+from runner.recovery.registry import TECHNIQUES
+from runner.recovery.technique import Technique
 from runner.sim.costs import CommInit, Detector
 from runner.sim.errors import ConfigError
 from runner.sim.failures import FaultClass
@@ -96,33 +101,48 @@ class StragglersConf:
     window_steps: int = MISSING  # the runner's straggler.window_steps: slow steps before it is found
 
 
-@dataclass
-class FlashRecoveryDecisionConf:
-    max_restarts: int = MISSING
-    retry_transient: bool = MISSING
+# The options of a technique (its `ft.<name>` block) that the decision function and the restart budgets read.
+DECISION_OPTIONS = ("max_restarts", "retry_transient", "crash_action")
+
+
+def _technique_decision_conf(technique: Technique) -> Optional[type]:
+    """The schema of `decision.<name>`: the technique's options in DECISION_OPTIONS, typed as in its options
+    dataclass (so a value is checked as the runner checks it); None if it has none of them."""
+    hints = get_type_hints(technique.options)
+    chosen = [(f.name, hints[f.name], field(default=MISSING))
+              for f in fields(technique.options) if f.name in DECISION_OPTIONS]
+    name = technique.options.__name__.removesuffix("Config") + "DecisionConf"
+    return make_dataclass(name, chosen, namespace={"__module__": __name__}) if chosen else None
+
+
+# technique name -> the schema of its `decision.<name>` block, in registry order
+TECHNIQUE_DECISIONS: dict[str, type] = {
+    name: conf for name, technique in TECHNIQUES.items() if (conf := _technique_decision_conf(technique))}
+
+
+def decision_choices(name: str) -> dict[str, tuple]:
+    """The options of `decision.<name>` whose technique allows a closed set of values, with that set."""
+    hints = get_type_hints(TECHNIQUES[name].options, include_extras=True)
+    return {f.name: allowed for f in fields(TECHNIQUE_DECISIONS[name])
+            if (allowed := choices(hints[f.name])) is not None}
 
 
 @dataclass
-class DeadPoolDecisionConf:
-    crash_action: str = MISSING  # restart_in_place | swap
-    max_restarts: int = MISSING
-
-
-@dataclass
-class FlashCkptDecisionConf:
-    max_restarts: int = MISSING
-
-
-@dataclass
-class DecisionConf:
-    """What the runner's decision function reads (its conf/ft/* budgets and conf/policy rows)."""
+class DecisionCommonConf:
+    """The `decision` keys of every mix; DecisionConf adds the techniques' blocks and the policy rows."""
 
     launcher: str = MISSING  # local | auto: the runner restarts processes; torchrun | slurm: the launcher does
     sdc_guard: bool = MISSING  # trainer.sdc_factor > 0
-    flashrecovery: FlashRecoveryDecisionConf = field(default_factory=FlashRecoveryDecisionConf)
-    deadpool: DeadPoolDecisionConf = field(default_factory=DeadPoolDecisionConf)
-    flash_ckpt: FlashCkptDecisionConf = field(default_factory=FlashCkptDecisionConf)
-    policy: dict[str, Optional[list[str]]] = field(default_factory=dict)
+
+
+DecisionConf = make_dataclass(
+    "DecisionConf",
+    [*((name, conf, field(default_factory=conf)) for name, conf in TECHNIQUE_DECISIONS.items()),
+     ("policy", dict[str, Optional[list[str]]], field(default_factory=dict))],
+    bases=(DecisionCommonConf,),
+    namespace={"__module__": __name__,
+               "__doc__": "What the runner's decision function reads (its conf/ft/* budgets and conf/policy rows)."},
+)
 
 
 @dataclass
@@ -136,7 +156,7 @@ class SimConf:
     costs: CostsConf = field(default_factory=CostsConf)
     stragglers: StragglersConf = field(default_factory=StragglersConf)
     sources: dict[str, str] = MISSING  # "costs.x": "published|fitted|measured|derived|guess: where from"
-    decision: DecisionConf = field(default_factory=DecisionConf)
+    decision: DecisionCommonConf = field(default_factory=DecisionConf)  # a DecisionConf
     ft: Optional[list[str]] = MISSING  # one mix to compare against the baseline
     mixes: list[list[str]] = MISSING  # used when ft is null
     seed: int = MISSING

@@ -6,13 +6,14 @@ Kept apart from Hydra so tests and notebooks can call `simulate` on a plain
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from runner.recovery.registry import TECHNIQUES
 from runner.sim import decisions, schema
 from runner.sim.costs import CostModel
 from runner.sim.decisions import RunnerPolicy
 from runner.sim.engine import JobPlan, RunResult, make_plan, run_point
 from runner.sim.errors import ConfigError
 from runner.sim.failures import FailureModel
-from runner.sim.strategies import Pricing, check_mix
+from runner.sim.pricing import Pricing
 
 Mix = tuple[str, ...]
 
@@ -51,6 +52,20 @@ def check_layout(gpus: int, per_node: int, mp_nodes: int) -> None:
         raise ConfigError(
             f"cluster.gpus={gpus} must fill whole model replicas: a multiple of "
             f"gpus_per_node ({per_node}) x model_parallel_nodes ({mp_nodes})"
+        )
+
+
+def check_mix(names: Sequence[str]) -> None:
+    """Reject names the technique registry does not know, or repeated ones, with a message a user can act on."""
+    unknown = [n for n in names if n not in TECHNIQUES]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if unknown or repeated:
+        problem = f"unknown technique name(s) {unknown}" if unknown else f"repeated name(s) {repeated}"
+        raise ConfigError(
+            f"ft: {problem} in {list(names)}. An ft mix is a list of recovery techniques, as the "
+            f"runner's ft; for each fault the runner's policy table picks the action. "
+            f"Valid names: {', '.join(TECHNIQUES)}. Use 'ft=[]' for the "
+            f"restart-all-from-disk baseline, e.g. 'ft=[{','.join(TECHNIQUES)}]'."
         )
 
 

@@ -1,23 +1,22 @@
 """What each of the runner's actions costs, built from the components in costs.py.
 
-The runner decides (decisions.py); this module prices the decision: its five
-phases, how far training rolls back, and what it uses up (spares, restart
-budgets). A run the runner fails is requeued by the scheduler as a whole job
+The runner decides (decisions.py); this module prices the decision by its action (restart_rank, swap_spare,
+takeover, restart_all, retry, recompute): its five phases, how far training rolls back, and what it uses up
+(spares, restart budgets). Measured phases (the calibration file) are per technique, so the technique that carried
+the action out is priced with its own. A run the runner fails is requeued by the scheduler as a whole job
 (`restart`, also the whole of the `ft=[]` baseline).
 """
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Optional
 
 from runner.sim.costs import CostModel, Phases
-from runner.sim.errors import ConfigError
 from runner.sim.failures import FaultClass
 
 F = FaultClass
-STRATEGY_NAMES = ("flashrecovery", "deadpool", "ndb", "flash_ckpt")
 RESTART = "restart"  # the whole-job requeue: the `ft=[]` baseline and what a failed run gets
-GUARD = "guard"  # the gradient guard, which recomputes a corrupted step (no strategy)
+GUARD = "guard"  # the gradient guard, which recomputes a corrupted step (no technique)
 
 
 class Rollback(enum.Enum):
@@ -28,23 +27,23 @@ class Rollback(enum.Enum):
 
 @dataclass(frozen=True)
 class Recovery:
-    strategy: str  # who carried it out: a name in STRATEGY_NAMES, guard, or restart
+    technique: str  # who carried it out: an `ft` name (runner.recovery.registry), guard, or restart
     action: str  # the runner's action; `fail` when the job was requeued
     phases: Phases
     rollback: Rollback
-    spare_ranks: int = 0  # DeadPool: warm spare ranks taken ...
+    spare_ranks: int = 0  # swap_spare: warm spare ranks taken ...
     spare_back_s: float = 0.0  # ... and when they are ready again
-    takeover_s: Optional[float] = None  # NDB: neighbour covers the node this long
-    rejoin_s: float = 0.0  # NDB: pause when the node comes back
+    takeover_s: Optional[float] = None  # takeover: a neighbour covers the node this long
+    rejoin_s: float = 0.0  # takeover: pause when the node comes back
     restarted_ranks: int = 0  # counted against the in-place restart budget
-    restarts_all: bool = False  # every process restarts: NDB takeovers end
-    full_restart: bool = False  # counted against ft.flash_ckpt.max_restarts
+    restarts_all: bool = False  # every process restarts: takeovers end
+    full_restart: bool = False  # counted against the snapshot technique's max_restarts
     requeued: bool = False  # a new run of the job: every budget is full again
 
 
 class Pricing:
     """Phases of each action at one job size; measured phases from the calibration
-    file (per strategy name) replace modelled ones."""
+    file (per technique name) replace modelled ones."""
 
     def __init__(self, model: CostModel, overrides: Mapping[str, Mapping[str, float]], gpus: int):
         self.m, self.c, self.gpus = model, model.c, gpus
@@ -52,8 +51,8 @@ class Pricing:
         self.g = model.gpus_per_node
         self._priced: dict[tuple, Recovery] = {}  # a recovery depends only on its arguments
 
-    def phases(self, strategy: str, **modelled: float) -> Phases:
-        return replace(Phases(**modelled), **self.overrides.get(strategy, {}))
+    def phases(self, technique: str, **modelled: float) -> Phases:
+        return replace(Phases(**modelled), **self.overrides.get(technique, {}))
 
     def requeue(self, fault: FaultClass) -> Recovery:
         """The whole-job restart: the `ft=[]` baseline, and what a run the runner fails gets."""
@@ -62,21 +61,22 @@ class Pricing:
             self._priced[key] = self._requeue(fault)
         return self._priced[key]
 
-    def price(self, action: str, strategy: str, fault: FaultClass) -> Recovery:
-        """The runner's `action`, carried out by `strategy`, for `fault`."""
-        key = (action, strategy, fault)
+    def price(self, action: str, technique: str, fault: FaultClass) -> Recovery:
+        """The runner's `action`, carried out by `technique`, for `fault`."""
+        key = (action, technique, fault)
         if key not in self._priced:
-            self._priced[key] = self._price(action, strategy, fault)
+            self._priced[key] = self._price(action, technique, fault)
         return self._priced[key]
 
-    def straggler_swap(self) -> Recovery:
-        """A straggling host handed over to warm spares at a committed step (the runner's planned swap_spare): it was
-        found by the straggler window, not by a failure, so nothing is detected or lost; the group is rebuilt and
-        the spares take the state from a replica. The released host rejoins the pool after a repair's time."""
-        key = ("swap_spare", "deadpool", "straggler")
+    def straggler_swap(self, technique: str) -> Recovery:
+        """A straggling host handed over to warm spares at a committed step (the runner's planned swap_spare, carried
+        out by `technique`): it was found by the straggler window, not by a failure, so nothing is detected or lost;
+        the group is rebuilt and the spares take the state from a replica. The released host rejoins the pool after
+        a repair's time."""
+        key = ("swap_spare", technique, "straggler")
         if key not in self._priced:
-            ph = self.phases("deadpool", rebuild=self.m.group_rebuild(self.gpus), restore=self.m.peer_copy())
-            self._priced[key] = Recovery("deadpool", "swap_spare", ph, Rollback.STEP, spare_ranks=self.g,
+            ph = self.phases(technique, rebuild=self.m.group_rebuild(self.gpus), restore=self.m.peer_copy())
+            self._priced[key] = Recovery(technique, "swap_spare", ph, Rollback.STEP, spare_ranks=self.g,
                                          spare_back_s=self.m.repair_s)
         return self._priced[key]
 
@@ -88,46 +88,30 @@ class Pricing:
                          rebuild=self.m.comm_init(self.gpus), restore=self.m.storage_read(self.gpus))
         return Recovery(RESTART, "fail", ph, Rollback.DISK, restarts_all=True, requeued=True)
 
-    def _price(self, action: str, strategy: str, fault: FaultClass) -> Recovery:
+    def _price(self, action: str, technique: str, fault: FaultClass) -> Recovery:
         lost = fault is F.node_loss
         victims = self.g if lost else 1
         active = dict(detect=self.m.heartbeat_detect(fault), decide=self.c.decide_s)
         rebuild = self.m.group_rebuild(self.gpus)
         if action == "retry":  # healthy processes: rebuild the group, keep the state
-            return Recovery(strategy, action, self.phases(strategy, **active, rebuild=rebuild), Rollback.STEP)
+            return Recovery(technique, action, self.phases(technique, **active, rebuild=rebuild), Rollback.STEP)
         if action == "restart_rank":
-            ph = self.phases(strategy, **active, replace=self.c.process_start_s, rebuild=rebuild,
+            ph = self.phases(technique, **active, replace=self.c.process_start_s, rebuild=rebuild,
                              restore=self.m.peer_copy())
-            return Recovery(strategy, action, ph, Rollback.STEP, restarted_ranks=victims)
+            return Recovery(technique, action, ph, Rollback.STEP, restarted_ranks=victims)
         if action == "swap_spare":  # the spare is already running: no start, state from a replica
-            ph = self.phases(strategy, **active, rebuild=rebuild, restore=self.m.peer_copy())
+            ph = self.phases(technique, **active, rebuild=rebuild, restore=self.m.peer_copy())
             back = self.m.repair_s if lost else self.c.process_start_s
-            return Recovery(strategy, action, ph, Rollback.STEP, spare_ranks=victims, spare_back_s=back)
+            return Recovery(technique, action, ph, Rollback.STEP, spare_ranks=victims, spare_back_s=back)
         if action == "takeover":  # a neighbour computes the lost ranks' work too, slower
             away = self.m.repair_s if lost else self.c.process_start_s
-            return Recovery(strategy, action, self.phases(strategy, **active, rebuild=rebuild), Rollback.STEP,
+            return Recovery(technique, action, self.phases(technique, **active, rebuild=rebuild), Rollback.STEP,
                             takeover_s=away, rejoin_s=rebuild + self.m.peer_copy())
         if action == "restart_all":  # every process restarts from its (or its partner's) memory snapshot
-            ph = self.phases(strategy, **active, replace=self.c.node_start_s if lost else self.c.process_start_s,
+            ph = self.phases(technique, **active, replace=self.c.node_start_s if lost else self.c.process_start_s,
                              rebuild=self.m.comm_init(self.gpus),
                              restore=max(self.m.host_copy(), self.m.peer_copy() if lost else 0.0))
-            return Recovery(strategy, action, ph, Rollback.SNAPSHOT, restarts_all=True, full_restart=True)
+            return Recovery(technique, action, ph, Rollback.SNAPSHOT, restarts_all=True, full_restart=True)
         if action == "recompute":  # the guard rejects the reduced gradient and redoes the step
             return Recovery(GUARD, action, Phases(), Rollback.STEP)
         raise ValueError(f"no cost model for action {action!r}")
-
-
-def check_mix(names: Sequence[str]) -> None:
-    """Reject unknown or repeated names with a message a user can act on."""
-    unknown = [n for n in names if n not in STRATEGY_NAMES]
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if unknown or repeated:
-        problem = (
-            f"unknown strategy name(s) {unknown}" if unknown else f"repeated name(s) {repeated}"
-        )
-        raise ConfigError(
-            f"ft: {problem} in {list(names)}. An ft mix is a list of recovery strategies, as the "
-            f"runner's ft; for each fault the runner's policy table picks the action. "
-            f"Valid names: {', '.join(STRATEGY_NAMES)}. Use 'ft=[]' for the "
-            f"restart-all-from-disk baseline, e.g. 'ft=[flashrecovery,deadpool,ndb,flash_ckpt]'."
-        )
