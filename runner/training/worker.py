@@ -159,8 +159,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
                           initial=spec.role == "initial")
     recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s, on_start=faults.on_recovery_start)
     # before the model: a technique's worker side may start work that overlaps building it
-    techniques = technique_workers(cfg.ft, WorkerContext(cfg, spec.run_dir, spec.node, spec.logical_rank, spec.role,
-                                                         comm, events, status, recovery))
+    techniques = technique_workers(cfg.ft, WorkerContext(cfg, topology, spec.run_dir, spec.node, spec.logical_rank,
+                                                         spec.role, comm, events, status, recovery))
     micro_batch = cfg.trainer.global_batch_size // dp
     options = strategy_options(cfg, spec.role, spec.first_gen, micro_batch, set_up_before_rank(cfg, topology),
                                topology.pp)

@@ -23,6 +23,7 @@ from runner.training.status import WorkerStatus
 from runner.training.zero import ZeroOne
 
 if TYPE_CHECKING:
+    from runner.planning.topology import Topology
     from runner.training.state import ReplicaState
 
 
@@ -88,6 +89,7 @@ class WorkerContext:
     """What a technique's worker side may use to build its hooks."""
 
     cfg: DictConfig  # the resolved run config
+    topology: Topology  # the process's one Topology of the run (runner.planning.topology)
     run_dir: str
     node: int
     logical_rank: int  # the rank this process starts as (a spare learns its own later)

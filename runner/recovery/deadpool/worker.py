@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from lightning.pytorch import LightningModule
 
-from runner.planning.topology import Topology
 from runner.recovery.common.hooks import WorkerContext, WorkerHooks
 from runner.recovery.deadpool.replication import ShardReplication
 from runner.recovery.deadpool.replicator import ShardReplicator
@@ -25,7 +24,7 @@ class DeadPoolWorker:
 
     def _replicate(self, zero: ZeroOne) -> ShardReplication:
         comm, cfg = self.ctx.comm, self.ctx.cfg.ft.deadpool
-        replicator = ShardReplicator(zero, Topology.from_cfg(self.ctx.cfg), comm.collective_timeout.total_seconds(),
+        replicator = ShardReplicator(zero, self.ctx.topology, comm.collective_timeout.total_seconds(),
                                      mode=cfg.replication, verify_every_n_steps=cfg.verify_every_n_steps)
         self._replication = ShardReplication(replicator, comm, self.ctx.events)
         return self._replication

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from lightning.pytorch import LightningModule
 
-from runner.planning.topology import Topology
 from runner.recovery.common.hooks import WorkerContext, WorkerHooks
 from runner.recovery.flash_ckpt.callback import FlashCheckpoint
 from runner.recovery.flash_ckpt.events import Event
@@ -35,7 +34,7 @@ class FlashCkptWorker:
         restore = SnapshotRestore(ctx.comm, ctx.events, ctx.recovery, flash.job_id, flash.dir, self.prefetch)
         # the partner copies travel on the side group, beside the main group's collectives; a recovery
         # abandons the exchange in flight on the generation it replaces
-        partners = ctx.cfg.ft.flash_ckpt.neighbour_backup and Topology.from_cfg(ctx.cfg).nodes > 1
+        partners = ctx.cfg.ft.flash_ckpt.neighbour_backup and ctx.topology.nodes > 1
         if partners:
             ctx.recovery.on_groups_dropped.append(flash.abandon_exchange)
         return WorkerHooks(callbacks=[flash], restore_snapshot=restore, side_group=partners)
@@ -46,7 +45,7 @@ class FlashCkptWorker:
         fc = ctx.cfg.ft.flash_ckpt
 
         def partner(rank: int):
-            return Topology.from_cfg(ctx.cfg).partner_rank(rank) if fc.neighbour_backup else None
+            return ctx.topology.partner_rank(rank) if fc.neighbour_backup else None
 
         def on_event(event: Event) -> None:
             if event.kind not in ("committed", "backed_up"):  # one per snapshot and rank would drown the log
