@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from omegaconf import OmegaConf
 
 from runner.config import ConfigError
 from runner.control.records import Recovery
+from runner.recovery.flash_ckpt.disk import read_verified
 from runner.recovery.flash_ckpt.host_memory import SnapshotMemory
 from runner.recovery.flash_names import flash_job_id
 from runner.report.summary import recovery_entry
@@ -324,6 +326,29 @@ def test_when_the_controllers_host_dies_every_other_host_exits_non_zero_and_a_re
     else:  # the old run dir is only read
         assert old_files == _hashes(job.run_dir)
     assert_trees_end(again)
+
+
+def test_a_host_agent_its_launcher_ends_finishes_its_breakpoint_persists_first(make_job):
+    """torchrun ends its process, a host's node agent, with SIGTERM when its rendezvous store went away with node 0's
+    host, often before the agent saw the controller go. The agent halts as after a lost controller: its workers
+    killed, the breakpoint persists their deaths started finished (what a relaunch resumes from), exit 143; by
+    default the signal would end it, and its persister with it, halfway through writing them. Here node 1's agent is
+    told to end; its torchrun then closes the rendezvous, and every other host's torchrun ends its own agent too."""
+    layout, overrides = KEPT_STATE["flash_snapshots"]
+    job = make_job()
+    three_hosts(job, "trainer.max_steps=100000", *overrides, layout=layout)
+    wait_for("two snapshots taken", lambda: max_step(job.run_dir) >= 12, procs=job.procs)
+    (joined,) = [e for e in events(job.run_dir, "host_joined") if e["node"] == 1]
+    os.kill(joined["pid"], signal.SIGTERM)
+    assert all(code != 0 for code in job.wait(timeout_s=120)), job.output()
+    (halt,) = [e for e in events(job.run_dir, "agent_terminated") if e["node"] == 1]
+    assert halt["exit_code"] == 143, halt
+    persisted = [e for e in events(job.run_dir, "snapshot_breakpoint_persisted") if e["rank"] == "persister-n1"]
+    assert sorted(e["snapshot_rank"] for e in persisted) == [2, 3], (persisted, job.output())
+    for e in persisted:
+        assert read_verified(Path(e["path"]))["global_step"] == e["snapshot_step"] >= 10
+    assert not list((job.run_dir / "checkpoints").glob(".*.tmp*")), "a persist was left half-written"
+    assert_trees_end(job)
 
 
 def _hashes(directory: Path) -> dict[Path, str]:

@@ -58,6 +58,7 @@ WAIT_SLICE = timedelta(hours=1)  # a blocking wait for the next command or exit,
 EXIT_REFUSED = 2  # the agent would not start (its config, the job's secret)
 EXIT_CONTROLLER_LOST = 3  # the controller's store went away or stopped answering
 EXIT_FENCED = 4  # the controller declared this host lost
+EXIT_TERMINATED = 128 + signal.SIGTERM  # its launcher's SIGTERM (``terminated``): what a shell reports for one
 HALT_GRACE_S = 2.0  # a halting agent's workers, killed, are awaited this long each
 TORCHRUN_GRACE_S = 3.0  # a torchrun told to end (SIGTERM) is SIGKILLed after this
 
@@ -284,6 +285,10 @@ class NodeAgent:
         elif not self._fence_refused:
             self._fence_refused = True
             self.events.emit("command_refused", node=self.node, seq=None, reason="a fence without a valid MAC")
+
+    def terminated(self) -> NoReturn:
+        """Its launcher sent SIGTERM (``runner.launch.termination``): halt, the breakpoint persists finished."""
+        self._halt(EXIT_TERMINATED, "agent_terminated", "terminated by its launcher (SIGTERM)")
 
     def _controller_silent(self, silent_s: float) -> None:
         self._halt(EXIT_CONTROLLER_LOST, "controller_lost",

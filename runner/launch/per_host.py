@@ -35,6 +35,7 @@ from runner.agents import auth, joins, spawned
 from runner.config import ConfigError
 from runner.config.validate import ft_names
 from runner.launch.host import claim_run_dir, external_launcher
+from runner.launch.termination import PromptTermination
 from runner.planning.topology import Topology
 from runner.plumbing import protocol
 from runner.plumbing.events import EventLog
@@ -269,7 +270,10 @@ def _run_agent(run_dir: Path, node: int, address: str, secret: bytes, config: by
     config_file = run_dir / f"agent_config.node{node}.json"
     config_file.write_bytes(config)
     host, port = address.rsplit(":", 1)
-    return NodeAgent(node, (host, int(port)), secret, run_dir, _gpus(None), config_file, torchrun).run()
+    agent = NodeAgent(node, (host, int(port)), secret, run_dir, _gpus(None), config_file, torchrun)
+    # the launcher's SIGTERM halts the host's part of the job as a lost controller does, breakpoint persists finished
+    PromptTermination(agent.terminated, main_thread_acts=False).install()
+    return agent.run()
 
 
 def _joined(run_dir: Path, node: int, address: str, role: str) -> None:
