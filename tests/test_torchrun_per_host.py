@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -332,22 +333,27 @@ def test_a_host_agent_its_launcher_ends_finishes_its_breakpoint_persists_first(m
     """torchrun ends its process, a host's node agent, with SIGTERM when its rendezvous store went away with node 0's
     host, often before the agent saw the controller go. The agent halts as after a lost controller: its workers
     killed, the breakpoint persists their deaths started finished (what a relaunch resumes from), exit 143; by
-    default the signal would end it, and its persister with it, halfway through writing them. Here node 1's agent is
-    told to end; its torchrun then closes the rendezvous, and every other host's torchrun ends its own agent too."""
+    default the signal would end it, and its persister with it, halfway through writing them."""
     layout, overrides = KEPT_STATE["flash_snapshots"]
     job = make_job()
-    three_hosts(job, "trainer.max_steps=100000", *overrides, layout=layout)
-    wait_for("two snapshots taken", lambda: max_step(job.run_dir) >= 12, procs=job.procs)
+    trees = three_hosts(job, "trainer.max_steps=100000", *overrides, layout=layout)
+    wait_for("two snapshots taken", lambda: max_step(job.run_dir) >= 12, procs=trees)
+    (tree1,) = [t for t in trees if t.pid == job.tree_of_node(1).pid]
     (joined,) = [e for e in events(job.run_dir, "host_joined") if e["node"] == 1]
     os.kill(joined["pid"], signal.SIGTERM)
-    assert all(code != 0 for code in job.wait(timeout_s=120)), job.output()
-    (halt,) = [e for e in events(job.run_dir, "agent_terminated") if e["node"] == 1]
-    assert halt["exit_code"] == 143, halt
+    assert tree1.wait(timeout=60) != 0, job.output()  # its one process, the agent, ended non-zero
+    (halt,) = events(job.run_dir, "agent_terminated")
+    assert (halt["node"], halt["exit_code"]) == (1, 143), halt
     persisted = [e for e in events(job.run_dir, "snapshot_breakpoint_persisted") if e["rank"] == "persister-n1"]
     assert sorted(e["snapshot_rank"] for e in persisted) == [2, 3], (persisted, job.output())
     for e in persisted:
         assert read_verified(Path(e["path"]))["global_step"] == e["snapshot_step"] >= 10
-    assert not list((job.run_dir / "checkpoints").glob(".*.tmp*")), "a persist was left half-written"
+    assert not list((job.run_dir / "checkpoints").glob(".*-rank[23].ckpt*.tmp*")), "a persist was left half-written"
+    # host 1's torchrun then closes its rendezvous; whether the other hosts' torchruns end their agents too depends
+    # on when they next look (the job may train on without host 1): the test ends them
+    for tree in trees:
+        if tree.poll() is None:
+            power_off(psutil.Process(tree.pid))
     assert_trees_end(job)
 
 
