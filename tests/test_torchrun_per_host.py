@@ -342,8 +342,9 @@ def test_a_host_agent_its_launcher_ends_finishes_its_breakpoint_persists_first(m
     (joined,) = [e for e in events(job.run_dir, "host_joined") if e["node"] == 1]
     os.kill(joined["pid"], signal.SIGTERM)
     assert tree1.wait(timeout=60) != 0, job.output()  # its one process, the agent, ended non-zero
-    (halt,) = events(job.run_dir, "agent_terminated")
-    assert (halt["node"], halt["exit_code"]) == (1, 143), halt
+    # the other hosts' torchruns may end their agents the same way once host 1's closed its rendezvous
+    (halt,) = [e for e in events(job.run_dir, "agent_terminated") if e["node"] == 1]
+    assert halt["exit_code"] == 143, halt
     persisted = [e for e in events(job.run_dir, "snapshot_breakpoint_persisted") if e["rank"] == "persister-n1"]
     assert sorted(e["snapshot_rank"] for e in persisted) == [2, 3], (persisted, job.output())
     for e in persisted:
