@@ -27,7 +27,16 @@ def fault_free(one_by_two, two_by_two):
 
 
 def assert_restarted(run, reference, resumed_at: int, fault_step: int = 23) -> dict:
-    """Completed, bit-identical to the fault-free run, resumed at `resumed_at`, /dev/shm clean."""
+    """Completed, bit-identical to the fault-free run, resumed from the snapshots of `resumed_at`, /dev/shm clean."""
+    s = assert_restarted_exactly(run, reference, resumed_at, fault_step)
+    restored = run.events("snapshot_restored")
+    assert len(restored) == s["world_size"] and {e["step"] for e in restored} == {resumed_at}
+    return {e["rank"]: e for e in restored}
+
+
+def assert_restarted_exactly(run, reference, resumed_at: int, fault_step: int) -> dict:
+    """Completed, every rank restarted at `resumed_at`, bit-identical to the fault-free run, /dev/shm clean: the
+    summary."""
     s = run.summary
     assert s["status"] == "completed", run.output[-4000:]
     assert not job_files(flash_job_id(run.dir)), "shared-memory segments of the job left behind"
@@ -40,10 +49,8 @@ def assert_restarted(run, reference, resumed_at: int, fault_step: int = 23) -> d
     assert rec["action"] == "restart_all" and rec["step"] == fault_step
     assert rec["rpo_steps"] == fault_step - resumed_at
     assert rec["rto_s"] > 0
-    restored = run.events("snapshot_restored")
-    assert len(restored) == s["world_size"] and {e["step"] for e in restored} == {resumed_at}
     assert [e["role"] for e in run.events("worker_started")].count("restore") == s["world_size"]
-    return {e["rank"]: e for e in restored}
+    return s
 
 
 @pytest.mark.slow
@@ -67,6 +74,15 @@ def test_kill_all_resumes_from_memory_exactly(fault_free, run_dir):
     for e in persisted:
         assert read_verified(Path(e["path"]))["global_step"] == 20
     assert "restart_all" in run.output  # the decision is shown live
+
+
+def test_a_fault_before_the_first_snapshot_restarts_every_rank_from_step_0_exactly(fault_free, run_dir):
+    # nothing to restore yet (the first snapshot is step 5's): the ranks agree to start where the run did
+    run = run_cli(*TWO, "fault=kill_all", "fault.step=3", "heartbeat.decide_window_s=0", run_dir=run_dir)
+    assert_restarted_exactly(run, fault_free[2], resumed_at=0, fault_step=3)
+    assert not run.events("snapshot_restored")
+    (start,) = run.events("restart_from_start")
+    assert (start["rank"], start["resume"]) == (0, None)
 
 
 @pytest.mark.slow

@@ -498,19 +498,29 @@ def test_zero1_takeover_of_a_lost_host_carries_its_shard_from_deadpools_replica(
 
 
 @pytest.mark.slow
-def test_flash_ckpt_restores_every_worker_killed_on_every_host_from_memory(make_job, local_checksum):
+@pytest.mark.parametrize("fault_step", [23, 3])
+def test_flash_ckpt_restarts_every_worker_killed_on_every_host_exactly(make_job, local_checksum, fault_step):
+    """At step 23 every rank restores step 20's snapshot from memory; at step 3, before the first snapshot (step 5),
+    every rank starts again from step 0."""
+    resumed_at = fault_step // 5 * 5
     job = make_job()
     rdzv = c10d_rendezvous()
     for _ in range(2):  # the agents stay up; the controller kills every worker through them
         job.torchrun(2, 1, rdzv, 0, "launcher.mode=per_host", *FLASH, "ft.flash_ckpt.persist_every_n_steps=50",
-                     "fault=kill_all", "fault.step=23", extra_env=SECRET)
+                     "fault=kill_all", f"fault.step={fault_step}", extra_env=SECRET)
     assert job.wait() == [0, 0], job.output()
     s = summary(job)
     assert s["status"] == "completed", job.output()
     (rec,) = s["recoveries"]
-    assert (rec["action"], rec["step"], rec["rpo_steps"]) == ("restart_all", 23, 3)
+    assert (rec["action"], rec["step"], rec["rpo_steps"]) == ("restart_all", fault_step, fault_step - resumed_at)
     restored = events(job.run_dir, "snapshot_restored")
-    assert sorted((e["rank"], e["step"], e["source"]) for e in restored) == [(r, 20, "memory") for r in range(4)]
+    starts = events(job.run_dir, "restart_from_start")
+    if resumed_at:
+        assert sorted((e["rank"], e["step"], e["source"]) for e in restored) == [
+            (r, resumed_at, "memory") for r in range(4)]
+        assert not starts
+    else:
+        assert not restored and [e["rank"] for e in starts] == [0]
     assert s["samples_lost"] == 0 and s["param_checksum"] == local_checksum
     assert_trees_end(job)
 

@@ -41,7 +41,7 @@ EVENT_ROWS = frozenset({
     "fault_injected", "chaos_drawn", "fault_not_carried_out", "chaos_fault_unseen", "sdc_detected",
     "fault_detected", "worker_killed", "recovery_decided", "recovery_not_needed",
     "replacement_ready", "spare_assigned", "spare_lost", "takeover_assigned", "replica_stopped", "repair_started",
-    "rejoined", "snapshot_restored", "run_failed", "straggler_detected", "hang_diagnosed",
+    "rejoined", "snapshot_restored", "restart_from_start", "run_failed", "straggler_detected", "hang_diagnosed",
 })
 # the controller's record gives the times of decisions and replacements; these events give the rest
 PHASE_EVENTS = frozenset({"fault_injected", "fault_detected", "group_formed"})

@@ -210,11 +210,9 @@ def resume_role(cfg: DictConfig, store, env: RankEnv, run_dir: Path) -> str:
     ``SavedState``), else ``initial`` (from step 0). Every rank publishes the steps it holds and reads everyone's, so
     all of them choose alike."""
     held = sorted({s for state in saved_states(ft_names(cfg)) for s in state.held_steps(run_dir, env.rank)})
-    store.set(f"resume/held/{env.rank}", json.dumps(held))
-    keys = [f"resume/held/{r}" for r in range(env.world)]
-    store.wait(keys, timedelta(seconds=cfg.launcher.start_timeout_s))
-    common = set.intersection(*(set(json.loads(store.get(k).decode())) for k in keys))
-    return "restore" if common else "initial"
+    table = protocol.steps_held_by_each_rank(store, "resume/held", env.rank, env.world, held,
+                                             cfg.launcher.start_timeout_s)
+    return "restore" if set.intersection(*table) else "initial"
 
 
 def carry_fault_claims(cfg: DictConfig, base, keys: JobKeys, attempt: int) -> None:

@@ -23,6 +23,9 @@ Keys (all under the job's store, or a namespace of it under torchrun):
   fault/claim/<i>     counter that makes fault i fire once per job
   fault/hit/<i>       fault i's victim reached its trigger point (JSON)
   fault/released/<i>  the controller carried fault i out
+  restart/<g>/held/<r> the snapshot steps logical rank r, restarted into generation g, holds (JSON list): where no
+                      rank holds one (the fault struck before the first), every rank starts where the run did
+  resume/held/<r>     the same, for a launcher's restart of a failed attempt (runner.launch.external)
   done/<wid>          a worker finished training (JSON: step, checksum, logical rank); counter done_count
   fenced/worker/<wid> worker wid was written off (JSON: wid, logical, gen, reason): heard again, it exits at once
   released/<wid>      worker wid was released in a planned hand-over (a straggler's ranks moved, or its process
@@ -135,6 +138,15 @@ def latest_layout(store: TCPStore, at_least: int = 0) -> Layout:
     """The newest generation; ``gen/<g>`` is written before ``gen``, so trust what the caller saw too."""
     gen = max(int(store.get("gen")), at_least)
     return Layout.from_json(store.get(f"gen/{gen}"))
+
+
+def steps_held_by_each_rank(store, key: str, rank: int, world: int, held: list[int], timeout_s: float) -> list[set]:
+    """Every rank's ``held`` steps, each published under ``<key>/<rank>``: the ranks of a restart choose its starting
+    point from the same table, so all of them choose alike."""
+    store.set(f"{key}/{rank}", json.dumps(sorted(held)))
+    keys = [f"{key}/{r}" for r in range(world)]
+    store.wait(keys, timedelta(seconds=timeout_s))
+    return [set(json.loads(raw)) for raw in store.multi_get(keys)]
 
 
 def report(store: TCPStore, payload: dict) -> None:

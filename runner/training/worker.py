@@ -160,7 +160,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
     recovery = ReplicaRecovery(comm, events, status, cfg.launcher.recovery_timeout_s, on_start=faults.on_recovery_start)
     # before the model: a technique's worker side may start work that overlaps building it
     techniques = technique_workers(cfg.ft, WorkerContext(cfg, topology, spec.run_dir, spec.node, spec.logical_rank,
-                                                         spec.role, comm, events, status, recovery))
+                                                         spec.role, spec.first_gen, comm, events, status,
+                                                         recovery))
     micro_batch = cfg.trainer.global_batch_size // dp
     options = strategy_options(cfg, spec.role, spec.first_gen, micro_batch, set_up_before_rank(cfg, topology),
                                topology.pp)
@@ -218,8 +219,11 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
         log_every_n_steps=1,  # every record is complete; the run logger keeps trainer.log_every_n_steps
         default_root_dir=str(run_dir),
     )
-    # an initial rank of a resumed run starts from the checkpoint file (runner.resume, checked by the launcher)
-    ckpt_path = {"joiner": PEER_CKPT, "spare": PEER_CKPT, "restore": SNAPSHOT_CKPT}.get(spec.role, cfg.runner.resume)
+    # an initial rank of a resumed run starts from the checkpoint file (runner.resume, checked by the launcher), as
+    # does a restarted one when no rank held a snapshot to restart from (the fault struck before the first)
+    ckpt_path = {"joiner": PEER_CKPT, "spare": PEER_CKPT}.get(spec.role, cfg.runner.resume)
+    if spec.role == "restore" and hooks.restore_snapshot is not None:
+        ckpt_path = SNAPSHOT_CKPT
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     status.phase = "done"
     checksum = strategy.full_checksum if strategy.full_checksum is not None else param_checksum(module)

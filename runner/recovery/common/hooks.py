@@ -94,6 +94,7 @@ class WorkerContext:
     node: int
     logical_rank: int  # the rank this process starts as (a spare learns its own later)
     role: str  # initial | joiner | spare | restore
+    first_gen: int  # the generation this process first joins
     comm: Comm
     events: EventLog
     status: WorkerStatus

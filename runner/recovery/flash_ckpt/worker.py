@@ -11,11 +11,13 @@ from pathlib import Path
 
 from lightning.pytorch import LightningModule
 
+from runner.plumbing import protocol
 from runner.recovery.common.hooks import WorkerContext, WorkerHooks
 from runner.recovery.flash_ckpt.callback import FlashCheckpoint
 from runner.recovery.flash_ckpt.events import Event
 from runner.recovery.flash_ckpt.persister import persister_address
 from runner.recovery.flash_ckpt.prefetch import Prefetch
+from runner.recovery.flash_ckpt.restore import list_snapshots
 from runner.recovery.flash_ckpt.snapshot_restore import SnapshotRestore
 from runner.recovery.flash_names import flash_job_id
 
@@ -23,7 +25,13 @@ from runner.recovery.flash_names import flash_job_id
 class FlashCkptWorker:
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
-        self.prefetch = Prefetch(flash_job_id(ctx.run_dir), ctx.logical_rank) if ctx.role == "restore" else None
+        self.prefetch: Prefetch | None = None
+        self.held: list[int] = []  # the steps of this rank's snapshots, for a restarted rank
+        if ctx.role == "restore":
+            job_id, rank = flash_job_id(ctx.run_dir), ctx.logical_rank
+            self.held = sorted({c.step for c in list_snapshots(job_id, rank, Path(ctx.run_dir) / "checkpoints")})
+            if self.held:
+                self.prefetch = Prefetch(job_id, rank)
         from runner.recovery.flash_ckpt.kernels import warm_up  # numba only where flash checkpoints run
 
         warm_up()
@@ -31,13 +39,29 @@ class FlashCkptWorker:
     def hooks(self, module: LightningModule) -> WorkerHooks:
         ctx = self.ctx
         flash = self._callback()
-        restore = SnapshotRestore(ctx.comm, ctx.events, ctx.recovery, flash.job_id, flash.dir, self.prefetch)
+        restore = None
+        if ctx.role != "restore" or self._any_rank_holds_a_snapshot():
+            restore = SnapshotRestore(ctx.comm, ctx.events, ctx.recovery, flash.job_id, flash.dir, self.prefetch)
         # the partner copies travel on the side group, beside the main group's collectives; a recovery
         # abandons the exchange in flight on the generation it replaces
         partners = ctx.cfg.ft.flash_ckpt.neighbour_backup and ctx.topology.nodes > 1
         if partners:
             ctx.recovery.on_groups_dropped.append(flash.abandon_exchange)
         return WorkerHooks(callbacks=[flash], restore_snapshot=restore, side_group=partners)
+
+    def _any_rank_holds_a_snapshot(self) -> bool:
+        """Whether some rank of this restart holds a snapshot. None does when the fault struck before the first was
+        taken: every rank then starts where the run did (``runner.resume``, or step 0), as a launcher's restart of a
+        failed attempt does; where only some hold one, the restore says which ranks lack a common step."""
+        ctx = self.ctx
+        table = protocol.steps_held_by_each_rank(ctx.comm.store, f"restart/{ctx.first_gen}/held", ctx.logical_rank,
+                                                 ctx.topology.world, self.held, ctx.cfg.launcher.start_timeout_s)
+        if any(table):
+            return True
+        if ctx.logical_rank == 0:
+            ctx.events.emit("restart_from_start", resume=ctx.cfg.runner.resume,
+                            reason="no rank held a snapshot: the fault struck before the first one was taken")
+        return False
 
     def _callback(self) -> FlashCheckpoint:
         """Snapshots of this logical rank, a copy on the partner node, persists to <run dir>/checkpoints."""
