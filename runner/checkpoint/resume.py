@@ -31,7 +31,7 @@ from runner.checkpoint import last_checkpoint
 from runner.config import ConfigError
 from runner.planning.plan import gpt_config
 from runner.plumbing.protocol import AGENT_CONFIG_FILE
-from runner.recovery.registry import saved_states
+from runner.recovery.registry import offering, saved_states
 
 REQUIRED = ("state_dict", "optimizer_states", "lr_schedulers", "loops", "global_step")
 
@@ -89,8 +89,9 @@ def resume_checkpoint(target: str, run_dir: Path, max_steps: int,
     ``in_place``: the run continues its own run dir's checkpoint (``runner.resume=auto``)."""
     given = Path(target).expanduser().resolve()
     path = given if given.is_file() else newest_checkpoint(given)
-    why = ("There is nothing to continue from: give a run dir that holds checkpoints/last.ckpt (or flash checkpoints "
-           "persisted by ft=flash_ckpt) or a .ckpt file.")
+    snapshotting = " or ".join(f"ft={n}" for n in offering("restarts_from_snapshots"))
+    why = ("There is nothing to continue from: give a run dir that holds checkpoints/last.ckpt (or snapshots "
+           f"persisted by {snapshotting}) or a .ckpt file.")
     if not given.exists():
         raise ConfigError(f"runner.resume={target}: no such file or directory. {why}")
     if not path.is_file():

@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields, replace
 from math import ceil
 
 from runner.config.schema import GPTConfig
+from runner.recovery.registry import offering, titles
 
 GiB = 2**30
 
@@ -132,12 +133,22 @@ class RankMemory:
         state = [f"parameters {g['params']:.1f} + gradients {g['grads']:.1f} + master weights {g['master']:.1f} + "
                 f"Adam moments {g['moments']:.1f} {unit}"]
         if not self.activations_known:
-            return state + [f"+ DeadPool shard replicas {g['replicas']:.1f} + a shard carried for NDB "
+            return state + [f"+ {replicas_label()} {g['replicas']:.1f} + {carried_label()} "
                             f"{g['carried']:.1f} {unit}; activations not counted (the plan does not know the module's "
                             "shape)"]
         return state + [f"+ activations {g['activations']:.1f} ({g['recomputed']:.1f} with full recomputation, which "
-                        f"training does not do) + pipeline buffers {g['pipeline']:.1f} + DeadPool shard replicas "
-                        f"{g['replicas']:.1f} + a shard carried for NDB {g['carried']:.1f} {unit}"]
+                        f"training does not do) + pipeline buffers {g['pipeline']:.1f} + {replicas_label()} "
+                        f"{g['replicas']:.1f} + {carried_label()} {g['carried']:.1f} {unit}"]
+
+
+def replicas_label() -> str:
+    """The plan's name for the shard replicas, after the techniques that keep them."""
+    return f"{titles(offering('replicates_shards'))} shard replicas"
+
+
+def carried_label() -> str:
+    """The plan's name for a shard carried during a takeover, after the techniques that carry one."""
+    return f"a shard carried for {titles(offering('covers_ranks'))}"
 
 
 def stage_params(gpt: GPTConfig, tp: int, pp: int, stage: int) -> float:

@@ -45,7 +45,7 @@ class Plan:
     facts: ModuleFacts
     gpus_available: int
     spares: int
-    spares_by_default: bool  # parallel.spares unset and ft has deadpool: one spare node
+    spares_by_default: bool  # parallel.spares unset and a technique in ft uses spares: one spare node
 
     @property
     def bytes_per_rank(self) -> float:

@@ -87,7 +87,7 @@ def make_plan(cfg, model: CostModel, failures: FailureModel, gpus: int, mix: Seq
         checkpoint_stall_s=0.0 if snapshots else save_s,
         snapshot_interval_s=cfg.job.snapshot_interval_min * 60.0 if snapshots else None,
         snapshot_stall_s=cfg.costs.snapshot_block_s,
-        degraded_speed=1.0 - cfg.costs.ndb_throughput_loss,
+        degraded_speed=1.0 - cfg.costs.takeover_throughput_loss,
         repair_s=model.repair_s,
         straggler_rate_per_s=cfg.stragglers.per_node_day / 86400.0 if cfg.stragglers.enabled else 0.0,
         straggler_slowdown=cfg.stragglers.slowdown,

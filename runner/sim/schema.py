@@ -88,7 +88,7 @@ class CostsConf:
     host_mem_gbps: float = MISSING
     snapshot_block_s: float = MISSING
     # degraded running
-    ndb_throughput_loss: float = MISSING
+    takeover_throughput_loss: float = MISSING  # the job's throughput lost while neighbours compute failed ranks
 
 
 @dataclass
@@ -201,9 +201,9 @@ def check_ranges(cfg) -> None:
     if cfg.stragglers.per_node_day < 0 or cfg.stragglers.slowdown < 1 or cfg.stragglers.window_steps < 1:
         raise ConfigError("stragglers.per_node_day must be >= 0 (0: none), stragglers.slowdown >= 1 (the job's "
                           "step time x this while a straggler is in it) and stragglers.window_steps >= 1")
-    if cfg.cluster.spares_nodes < 0 or not 0 <= cfg.costs.ndb_throughput_loss < 1:
+    if cfg.cluster.spares_nodes < 0 or not 0 <= cfg.costs.takeover_throughput_loss < 1:
         raise ConfigError(
-            "cluster.spares_nodes must be >= 0 and costs.ndb_throughput_loss in [0, 1)"
+            "cluster.spares_nodes must be >= 0 and costs.takeover_throughput_loss in [0, 1)"
         )
     check_sources(cfg)
 
