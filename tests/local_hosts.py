@@ -5,7 +5,6 @@ time; a host is lost as when its power goes (every process of its tree SIGKILLed
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -16,6 +15,8 @@ import uuid
 from pathlib import Path
 
 import psutil
+
+from runner.plumbing.events import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout whose runner every process of a job runs
 TOKEN_ENV = "RR_TEST_TOKEN"
@@ -59,17 +60,11 @@ def wait_for(what: str, condition, timeout_s: float = 240.0, procs=()):
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    return [e for e in (json.loads(x) for x in path.read_text().splitlines() if x.strip()) if e["kind"] == kind]
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == kind]
 
 
 def max_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return -1
-    return max((json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()), default=-1)
+    return max((r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")), default=-1)
 
 
 def listens(pid: int, port: int) -> bool:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from runner.lightning_module import GPTModule
+from runner.plumbing.events import read_jsonl
 from runner.training.checksum import param_checksum
 from tests.conftest import QUIET, ROOT, TINY, Run, assert_nothing_left, run_cli
 
@@ -157,8 +158,7 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, deadline: f
     """Poll the file until a committed step >= ``step`` is in it (the run must still be going)."""
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the run ended before it was signalled"
-        if metrics.exists() and any(json.loads(line)["step"] >= step
-                                    for line in metrics.read_text().splitlines() if line.strip()):
+        if any(r["step"] >= step for r in read_jsonl(metrics)):
             return
         time.sleep(0.05)
     raise AssertionError(f"no step {step} in {metrics} in time")

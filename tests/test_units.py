@@ -233,6 +233,20 @@ def test_a_committed_step_without_a_record_is_written_by_a_member_that_holds_it(
     assert steps() == [7, 8, 9, 10]
 
 
+def test_a_record_half_written_is_not_read_until_its_line_is_whole(tmp_path):
+    """A poll of metrics.jsonl while its writer is in the middle of a record reads the complete records only (a
+    netns chaos test read a record cut after its 220th character and failed on it)."""
+    from runner.plumbing.events import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    whole = json.dumps({"step": 21, "loss": 4.5}) + "\n"
+    half = json.dumps({"step": 22, "loss": 4.4, "counts": [1, 1]})
+    path.write_text(whole + half[:20])
+    assert read_jsonl(path) == [{"step": 21, "loss": 4.5}]
+    path.write_text(whole + half + "\n")
+    assert [r["step"] for r in read_jsonl(path)] == [21, 22]
+
+
 def test_runner_deterministic_turns_on_deterministic_kernels_in_a_worker(monkeypatch):
     from runner.training.worker import deterministic_kernels
 

@@ -48,9 +48,12 @@ class EventLog(JsonLines):
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete record of a JSON-lines file, also one a running job is still appending to: what follows the
+    last newline is a record half written (read mid-write, or cut by a process killed while writing), not yet one."""
     if not Path(path).exists():
         return []
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    *complete, _ = Path(path).read_text().split("\n")
+    return [json.loads(line) for line in complete if line.strip()]
 
 
 def committed_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
