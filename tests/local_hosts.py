@@ -145,7 +145,13 @@ class Job:
         return [p.returncode for p in self.procs]
 
     def output(self) -> str:
+        """Each host's log, its tail only: for a failure's message."""
         return "\n".join(f"--- {log.name}\n{log.read_text()[-2500:]}" for log in self.logs)
+
+    def printed(self, text: str) -> bool:
+        """Whether some host printed ``text``, anywhere in its log (torchrun's own report of a failed agent may
+        follow the runner's message by more than ``output``'s tail)."""
+        return any(text in log.read_text() for log in self.logs)
 
     def close(self) -> None:
         for p in self.procs:
