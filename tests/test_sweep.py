@@ -8,16 +8,21 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
-def test_a_sweep_with_a_refused_job_runs_the_others_and_exits_non_zero(tmp_path):
-    """Job 0 is refused (trainer.lr=-1), job 1 trains after it: Hydra records job 0 FAILED with the runner's error and
-    job 1 COMPLETED with its final train/loss, and the sweep exits non-zero."""
+@pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_local"])
+def test_a_sweep_with_a_refused_job_runs_the_others_and_exits_non_zero(tmp_path, launcher):
+    """Job 0 is refused (trainer.lr=-1), job 1 trains beside or after it: Hydra's launcher (its own, joblib's
+    processes, submitit's local jobs) records job 0 FAILED with the runner's error and job 1 COMPLETED with its final
+    train/loss, and the sweep exits non-zero."""
     sweep = tmp_path / "sweep"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     proc = subprocess.run(
-        [sys.executable, "-m", "runner", "-m", "+recipe=gpt_tiny", "trainer.lr=-1,3e-3", "trainer.max_steps=3",
+        [sys.executable, "-m", "runner", "-m", f"hydra/launcher={launcher}", "+recipe=gpt_tiny", "trainer.lr=-1,3e-3",
+         "trainer.max_steps=3",
          "logger=none", "trainer.progress_bar=false", f"hydra.sweep.dir={sweep}",
          "+hydra.callbacks.record._target_=tests.hydra_jobs.RecordJobReturn"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
@@ -26,7 +31,8 @@ def test_a_sweep_with_a_refused_job_runs_the_others_and_exits_non_zero(tmp_path)
     refused, trained = (json.loads((sweep / job / "job_return.json").read_text()) for job in ("0", "1"))
     assert refused["status"] == "FAILED"
     assert refused["value"].startswith(f"JobFailed: the job in {sweep / '0'} was refused (bad config): exit code 2")
-    assert "trainer.lr=-1 must be > 0." in output
+    jobs_output = output + "".join(log.read_text() for log in sweep.glob(".submitit/*/*_log.*"))  # submitit's jobs
+    assert "trainer.lr=-1 must be > 0." in jobs_output  # write their output to logs of their own
     assert not (sweep / "0" / "summary.json").exists()
     summary = json.loads((sweep / "1" / "summary.json").read_text())
     assert (summary["status"], summary["global_step"]) == ("completed", 3)
