@@ -397,9 +397,19 @@ class Run:
                     log = self.logs[p.pid].read_text()[-2000:]
                     raise RuntimeError(f"{what}: a bench process exited ({p.args[2]}), its log ends:\n{log}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: not within {timeout_s:.0f}s; see {self.dir}")
+                raise TimeoutError(f"{what}: not within {timeout_s:.0f}s\n{self.state()}")
             time.sleep(0.01)
         return time.time()
+
+    def state(self) -> str:
+        """What a wait that timed out needs to be understood, in its message: the directory goes with the bench. The
+        faults carried out and the orders no generator took, the run's newest events, each process's log tail."""
+        carried = complete_lines(self.out / "faults.jsonl")
+        pending = [path.name for path in self.out.glob("order-*.json")]
+        events = complete_lines(self.run_dir / "events.jsonl") if (self.run_dir / "events.jsonl").exists() else []
+        newest = "\n".join(json.dumps(e)[:300] for e in events[-15:])
+        logs = "\n".join(f"-- {log.name}: {log.read_text()[-600:]}" for log in self.logs.values() if log.exists())
+        return f"faults carried out: {carried}\norders not taken: {pending}\nnewest events:\n{newest}\n{logs}"
 
     def adoptions(self) -> list[dict]:
         path = self.out / "adopted.jsonl"
