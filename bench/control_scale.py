@@ -9,9 +9,9 @@ hosts the store and runs ``runner.control.controller.Controller`` with every age
 processes stand in for the N + 1 hosts, without training: each host registers its agent, beats ``agent/<n>/hb``
 every half interval (and reads its fence), and serves its signed command queue (spawn: a simulated worker, acked
 with a made-up pid; signal; shutdown) on a thread of its own, as a node agent does; every simulated worker does what
-a worker's heartbeat thread does each ``heartbeat.interval_s`` (set ``hb/<wid>``, read ``gen`` and ``stop`` in one
-``multi_get``: two operations; its fence it reads only in a new generation), its step advancing; a new replacement
-or spare writes ``ready/<wid>``; and each rank adopts every generation it is a member of (reads ``gen/<g>``, writes
+a worker's heartbeat thread does each ``heartbeat.interval_s`` (set ``hb/<wid>``, get ``gen``, check ``stop``: three
+operations; its fence it reads only in a new generation), its step advancing; a new replacement or spare writes
+``ready/<wid>``; and each rank adopts every generation it is a member of (reads ``gen/<g>``, writes
 ``pg/<g>/arrived/<rank>``). Faults, one after the other, each once the job is steady:
 
 - crash: a worker's exit is reported by its agent (``agent/<n>/exit/<k>``), as after a SIGKILL;
@@ -250,7 +250,7 @@ class Generator:
             self.stop.wait(max(0.0, t_next - time.monotonic()))
 
     def beat_workers(self) -> None:
-        """Every worker every interval: what its heartbeat thread does (set ``hb/<wid>``, read ``gen`` and ``stop``;
+        """Every worker every interval: what its heartbeat thread does (set ``hb/<wid>``, get ``gen``, check ``stop``;
         the worker's fence once per new generation). One thread does every worker of this generator in turn: when a
         round takes longer than the interval the beats fall behind, which ``Run.steady`` reports against the rate
         the protocol prescribes."""
@@ -266,8 +266,10 @@ class Generator:
                 w.seq += 1
                 payload = {"seq": w.seq, "step": step, "phase": "compute", "rss": 1 << 30, "t": time.time()}
                 store.set(f"hb/{w.wid}", json.dumps(payload))
-                gen = int(store.multi_get(["gen", protocol.STOP])[0])
+                gen = int(store.get("gen"))
+                store.check([protocol.STOP])
                 self.ops.add("hb", 2)
+                self.ops.add("stop", poll=True)
                 if w.fence_read_at != gen:
                     store.check([protocol.worker_fence_key(w.wid)])
                     w.fence_read_at = gen
@@ -457,9 +459,9 @@ class Run:
         c1, g1, ops1, t1 = self.cpu([self.controller]), self.cpu(self.gens), self.ops(), time.monotonic()
         span, spent = t1 - t0, ops1 - ops0
         interval = 0.1
-        # a worker's 2 operations per beat (the spare host's warm workers beat too); an agent's 2, every half interval
-        prescribed = (2 * (self.world + self.rph) + 4 * (self.hosts + 1)) / interval
-        achieved = (spent["op:hb"] + spent["op:agent_hb"] + spent["poll:fenced"]) / span
+        # a worker's 3 operations per beat (the spare host's warm workers beat too); an agent's 2, every half interval
+        prescribed = (3 * (self.world + self.rph) + 4 * (self.hosts + 1)) / interval
+        achieved = (spent["op:hb"] + spent["poll:stop"] + spent["op:agent_hb"] + spent["poll:fenced"]) / span
         return {"controller_cpu": (c1 - c0) / span, "generators_cpu": (g1 - g0) / span,
                 "store_ops_per_s": sum(spent.values()) / span, "beat_ops_per_s": achieved,
                 "beat_ops_prescribed_per_s": prescribed}

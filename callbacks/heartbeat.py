@@ -84,12 +84,10 @@ class Heartbeat(Callback):
             self.contact.asking()
             try:
                 store.set(key, json.dumps(payload))
-                # Planned membership changes and a stop reach the trainer without a per-step cost: both in one read
-                # (the stop key is written before generation 0), two store operations per beat in all.
-                if self.status.latest_gen >= 0 or store.check(["gen"]):
-                    gen, stop = store.multi_get(["gen", protocol.STOP])
-                    self.status.latest_gen = int(gen)
-                    self.status.stop_requested = self.status.stop_requested or bool(stop)
+                if self.status.latest_gen >= 0 or store.check(["gen"]):  # planned membership changes reach
+                    self.status.latest_gen = int(store.get("gen"))  # the trainer without a per-step cost
+                if not self.status.stop_requested and store.check([protocol.STOP]):
+                    self.status.stop_requested = True
                 # A fence is written before the generation that replaces its worker, so it is read only when a
                 # new generation appeared, or when this worker was out of touch (stopped, or behind a link that
                 # was down): not one more store operation on every beat of every worker.

@@ -138,7 +138,6 @@ class Controller:
         if self.store is None:
             self.store = protocol.host_store(self.host, self.cfg.launcher.start_timeout_s)
             self.port = self.store.port
-        self.store.set(protocol.STOP, "")  # before generation 0: a worker's beat reads it with ``gen``, in one read
         if self.fleet is None:
             preload, persist = agent_setup(self.actions)
             self.fleet = AgentFleet(self.cfg, self.run_dir, self.store, (self.host, self.port), self.queue, preload,

@@ -31,9 +31,7 @@ Keys (all under the job's store, or a namespace of it under torchrun):
   released/<wid>      worker wid was released in a planned hand-over (a straggler's ranks moved, or its process
                       restarted: JSON wid, logical, gen, recovery, reason): it leaves cleanly at its next regroup
   abort               the run is over (controller to all): the reason
-  stop                empty until a stop is asked for, then the signal's name: checkpoint at the next committed
-                      step and stop (controller to all, on SIGINT/SIGTERM/SIGUSR2); written before generation 0,
-                      so a heartbeat reads it with ``gen`` in one operation
+  stop                checkpoint at the next committed step and stop (controller to all, on SIGINT/SIGTERM)
 """
 
 from __future__ import annotations
