@@ -408,8 +408,7 @@ class Run:
         faults carried out and the orders no generator took, the run's newest events, each process's log tail."""
         carried = complete_lines(self.out / "faults.jsonl")
         pending = [path.name for path in self.out.glob("order-*.json")]
-        events = complete_lines(self.run_dir / "events.jsonl") if (self.run_dir / "events.jsonl").exists() else []
-        newest = "\n".join(json.dumps(e)[:300] for e in events[-15:])
+        newest = "\n".join(json.dumps(e)[:300] for e in complete_lines(self.run_dir / "events.jsonl")[-15:])
         logs = "\n".join(f"-- {log.name}: {log.read_text()[-600:]}" for log in self.logs.values() if log.exists())
         return f"faults carried out: {carried}\norders not taken: {pending}\nnewest events:\n{newest}\n{logs}"
 

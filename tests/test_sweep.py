@@ -22,8 +22,7 @@ def test_a_sweep_with_a_refused_job_runs_the_others_and_exits_non_zero(tmp_path,
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     proc = subprocess.run(
         [sys.executable, "-m", "runner", "-m", f"hydra/launcher={launcher}", "+recipe=gpt_tiny", "trainer.lr=-1,3e-3",
-         "trainer.max_steps=3",
-         "logger=none", "trainer.progress_bar=false", f"hydra.sweep.dir={sweep}",
+         "trainer.max_steps=3", "logger=none", "trainer.progress_bar=false", f"hydra.sweep.dir={sweep}",
          "+hydra.callbacks.record._target_=tests.hydra_jobs.RecordJobReturn"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
     output = proc.stdout + proc.stderr
@@ -31,8 +30,9 @@ def test_a_sweep_with_a_refused_job_runs_the_others_and_exits_non_zero(tmp_path,
     refused, trained = (json.loads((sweep / job / "job_return.json").read_text()) for job in ("0", "1"))
     assert refused["status"] == "FAILED"
     assert refused["value"].startswith(f"JobFailed: the job in {sweep / '0'} was refused (bad config): exit code 2")
-    jobs_output = output + "".join(log.read_text() for log in sweep.glob(".submitit/*/*_log.*"))  # submitit's jobs
-    assert "trainer.lr=-1 must be > 0." in jobs_output  # write their output to logs of their own
+    # submitit's jobs write their output to logs of their own
+    jobs_output = output + "".join(log.read_text() for log in sweep.glob(".submitit/*/*_log.*"))
+    assert "trainer.lr=-1 must be > 0." in jobs_output
     assert not (sweep / "0" / "summary.json").exists()
     summary = json.loads((sweep / "1" / "summary.json").read_text())
     assert (summary["status"], summary["global_step"]) == ("completed", 3)
