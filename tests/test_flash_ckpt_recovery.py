@@ -85,6 +85,29 @@ def test_a_fault_before_the_first_snapshot_restarts_every_rank_from_step_0_exact
     assert (start["rank"], start["resume"]) == (0, None)
 
 
+def test_a_node_lost_with_the_only_copy_of_the_first_snapshot_restarts_every_rank_from_step_0_exactly(fault_free,
+                                                                                                      run_dir):
+    # no partner copies and nothing persisted: node 1's ranks come back holding nothing and node 0's hold step 5's
+    # snapshot alone, as when a fault strikes while the first snapshot is committed on some ranks only
+    no_copy = ["ft.flash_ckpt.neighbour_backup=false", "ft.flash_ckpt.persist_every_n_steps=0"]
+    run = run_cli(*FOUR, *no_copy, "fault=kill_node", "fault.node=1", "fault.step=7", run_dir=run_dir)
+    assert_restarted_exactly(run, fault_free[4], resumed_at=0, fault_step=7)
+    assert not run.events("snapshot_restored")
+    (start,) = run.events("restart_from_start")
+    assert "only the first snapshot (step 5) was held, and rank(s) [2, 3] held none" in start["reason"]
+
+
+@pytest.mark.slow
+def test_a_node_lost_with_the_only_copies_of_later_snapshots_fails_with_what_each_rank_held(run_dir):
+    # node 0's ranks hold steps 5 and 10, node 1's nothing: starting over would throw away more than the fault did
+    run = run_cli(*FOUR, "ft.flash_ckpt.neighbour_backup=false", "ft.flash_ckpt.persist_every_n_steps=0",
+                  "fault=kill_node", "fault.node=1", "fault.step=12", run_dir=run_dir)
+    assert run.returncode == 1 and run.summary["status"] == "failed"
+    assert "steps per rank: [[10, 5], [10, 5], [], []]" in run.summary["error"]
+    assert "ft.flash_ckpt.persist_every_n_steps" in run.summary["error"]
+    assert not job_files(flash_job_id(run.dir)), "shared-memory segments of the job left behind"
+
+
 @pytest.mark.slow
 def test_node_loss_restores_the_lost_ranks_from_the_partner_nodes_memory(fault_free, run_dir):
     run = run_cli(*FOUR, "fault=kill_node", "fault.node=1", "fault.step=23", run_dir=run_dir)

@@ -24,6 +24,8 @@ from tests.test_config import _compose
 MAX_STEPS = TP2PP2_STEPS  # every layout's runs, as long as the shared tp2pp2 reference (tests/conftest.py)
 PP2 = [*CLIPPED_TINY, "parallel.procs_per_node=2", "parallel.pp=2"]
 DP2 = [*CLIPPED_TINY, "parallel.procs_per_node=1"]  # the same DP size and global batch, one rank per replica
+# a kill at a snapshot step (every 5) races the snapshot copy it starts, at step 8 step 5's is committed everywhere
+KILL_ALL_STEP = 8
 VALIDATED = ["trainer.val_check_interval=3", "trainer.limit_val_batches=4"]  # two batches per replica at 3, 6, 9
 
 
@@ -205,12 +207,19 @@ def test_flashrecovery_kill_rank_restores_the_stage_exactly(layout, request, run
 @pytest.mark.parametrize("layout", sorted(KILLED))
 def test_flash_ckpt_kill_all_restores_each_ranks_own_stage(layout, request, run_dir):
     run = run_cli(*KILLED[layout][0], f"trainer.max_steps={MAX_STEPS}", "ft=[flash_ckpt]", "fault=kill_all",
-                  "fault.step=5", run_dir=run_dir)
+                  f"fault.step={KILL_ALL_STEP}", run_dir=run_dir)
     s = run.summary
     assert s["status"] == "completed", run.output[-4000:]
     assert s["global_step"] == MAX_STEPS and s["param_checksum"] == request.getfixturevalue(layout).summary[
         "param_checksum"]
     assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
+    assert_restored_from_step_5(run)
+
+
+def assert_restored_from_step_5(run: Run) -> None:
+    """Every rank restored its own snapshot of step 5, the newest committed everywhere before the kill."""
+    restored = sorted((e["rank"], e["step"]) for e in run.events("snapshot_restored"))
+    assert restored == [(r, 5) for r in sorted(run.only_recovery()["victims"])]  # kill_all: every rank
 
 
 @pytest.mark.slow
@@ -263,11 +272,12 @@ def test_zero1_at_tp2_pp2_is_bit_identical_to_the_same_layout_without_it(tp2pp2,
 @pytest.mark.slow
 def test_flash_ckpt_kill_all_at_pp2_with_zero1_restores_every_shard_exactly(pp2, run_dir):
     run = run_cli(*PP2, "parallel.zero=1", f"trainer.max_steps={MAX_STEPS}", "ft=[flash_ckpt]", "fault=kill_all",
-                  "fault.step=5", run_dir=run_dir)
+                  f"fault.step={KILL_ALL_STEP}", run_dir=run_dir)
     s = run.summary
     assert s["status"] == "completed", run.output[-4000:]
     assert s["param_checksum"] == pp2.summary["param_checksum"] and len(s["recoveries"]) == 1
     assert (s["samples_lost"], s["samples_duplicated"]) == (0, 0)
+    assert_restored_from_step_5(run)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from runner.recovery.flash_ckpt.callback import FlashCheckpoint
 from runner.recovery.flash_ckpt.events import Event
 from runner.recovery.flash_ckpt.persister import persister_address
 from runner.recovery.flash_ckpt.prefetch import Prefetch
-from runner.recovery.flash_ckpt.restore import list_snapshots
+from runner.recovery.flash_ckpt.restore import invalidate_newer, list_snapshots, newest_common_step
 from runner.recovery.flash_ckpt.snapshot_restore import SnapshotRestore
 from runner.recovery.flash_names import flash_job_id
 
@@ -40,7 +40,7 @@ class FlashCkptWorker:
         ctx = self.ctx
         flash = self._callback()
         restore = None
-        if ctx.role != "restore" or self._any_rank_holds_a_snapshot():
+        if ctx.role != "restore" or self._snapshots_to_restore():
             restore = SnapshotRestore(ctx.comm, ctx.events, ctx.recovery, flash.job_id, flash.dir, self.prefetch)
         # the partner copies travel on the side group, beside the main group's collectives; a recovery
         # abandons the exchange in flight on the generation it replaces
@@ -49,18 +49,30 @@ class FlashCkptWorker:
             ctx.recovery.on_groups_dropped.append(flash.abandon_exchange)
         return WorkerHooks(callbacks=[flash], restore_snapshot=restore, side_group=partners)
 
-    def _any_rank_holds_a_snapshot(self) -> bool:
-        """Whether some rank of this restart holds a snapshot. None does when the fault struck before the first was
-        taken: every rank then starts where the run did (``runner.resume``, or step 0), as a launcher's restart of a
-        failed attempt does; where only some hold one, the restore says which ranks lack a common step."""
+    def _snapshots_to_restore(self) -> bool:
+        """Whether this restart restores snapshots, or every rank starts where the run did (``runner.resume``, or
+        step 0), as a launcher's restart of a failed attempt does. It starts over when the fault struck before the
+        first snapshot was committed everywhere: no rank holds one, or some hold that one step and the others none
+        (their copy was in flight). Where the ranks hold more than one step but none in common, the restore's
+        agreement fails the run with the table: starting over would throw away far more than the fault did."""
         ctx = self.ctx
         table = protocol.steps_held_by_each_rank(ctx.comm.store, f"restart/{ctx.first_gen}/held", ctx.logical_rank,
                                                  ctx.topology.world, self.held, ctx.cfg.launcher.start_timeout_s)
-        if any(table):
+        held_anywhere = set().union(*table)
+        if newest_common_step(table) is not None or len(held_anywhere) > 1:
             return True
+        if held_anywhere:  # the first snapshot, of an abandoned timeline now: never restored later
+            invalidate_newer(flash_job_id(ctx.run_dir), ctx.logical_rank, -1, Path(ctx.run_dir) / "checkpoints")
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.prefetch = None
         if ctx.logical_rank == 0:
-            ctx.events.emit("restart_from_start", resume=ctx.cfg.runner.resume,
-                            reason="no rank held a snapshot: the fault struck before the first one was taken")
+            reason = "no rank held a snapshot: the fault struck before the first one was taken"
+            if held_anywhere:
+                lacking = [r for r, steps in enumerate(table) if not steps]
+                reason = (f"only the first snapshot (step {min(held_anywhere)}) was held, and rank(s) {lacking} "
+                          "held none: the fault struck while it was taken, or took the only copy")
+            ctx.events.emit("restart_from_start", resume=ctx.cfg.runner.resume, reason=reason)
         return False
 
     def _callback(self) -> FlashCheckpoint:
