@@ -4,12 +4,14 @@ where a hang on a fast step is found in a fraction of ``stall_timeout_s`` and a 
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
 
 from runner.config import ConfigError
 from runner.config.validate import validate
+from runner.control.detection import Detector
 from runner.control.phase_timeouts import MATERIAL, PhaseTimeouts, p99
 from tests.conftest import TWO_BY_TWO, run_cli
 from tests.test_config import _compose
@@ -146,6 +148,16 @@ def test_the_timeouts_are_logged_when_calibrated_and_when_they_move_materially()
 
 CALIBRATED = ["heartbeat.phase_timeouts.warmup_steps=5", "heartbeat.phase_timeouts.floor_s=0.5"]
 STALL_TIMEOUT_S = 10.0  # heartbeat.stall_timeout_s, the default
+
+
+def test_a_stalls_reason_gives_the_timeout_it_records():
+    """The reason says the recorded (rounded) timeout: 0.82249 records 0.8225, and both read 0.823 to 3 figures (the
+    unrounded value reads 0.822, which a CI run once found in the reason beside a recorded 0.8225)."""
+    detector = SimpleNamespace(timeouts=SimpleNamespace(limit=lambda phase: (0.82249, True)))
+    worker = SimpleNamespace(hb_phase="compute", hb_step=25, hb_step_change=0.0)
+    why, kind, rule = Detector.stall(detector, worker, now=5.0)  # type: ignore[arg-type]
+    assert (kind, rule) == ("hang", {"phase": "compute", "timeout_s": 0.8225, "calibrated": True})
+    assert f"for {rule['timeout_s']:.3g}s (calibrated from this run)" in why
 
 
 def test_a_hang_on_a_fast_step_is_found_by_its_calibrated_timeout(two_by_two, run_dir):

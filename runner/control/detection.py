@@ -172,10 +172,10 @@ class Detector:
         limit = self.timeouts.limit(w.hb_phase)
         if limit is None or now - w.hb_step_change <= limit[0]:
             return None
-        timeout_s, calibrated = limit
+        timeout_s, calibrated = round(limit[0], 4), limit[1]  # the one value the reason and the record both give
         source = "calibrated from this run" if calibrated else "heartbeat.stall_timeout_s"
         why = f"step {w.hb_step} not advancing in phase {w.hb_phase} for {timeout_s:.3g}s ({source})"
-        return why, "hang", {"phase": w.hb_phase, "timeout_s": round(timeout_s, 4), "calibrated": calibrated}
+        return why, "hang", {"phase": w.hb_phase, "timeout_s": timeout_s, "calibrated": calibrated}
 
     def judge_generation(self, now: float) -> None:
         """The generation-wide rules, while no recovery is open: time a recovery's regroup (its complete generation's
@@ -198,9 +198,10 @@ class Detector:
             if (timeout_s is not None and waited_s > timeout_s and not trains
                     and all(now - w.hb_change <= 2 * self.hb.interval_s for w in members)
                     and self._all_arrived(gen, len(members))):
+                timeout_s = round(timeout_s, 4)
                 self.cut_off(gen, f"no member of gen {gen} trains {waited_s:.3g}s after a {action} recovery published "
                                   f"it, calibrated timeout {timeout_s:.3g}s", {"phase": "recovery", "timeout_s":
-                                                                             round(timeout_s, 4), "calibrated": True})
+                                                                             timeout_s, "calibrated": True})
             return
         reduction_s = self.timeouts.reduction_limit()
         if reduction_s is None or len({(w.hb_gen, w.hb_step, GROUP.get(w.hb_phase)) for w in members}) != 1:
@@ -210,9 +211,10 @@ class Detector:
         if (w0.hb_gen == gen and GROUP.get(w0.hb_phase) == "reduction" and stuck_s > reduction_s
                 and w0.hb_step > self.first_step.get(gen, w0.hb_step)  # the first step connects the group
                 and all(now - w.hb_change <= 2 * self.hb.interval_s for w in members)):
+            reduction_s = round(reduction_s, 4)
             self.cut_off(gen, f"every member of gen {gen} in the reduction of step {w0.hb_step} for {stuck_s:.3g}s "
                               f"(calibrated timeout {reduction_s:.3g}s): the collective is stuck",
-                         {"phase": "reduction", "timeout_s": round(reduction_s, 4), "calibrated": True})
+                         {"phase": "reduction", "timeout_s": reduction_s, "calibrated": True})
 
     def _all_arrived(self, gen: int, size: int) -> bool:
         """Every member reached generation ``gen``'s rendezvous (``Comm._arrive``): the regroup's collectives are what
