@@ -53,8 +53,9 @@ class FlashCkptWorker:
         """Whether this restart restores snapshots, or every rank starts where the run did (``runner.resume``, or
         step 0), as a launcher's restart of a failed attempt does. It starts over when the fault struck before the
         first snapshot was committed everywhere: no rank holds one, or some hold that one step and the others none
-        (their copy was in flight). Where the ranks hold more than one step but none in common, the restore's
-        agreement fails the run with the table: starting over would throw away far more than the fault did."""
+        (their copy was in flight, or lost with its node). Where the ranks hold more than one step but none in
+        common, the restore's agreement fails the run with the table: starting over would throw away far more than
+        the fault did."""
         ctx = self.ctx
         table = protocol.steps_held_by_each_rank(ctx.comm.store, f"restart/{ctx.first_gen}/held", ctx.logical_rank,
                                                  ctx.topology.world, self.held, ctx.cfg.launcher.start_timeout_s)
