@@ -5,6 +5,7 @@ Every test gets its own job id and fails if a segment of that job is left in /de
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,13 +19,24 @@ import numpy as np
 import pytest
 import torch
 
+from runner.agents.fork_server import ForkServer
+from runner.recovery.actions import NodePersist
 from runner.recovery.flash_ckpt import segment
 from runner.recovery.flash_ckpt.checksum import digest
 from runner.recovery.flash_ckpt.chunks import Plan, address
 from runner.recovery.flash_ckpt.codec import flatten
-from runner.recovery.flash_ckpt.disk import checkpoint_path, list_checkpoints
+from runner.recovery.flash_ckpt.disk import checkpoint_path, list_checkpoints, read_verified
 from runner.recovery.flash_ckpt.hygiene import cleanup, cleanup_stale
-from runner.recovery.flash_ckpt.persister import PersistClient, Persister, PersistError, persist_latest
+from runner.recovery.flash_ckpt.persister import (
+    PersistClient,
+    Persister,
+    PersistError,
+    connect_persister,
+    persist_latest,
+    persister_address,
+    settle_node_persister,
+    start_node_persister,
+)
 from runner.recovery.flash_ckpt.prefetch import Prefetch
 from runner.recovery.flash_ckpt.replica import backup_to_partner
 from runner.recovery.flash_ckpt.restore import NoSnapshot, list_snapshots, load_newest, newest_common_step
@@ -426,6 +438,58 @@ def test_breakpoint_persist_after_crash_then_stale_cleanup(job, snap, tmp_path):
         assert [c.step for c in list_snapshots(job, 0)] == [1]
     finally:
         cleanup(crashed)
+
+
+def _ask_for_a_persist(address: str, segment: str, conn) -> None:
+    """A trainer that asks its node persister for step 1 of `segment`, says so, and waits to be killed."""
+    client = connect_persister(address, segment, 0)
+    assert client is not None
+    client.request(segment, 1)
+    conn.send("asked")
+    conn.recv()
+
+
+def test_a_restart_lists_snapshots_only_once_the_node_persister_finished_for_dead_trainers(job, snap, tmp_path):
+    out_dir, events = tmp_path / "checkpoints", tmp_path / "events.jsonl"
+    out_dir.mkdir()
+    snap.save(make_state(1), 1)
+    snap.wait()
+    server = ForkServer.fork()
+    persister = start_node_persister(server, NodePersist(job, out_dir, 3, events, start=""), 0)
+    address = persister_address(job, 0)
+    # the persister's write of step 1 blocks until the test reads the other end: a disk that is slow, for as long as
+    # the test wants
+    slow = out_dir / f".{checkpoint_path(out_dir, 0, 1).name}.tmp{persister.process.pid}"
+    os.mkfifo(slow)
+    live = connect_persister(address, segment_name(job, 1), 1)  # a trainer that is alive: nothing to wait for
+    try:
+        ours, theirs = Pipe()
+        trainer = server.start(_ask_for_a_persist, (address, snap.segment), connections=(theirs,))
+        theirs.close()
+        assert ours.poll(60) and ours.recv() == "asked"
+        trainer.kill()
+        trainer.join(20)
+        assert trainer.exitcode == -9
+
+        settled = settle_node_persister(address, timeout_s=0.5)
+        assert settled is not None and (settled.waited, settled.left) == (1, 1)  # the dead trainer's, still writing
+        reader = threading.Thread(target=lambda: slow.open("rb").read(), daemon=True)
+        reader.start()
+        settled = settle_node_persister(address, timeout_s=60)
+        assert settled is not None and settled.left == 0
+        # its request failed (the write went into the pipe) and was logged, as nobody could receive it; then the
+        # persist at breakpoint wrote step 1: all of it before the settle returned
+        assert_same(make_state(1), read_verified(checkpoint_path(out_dir, 0, 1)))
+        logged = [json.loads(line) for line in events.read_text().splitlines()]
+        assert [(e["kind"], e["snapshot_step"], e.get("ok")) for e in logged] == [
+            ("snapshot_persist_unreported", 1, False), ("snapshot_breakpoint_persisted", 1, None)]
+        reader.join(20)
+    finally:
+        assert live is not None
+        live.close()
+        persister.stop()
+        server.close()
+    assert settle_node_persister(address, timeout_s=1) is None  # nobody listens there any more
 
 
 def test_partner_copy_restores_a_lost_node(job, snap, tmp_path):

@@ -121,7 +121,11 @@ def test_node_loss_restores_the_lost_ranks_from_the_partner_nodes_memory(fault_f
 @pytest.mark.slow
 def test_whole_host_loss_restores_from_disk(fault_free, run_dir):
     run = run_cli(*FOUR, "ft.flash_ckpt.persist_every_n_steps=10", "fault=wipe_shm", "fault.step=23", run_dir=run_dir)
-    restored = assert_restarted(run, fault_free[4], resumed_at=20)
+    # every rank restores the newest step on disk. The node persisters finish the writes in flight (step 20's, asked
+    # for in step 21) before the restart lists the files, so that is step 20, unless a persister had not yet copied
+    # a rank's step-20 slot out when the memory went: that persist's failure is logged, and step 10 is restored
+    missed = [e for e in run.events("snapshot_persist_unreported") if e["snapshot_step"] == 20 and not e["ok"]]
+    restored = assert_restarted(run, fault_free[4], resumed_at=10 if missed else 20)
     assert {e["source"] for e in restored.values()} == {"disk"}
     assert run.summary["recoveries"][0]["victims"] == [0, 1, 2, 3]
     assert run.events("fault_injected")[0]["segments_lost"] > 0

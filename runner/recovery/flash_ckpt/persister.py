@@ -11,19 +11,24 @@ failures included, is sent back and surfaces in ``PersistClient.drain``.
 The node persister serves every trainer of its node over a Unix socket. A trainer whose
 connection ends without its goodbye has died, and the persister then writes the newest snapshot
 of its segment that verifies, unless that step is already on disk ("persist at breakpoint").
+A restarted trainer first asks it to settle (``settle_node_persister``): to finish what it was
+writing for trainers that have exited, so that the restart lists their files as they will stay
+(DLRover's agent likewise saves to storage before it restarts its workers).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
 from runner.recovery.actions import NodePersist
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
 # the contexts that can start a process (the stubs give BaseContext no Process, rightly)
 ProcessContext = mp.context.SpawnContext | mp.context.ForkServerContext | mp.context.ForkContext
 FAILED = "failed"  # a trainer's last message when its fit failed: persist at breakpoint, as after a crash
+SETTLE = "settle"  # a restarted trainer's first and only message: wait for the work of trainers that exited
 
 
 class PersistError(RuntimeError):
@@ -87,12 +93,14 @@ class Persister:
         assert outcome.path is not None  # an outcome without an error names the file it wrote
         return Path(outcome.path)
 
-    def serve(self, requests: Connection, results: Connection) -> bool:
+    def serve(self, requests: Connection, results: Connection,
+              on_unreported: Callable[[PersistOutcome], None] = lambda outcome: None) -> bool:
         """Handle ``(segment, step)`` requests in order until ``None`` or the trainer's end closes.
 
         Sends ``("captured", segment, step)`` once the slot is copied out (the trainer may
-        reuse it from then on) and ``("done", PersistOutcome)`` for every request. Returns
-        True after the trainer's goodbye (``None``), False after ``FAILED`` or if its end closed.
+        reuse it from then on) and ``("done", PersistOutcome)`` for every request; an outcome the
+        trainer can no longer receive goes to ``on_unreported``. Returns True after the trainer's
+        goodbye (``None``), False after ``FAILED`` or if its end closed.
         """
         try:
             while True:
@@ -104,11 +112,12 @@ class Persister:
                     return msg is None
                 segment, step = msg
                 outcome = self._run(segment, step, partial(_notify, results, ("captured", segment, step)))
-                _notify(results, ("done", outcome))
+                if not _notify(results, ("done", outcome)):
+                    on_unreported(outcome)
         finally:
             results.close()
 
-    def _run(self, segment: str, step: int | None, on_captured: Callable[[], None] = lambda: None) -> PersistOutcome:
+    def _run(self, segment: str, step: int | None, on_captured: Callable[[], object] = lambda: None) -> PersistOutcome:
         t0 = perf_counter()
         try:
             meta, state = _capture(segment, step)
@@ -124,12 +133,13 @@ class Persister:
         return outcome
 
 
-def _notify(results: Connection, msg: tuple) -> None:
-    """A trainer that died after asking still gets its snapshot written: only the report is lost."""
+def _notify(results: Connection, msg: tuple) -> bool:
+    """A trainer that died after asking still gets its snapshot written: only the report is lost (False)."""
     try:
         results.send(msg)
     except OSError:
-        pass
+        return False
+    return True
 
 
 def persist_latest(segment_name: str, out_dir: str | Path, keep: int = 3, *, on_event: EventSink = None) -> Path:
@@ -297,7 +307,7 @@ def _node_main(spec: NodePersist, node: int, control: Connection) -> None:
     address, authkey = persister_address(spec.job_id, node), mp.current_process().authkey
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
     stopping = threading.Event()
-    clients: list[threading.Thread] = []
+    clients = _NodeClients()
 
     def accept() -> None:
         while True:
@@ -310,9 +320,9 @@ def _node_main(spec: NodePersist, node: int, control: Connection) -> None:
             if stopping.is_set():
                 conn.close()
                 return
-            t = threading.Thread(target=_serve_node_client, args=(persister, conn, log), daemon=True)
+            t = threading.Thread(target=_serve_node_client, args=(persister, conn, log, clients), daemon=True)
+            clients.add(t, _peer_process(conn))
             t.start()
-            clients.append(t)
 
     acceptor = threading.Thread(target=accept, name="flash-persister-accept", daemon=True)
     acceptor.start()
@@ -325,18 +335,26 @@ def _node_main(spec: NodePersist, node: int, control: Connection) -> None:
     Client(address, family="AF_UNIX", authkey=authkey).close()  # wakes accept(), which then returns
     acceptor.join(10)
     listener.close()
-    for t in clients:
-        t.join(30)
+    clients.join(30)
 
 
-def _serve_node_client(persister: Persister, conn: Connection, log) -> None:
-    """One trainer's requests; after its death, persist at breakpoint."""
+def _serve_node_client(persister: Persister, conn: Connection, log, clients: _NodeClients) -> None:
+    """One trainer's requests; after its death, persist at breakpoint. Or one restarted trainer's settle."""
     try:
-        _, segment, rank = conn.recv()
-    except (EOFError, OSError, ValueError, TypeError):
+        first = conn.recv()
+        if first[0] == SETTLE:
+            _settle(conn, clients, float(first[1]))
+            return
+        _, segment, rank = first
+    except (EOFError, OSError, ValueError, TypeError, IndexError):
         conn.close()
         return
-    if persister.serve(conn, conn):
+
+    def unreported(outcome: PersistOutcome) -> None:
+        log.emit("snapshot_persist_unreported", snapshot_rank=rank, snapshot_step=outcome.step, ok=outcome.ok,
+                 path=outcome.path, error=outcome.error)
+
+    if persister.serve(conn, conn, unreported):
         return
     held = committed_steps(segment)
     if not held:
@@ -353,6 +371,104 @@ def _serve_node_client(persister: Persister, conn: Connection, log) -> None:
                  seconds=outcome.seconds)
     else:
         log.emit("snapshot_breakpoint_failed", snapshot_rank=rank, reason=outcome.error)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a settle waited for: the connections of exited trainers that were still at work (``waited``), how
+    many of them were still at work when its time ran out (``left``), and how long it took."""
+
+    waited: int
+    left: int
+    seconds: float
+
+
+def settle_node_persister(address: str, timeout_s: float) -> Settled | None:
+    """Wait (at most `timeout_s`) until the node persister at `address` has finished every request and breakpoint
+    persist of the trainers that have exited, so that a restart lists their files as they will stay: a write that
+    lands after the restart chose its step would be missed, or outlive the step's invalidation. None if no
+    persister listens there."""
+    try:
+        conn = Client(address, family="AF_UNIX", authkey=mp.current_process().authkey)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return None
+    t0 = perf_counter()
+    try:
+        conn.send((SETTLE, timeout_s))
+        if not conn.poll(timeout_s + 5.0):  # its own wait ends at timeout_s
+            return Settled(-1, -1, perf_counter() - t0)
+        waited, left = conn.recv()
+    except (EOFError, OSError):
+        return Settled(-1, -1, perf_counter() - t0)
+    finally:
+        conn.close()
+    return Settled(waited, left, perf_counter() - t0)
+
+
+def _settle(conn: Connection, clients: _NodeClients, timeout_s: float) -> None:
+    waited, left = clients.settle(timeout_s)
+    _notify(conn, (waited, left))
+    conn.close()
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """The process at the other end of a connection: its pid and start time (a pid can be reused)."""
+
+    pid: int
+    start: str
+
+    def alive(self) -> bool:
+        stat = _proc_stat(self.pid)
+        return stat is not None and stat[0] not in "ZX" and stat[1] == self.start
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of process `pid` from /proc, None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()  # the name, in parentheses, may hold spaces
+    return fields[0], fields[19]
+
+
+def _peer_process(conn: Connection) -> _Peer | None:
+    """The connecting process, from the Unix socket's credentials; None if it is gone already."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    stat = _proc_stat(pid)
+    return None if stat is None else _Peer(pid, stat[1])
+
+
+class _NodeClients:
+    """The node persister's connections, each served by a thread, and the process at the other end of each."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._served: list[tuple[threading.Thread, _Peer | None]] = []
+
+    def add(self, thread: threading.Thread, peer: _Peer | None) -> None:
+        with self._lock:
+            self._served = [(t, p) for t, p in self._served if t.is_alive() or not t.ident] + [(thread, peer)]
+
+    def settle(self, timeout_s: float) -> tuple[int, int]:
+        """Wait for the threads still serving trainers that have exited (their last requests, their persist at
+        breakpoint); returns how many there were and how many are still at work after `timeout_s`."""
+        me = threading.current_thread()
+        with self._lock:
+            owed = [t for t, peer in self._served
+                    if t is not me and t.is_alive() and (peer is None or not peer.alive())]
+        deadline = monotonic() + timeout_s
+        for t in owed:
+            t.join(max(0.0, deadline - monotonic()))
+        return len(owed), sum(t.is_alive() for t in owed)
+
+    def join(self, timeout_s: float) -> None:
+        with self._lock:
+            threads = [t for t, _ in self._served]
+        for t in threads:
+            t.join(timeout_s)
 
 
 def _serve_in_child(out_dir: str, keep: int, requests: Connection, results: Connection) -> None:

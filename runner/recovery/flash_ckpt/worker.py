@@ -15,7 +15,7 @@ from runner.plumbing import protocol
 from runner.recovery.common.hooks import WorkerContext, WorkerHooks
 from runner.recovery.flash_ckpt.callback import FlashCheckpoint
 from runner.recovery.flash_ckpt.events import Event
-from runner.recovery.flash_ckpt.persister import persister_address
+from runner.recovery.flash_ckpt.persister import persister_address, settle_node_persister
 from runner.recovery.flash_ckpt.prefetch import Prefetch
 from runner.recovery.flash_ckpt.restore import invalidate_newer, list_snapshots, newest_common_step
 from runner.recovery.flash_ckpt.snapshot_restore import SnapshotRestore
@@ -29,12 +29,23 @@ class FlashCkptWorker:
         self.held: list[int] = []  # the steps of this rank's snapshots, for a restarted rank
         if ctx.role == "restore":
             job_id, rank = flash_job_id(ctx.run_dir), ctx.logical_rank
+            self._settle_persists(job_id)
             self.held = sorted({c.step for c in list_snapshots(job_id, rank, Path(ctx.run_dir) / "checkpoints")})
             if self.held:
                 self.prefetch = Prefetch(job_id, rank)
         from runner.recovery.flash_ckpt.kernels import warm_up  # numba only where flash checkpoints run
 
         warm_up()
+
+    def _settle_persists(self, job_id: str) -> None:
+        """Let this node's persister finish writing for the ranks that died (their requests in flight, their persist
+        at breakpoint) before this rank lists its snapshots: every rank then chooses from files that stay as listed.
+        A persister that does not settle in time is reported, and the restore goes on with what is on disk."""
+        ctx = self.ctx
+        settled = settle_node_persister(persister_address(job_id, ctx.node), ctx.cfg.launcher.start_timeout_s)
+        if settled is not None and (settled.waited or settled.left):
+            ctx.events.emit("persists_settled" if settled.left == 0 else "persists_unsettled", waited=settled.waited,
+                            left=settled.left, seconds=round(settled.seconds, 4))
 
     def hooks(self, module: LightningModule) -> WorkerHooks:
         ctx = self.ctx
