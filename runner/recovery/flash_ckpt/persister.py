@@ -31,6 +31,8 @@ from pathlib import Path
 from time import monotonic, perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
+import psutil
+
 from runner.recovery.actions import NodePersist
 
 from .disk import apply_retention, checkpoint_path, sidecar_path, write_atomic
@@ -411,34 +413,23 @@ def _settle(conn: Connection, clients: _NodeClients, timeout_s: float) -> None:
     conn.close()
 
 
-@dataclass(frozen=True)
-class _Peer:
-    """The process at the other end of a connection: its pid and start time (a pid can be reused)."""
-
-    pid: int
-    start: str
-
-    def alive(self) -> bool:
-        stat = _proc_stat(self.pid)
-        return stat is not None and stat[0] not in "ZX" and stat[1] == self.start
-
-
-def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of process `pid` from /proc, None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2:].split()  # the name, in parentheses, may hold spaces
-    return fields[0], fields[19]
-
-
-def _peer_process(conn: Connection) -> _Peer | None:
-    """The connecting process, from the Unix socket's credentials; None if it is gone already."""
+def _peer_process(conn: Connection) -> psutil.Process | None:
+    """The connecting process, from the Unix socket's credentials (psutil keeps its start time, so a reused pid is
+    not taken for it); None if it is gone already."""
     with socket.socket(fileno=os.dup(conn.fileno())) as sock:
         pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-    stat = _proc_stat(pid)
-    return None if stat is None else _Peer(pid, stat[1])
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _exited(peer: psutil.Process | None) -> bool:
+    """The process at the other end has exited: gone, its pid reused, or a zombie."""
+    try:
+        return peer is None or not peer.is_running() or peer.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 class _NodeClients:
@@ -446,9 +437,9 @@ class _NodeClients:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._served: list[tuple[threading.Thread, _Peer | None]] = []
+        self._served: list[tuple[threading.Thread, psutil.Process | None]] = []
 
-    def add(self, thread: threading.Thread, peer: _Peer | None) -> None:
+    def add(self, thread: threading.Thread, peer: psutil.Process | None) -> None:
         with self._lock:
             self._served = [(t, p) for t, p in self._served if t.is_alive() or not t.ident] + [(thread, peer)]
 
@@ -457,8 +448,7 @@ class _NodeClients:
         breakpoint); returns how many there were and how many are still at work after `timeout_s`."""
         me = threading.current_thread()
         with self._lock:
-            owed = [t for t, peer in self._served
-                    if t is not me and t.is_alive() and (peer is None or not peer.alive())]
+            owed = [t for t, peer in self._served if t is not me and t.is_alive() and _exited(peer)]
         deadline = monotonic() + timeout_s
         for t in owed:
             t.join(max(0.0, deadline - monotonic()))
