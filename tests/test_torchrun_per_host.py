@@ -519,6 +519,12 @@ def test_flash_ckpt_restarts_every_worker_killed_on_every_host_exactly(make_job,
         assert sorted((e["rank"], e["step"], e["source"]) for e in restored) == [
             (r, resumed_at, "memory") for r in range(4)]
         assert not starts
+        # each host's persister wrote its killed ranks' step to disk (not yet persisted: every 50 steps), and it had
+        # finished before that host's restarted ranks listed their snapshots: they settle it first
+        persisted = events(job.run_dir, "snapshot_breakpoint_persisted")
+        assert sorted((e["snapshot_rank"], e["snapshot_step"]) for e in persisted) == [
+            (r, resumed_at) for r in range(4)]
+        assert max(e["t"] for e in persisted) < min(e["t"] for e in restored)
     else:
         assert not restored and [e["rank"] for e in starts] == [0]
     assert s["samples_lost"] == 0 and s["param_checksum"] == local_checksum
