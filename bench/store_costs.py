@@ -5,7 +5,7 @@
 
 ``bench/control_scale.py`` runs the real controller against simulated hosts, but its generators cannot produce the
 heartbeat traffic of more than about 1,000 ranks on two cores. This bench measures the unit costs instead, on the
-real store (``protocol.host_store``, hosted by a process of its own whose CPU is read with psutil):
+real store (``protocol.host_store``, hosted by a process of its own whose CPU is read from /proc):
 
 - a set: TCPStore answers no set, so a client's sets are pipelined (``store_us``, the store's CPU per set, of a
   host record of today's payloads: the largest value any protocol below writes);
@@ -44,10 +44,13 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
+from tree_cpu import process_cpu_s
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from runner.config.schema import HeartbeatConfig  # noqa: E402  (the project's root is on the path only now)
+from runner.training.status import TIMINGS_KEPT  # noqa: E402
 
 TARGET_CORES = 0.25  # the issue's budget for controller + store at 2,048 hosts x 8 ranks
 
@@ -55,7 +58,7 @@ TARGET_CORES = 0.25  # the issue's budget for controller + store at 2,048 hosts 
 def payload(step: int) -> dict:
     """A worker's heartbeat as ``callbacks.heartbeat`` writes it, with a full timing window."""
     return {"seq": step, "step": step, "phase": "compute", "rss": 1 << 30, "t": time.time(), "gen": 3,
-            "in_flight": 1, "timing": [[step - i, 0.25, 0.01, 0.002] for i in range(24)]}
+            "in_flight": 1, "timing": [[step - i, 0.25, 0.01, 0.002] for i in range(TIMINGS_KEPT)]}
 
 
 def row(step: int) -> list:
@@ -91,19 +94,14 @@ def hammer(port: int, index: int, kind: str, seconds: float, value: bytes, count
     counts.put(n)
 
 
-def cpu_s(pid: int) -> float:
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
-
-
 def unit_cost(ctx, port: int, server: int, kind: str, clients: int, seconds: float, value: bytes) -> dict:
     counts = ctx.Queue()
     procs = [ctx.Process(target=hammer, args=(port, i, kind, seconds, value, counts)) for i in range(clients)]
-    c0, t0 = cpu_s(server), time.monotonic()
+    c0, t0 = process_cpu_s(server), time.monotonic()
     for p in procs:
         p.start()
     ops = sum(counts.get(timeout=seconds + 60) for _ in procs)
-    c1, t1 = cpu_s(server), time.monotonic()
+    c1, t1 = process_cpu_s(server), time.monotonic()
     for p in procs:
         p.join()
     return {"ops": ops, "ops_per_s": ops / (t1 - t0), "store_us": 1e6 * (c1 - c0) / ops}
@@ -127,10 +125,10 @@ def read_costs(store, server: int, hosts: int, rph: int, repeats: int) -> dict:
     for name, prefix in (("per_worker", "hb/"), ("per_host", "hb/node/"), ("beats", "hb/beat/"), ("rows", "hb/rows/")):
         keys = [f"{prefix}{i}" for i in range(world if name == "per_worker" else hosts + 1)]
         times = max(repeats, 100_000 // len(keys))  # the store's CPU is read in clock ticks
-        s0, m0 = cpu_s(server), time.process_time()
+        s0, m0 = process_cpu_s(server), time.process_time()
         for _ in range(times):
             raws = store.multi_get(keys)
-        s1, m1 = cpu_s(server), time.process_time()
+        s1, m1 = process_cpu_s(server), time.process_time()
         assert raws == [values[k].encode() for k in keys]  # the reads are what was written, all of it
         out[name] = {"keys": len(keys), "multi_get_store_s": (s1 - s0) / times, "multi_get_reader_s": (m1 - m0) / times,
                      "decode_s": per_call(lambda raws=raws: [json.loads(raw) for raw in raws], repeats)}
@@ -149,17 +147,19 @@ PROTOCOLS = ("per_worker", "per_host", "per_host_changes")
 PHASE_CHANGES_PER_STEP = 2  # compute -> reduce -> the next step's compute: a rank's row changes twice a step
 
 
-def project(hosts: int, rph: int, interval_s: float, lost_after_s: float, step_s: float, units: dict,
-            reads: dict) -> dict:
+def project(hosts: int, rph: int, heartbeat: HeartbeatConfig, step_s: float, units: dict, reads: dict) -> dict:
     """Host 0's cores per second for each protocol at ``hosts`` training hosts (+ a spare host): the store's CPU for
-    the sets and round trips the hosts send, and the controller's heartbeat read (one per interval)."""
+    the sets and round trips the hosts send, and the controller's heartbeat read (one per interval); and each
+    protocol's share of the ``per_worker`` baseline's, in the same run."""
     agents, world = hosts + 1, (hosts + 1) * rph
+    interval_s = heartbeat.interval_s
     pw, ph = reads["per_worker"], reads["per_host"]
-    alive_trips = agents * 4 / lost_after_s  # an agent proves the controller alive four times per bound
+    alive_trips = agents * 4 / heartbeat.controller_lost_after_s  # an agent proves the controller alive 4x per bound
     changed = agents * PHASE_CHANGES_PER_STEP / step_s  # host records rewritten per second
+    agent_beats = agents / heartbeat.agent_beat_s  # today each beat is a set and a check of the host's fence
     flows = {
-        "per_worker": {"sets_per_s": world / interval_s + agents * 2 / interval_s,
-                       "round_trips_per_s": 2 * world / interval_s + agents * 2 / interval_s,
+        "per_worker": {"sets_per_s": world / interval_s + agent_beats,
+                       "round_trips_per_s": 2 * world / interval_s + agent_beats,
                        "read_s": read_s(pw) + pw["decode_s"]},
         "per_host": {"sets_per_s": agents / interval_s, "round_trips_per_s": alive_trips,
                      "read_s": read_s(ph) + ph["decode_s"]},
@@ -175,6 +175,9 @@ def project(hosts: int, rph: int, interval_s: float, lost_after_s: float, step_s
                  * units["round_trip"]["store_us"]) * 1e-6
         read = flow["read_s"] / interval_s
         out[name] = {**flow, "store_ops_cores": store, "heartbeat_read_cores": read, "host0_cores": store + read}
+    for name in PROTOCOLS:
+        out[name]["host0_vs_per_worker"] = out[name]["host0_cores"] / out["per_worker"]["host0_cores"]
+        out[name]["store_vs_per_worker"] = out[name]["store_ops_cores"] / out["per_worker"]["store_ops_cores"]
     return out
 
 
@@ -186,20 +189,21 @@ def read_s(read: dict) -> float:
 def report(units: dict, projections: list[dict]) -> str:
     s, r = units["set"], units["round_trip"]
     lines = [f"store CPU per set {s['store_us']:.2f} us ({s['ops_per_s']:.0f}/s reached), per round trip "
-             f"{r['store_us']:.1f} us ({r['ops_per_s']:.0f}/s reached); host 0's cores = store ops + heartbeat reads",
-             f"{'hosts x ranks':>20}" + "".join(f"{name:>40}" for name in PROTOCOLS)]
+             f"{r['store_us']:.1f} us ({r['ops_per_s']:.0f}/s reached); host 0's cores = store ops + heartbeat reads "
+             "(x: host 0's CPU, and the store's, over per_worker's, same run)",
+             f"{'hosts x ranks':>20}" + "".join(f"{name:>62}" for name in PROTOCOLS)]
     for p in projections:
         cells = [f"{p[n]['sets_per_s'] + p[n]['round_trips_per_s']:>8.0f} ops/s {p[n]['store_ops_cores']:>5.2f} + "
-                 f"{p[n]['heartbeat_read_cores']:>5.2f} = {p[n]['host0_cores']:>5.2f}" for n in PROTOCOLS]
+                 f"{p[n]['heartbeat_read_cores']:>5.2f} = {p[n]['host0_cores']:>5.2f} "
+                 f"({p[n]['host0_vs_per_worker']:.3f}x, store {p[n]['store_vs_per_worker']:.3f}x)" for n in PROTOCOLS]
         meets = [n for n in PROTOCOLS if p[n]["host0_cores"] <= TARGET_CORES]
         size = f"{p['hosts']:>7} x {p['ranks'] // p['hosts']} ({p['ranks']:>6})"
         within = ", ".join(meets) or "none"
-        lines.append(size + "".join(f"{c:>40}" for c in cells) + f"   <= {TARGET_CORES} core: {within}")
+        lines.append(size + "".join(f"{c:>62}" for c in cells) + f"   <= {TARGET_CORES} core: {within}")
     return "\n".join(lines)
 
 
 def main() -> None:
-    from runner.config.schema import HeartbeatConfig
     from runner.plumbing import protocol
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -225,8 +229,7 @@ def main() -> None:
                  "round_trip": unit_cost(ctx, port, server.pid, "get", args.clients, args.seconds, b"")}
         hosts = [int(x) for x in args.hosts.split(",")]
         reads = {n: read_costs(store, server.pid, n, args.ranks_per_host, args.repeats) for n in hosts}
-        projections = [project(n, args.ranks_per_host, heartbeat.interval_s, heartbeat.controller_lost_after_s,
-                               args.step_s, units, reads[n]) for n in hosts]
+        projections = [project(n, args.ranks_per_host, heartbeat, args.step_s, units, reads[n]) for n in hosts]
     finally:
         done.set()
         server.join(timeout=10)

@@ -11,7 +11,9 @@ import subprocess
 import sys
 
 import psutil
+from pytest import approx
 
+from runner.config.schema import HeartbeatConfig
 from tests.conftest import ROOT
 
 
@@ -25,18 +27,23 @@ def test_each_protocols_store_traffic_follows_from_the_protocol_at_every_size(tm
     result = json.loads(out.read_text())
     assert all(result["units"][kind]["ops"] > 0 for kind in ("set", "round_trip"))
     assert [(p["hosts"], p["ranks"]) for p in result["projections"]] == [(2, 8), (16, 64)]
+    hb = HeartbeatConfig()  # the defaults the bench projects for; a step a second (--step-s): two row changes
+    beats, lost_trips = 1 / hb.interval_s, 4 / hb.controller_lost_after_s
     for p in result["projections"]:
         agents, world = p["hosts"] + 1, (p["hosts"] + 1) * 4  # the spare host beats too
         reads = result["reads"][str(p["hosts"])]
         assert (reads["per_worker"]["keys"], reads["per_host"]["keys"]) == (world, agents)
-        # 0.1 s interval, a step a second (two row changes), controller_lost_after_s 5 s (four round trips)
-        assert p["per_worker"]["sets_per_s"] == world * 10 + agents * 20
-        assert p["per_worker"]["round_trips_per_s"] == world * 20 + agents * 20
-        assert p["per_host"]["sets_per_s"] == agents * 10 and p["per_host"]["round_trips_per_s"] == agents * 4 / 5
-        assert p["per_host_changes"]["sets_per_s"] == agents * 12
+        # a worker: its beat set, gen and stop read; an agent: a set and a fence check every half interval
+        assert p["per_worker"]["sets_per_s"] == approx(world * beats + agents / hb.agent_beat_s)
+        assert p["per_worker"]["round_trips_per_s"] == approx(2 * world * beats + agents / hb.agent_beat_s)
+        assert p["per_host"]["sets_per_s"] == approx(agents * beats)
+        assert p["per_host"]["round_trips_per_s"] == approx(agents * lost_trips)
+        assert p["per_host_changes"]["sets_per_s"] == approx(agents * (beats + 2))
         for name in ("per_worker", "per_host", "per_host_changes"):
             q = p[name]
             assert q["host0_cores"] == q["store_ops_cores"] + q["heartbeat_read_cores"]
+            assert q["host0_vs_per_worker"] == approx(q["host0_cores"] / p["per_worker"]["host0_cores"])
+        assert p["per_worker"]["host0_vs_per_worker"] == 1.0
     assert "16 x 4 (    64)" in run.stdout
     assert not [p for p in psutil.process_iter() if _environ(p).get("STORE_COSTS_TEST") == str(tmp_path)]
 
