@@ -49,6 +49,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+from tree_cpu import process_cpu_s
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -439,15 +441,12 @@ class Run:
         return total
 
     def cpu(self, procs: list[subprocess.Popen]) -> float:
-        import psutil
-
         total = 0.0
         for p in procs:
             try:
-                t = psutil.Process(p.pid).cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
+                total += process_cpu_s(p.pid)
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # exited
         return total
 
     def steady(self) -> dict:
