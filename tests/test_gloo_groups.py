@@ -93,6 +93,21 @@ def test_a_group_that_only_broadcast_closes_through_its_parent_in_gloos_tree():
     _assert_each_closes_at_once(groups, [1, 0, 3, 5, 6, 4, 2])
 
 
+def test_a_group_reports_its_connections_closed_only_once_every_peer_it_used_refuses_a_receive():
+    """What the fence asks before it leaves given-up work waiting (``Comm._fence``): an open connection takes the
+    probe's receive (and is closed by its timed-out wait, as ``close_connections`` closes), a closed one refuses."""
+    def allreduce(group, rank: int) -> None:
+        group.allreduce([torch.ones(4)]).wait()
+
+    groups = _groups_in_one_process("probe/", 3, allreduce)
+    assert groups[0].connections_closed() is False  # its ring neighbours' connections were up
+    assert groups[0].connections_closed() is True  # the probe closed them
+    groups[1].close_connections()
+    assert groups[1].connections_closed() is True
+    assert groups[1].closed == [{2: None, 0: None}]  # what it closed is kept, the ring neighbours it used
+    _assert_each_closes_at_once(groups, [2, 0, 1])
+
+
 @pytest.mark.parametrize("collectives", [1, 2])
 def test_with_two_devices_a_group_closes_through_the_contexts_its_collectives_ran_on(collectives, monkeypatch):
     """``GLOO_SOCKET_IFNAME`` naming two interfaces gives a group two gloo contexts, and its collectives take them

@@ -7,6 +7,7 @@ host takes over as when a host is killed."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import time
 from types import SimpleNamespace
@@ -85,6 +86,89 @@ def test_a_collective_given_up_on_a_peer_cut_off_is_fenced_its_late_data_reachin
         if peer.is_alive():
             peer.kill()
             peer.join()
+
+
+MESSAGE_FLOATS = 128 * 2**20  # 512 MiB in one message (a broadcast sends its tensor whole): long to send, frozen midway
+
+
+def _receiving_member(port: int, fenced, checked, out) -> None:
+    """The first member, in a process of its own: receives the second's broadcast, which is frozen midway and cut
+    off; once the call failed, the next generation's step writes into the tensor. ``out``: whether the call failed
+    with the cut-off reason, how long it took, the work the fence left waiting (``Comm.stranded``), whether the
+    tensor still holds only what the step wrote after the sender came back."""
+    comm = Comm(TCPStore("127.0.0.1", port, is_master=False), 0, "gloo", torch.device("cpu"), TIMEOUTS)
+    comm.join(PAIR)
+    comm.allreduce([torch.ones(4)])
+    tensor = torch.zeros(MESSAGE_FLOATS)
+    t0 = time.monotonic()
+    try:
+        comm.broadcast(tensor, 1)
+    except CollectiveFailure as err:
+        out[0] = float("went silent" in str(err))
+    out[1] = time.monotonic() - t0
+    out[2] = comm.stranded
+    tensor.fill_(7.0)
+    fenced.set()
+    checked.wait(60)
+    out[3] = float(bool((tensor == 7.0).all()))
+    os._exit(0)  # as a worker ends: nothing waits for the stranded work's group
+
+
+def _sending_member(port: int, ready) -> None:
+    comm = Comm(TCPStore("127.0.0.1", port, is_master=False), 1, "gloo", torch.device("cpu"), TIMEOUTS)
+    comm.join(PAIR)
+    comm.allreduce([torch.ones(4)])
+    tensor = torch.full((MESSAGE_FLOATS,), 100.0)
+    ready.set()
+    with pytest.raises(CollectiveFailure):  # its rest finds the connection closed
+        comm.broadcast(tensor, 1)
+    os._exit(0)
+
+
+def test_a_receive_cut_off_midway_is_fenced_without_stopping_the_worker_its_late_data_reaching_nothing():
+    """gloo fails a closed connection's posted receives but not the one whose message it was reading: that one waits
+    out its own timeout (docs/recovery.md, "Fencing a dropped generation"). The sender is frozen halfway through a
+    512 MiB message and its generation cut off: the receiver gives the broadcast up at once, closes the connection,
+    finds the receive still waiting and every connection closed, and goes on rather than stopping; when the sender
+    comes back and sends the rest, nothing reaches the tensor the next generation uses."""
+    store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    ctx = multiprocessing.get_context("spawn")
+    ready, fenced, checked = ctx.Event(), ctx.Event(), ctx.Event()
+    out = ctx.Array("d", [-1.0] * 4)
+    receiver = ctx.Process(target=_receiving_member, args=(store.port, fenced, checked, out))
+    sender = ctx.Process(target=_sending_member, args=(store.port, ready))
+    receiver.start()
+    sender.start()
+    try:
+        assert ready.wait(60)
+        io = psutil.Process(sender.pid)
+        before = io.io_counters().write_chars
+        deadline = time.monotonic() + 60
+        while io.io_counters().write_chars - before < MESSAGE_FLOATS // 2:  # an eighth of its bytes: on its way
+            assert time.monotonic() < deadline and sender.is_alive(), "the broadcast never started"
+        io.send_signal(signal.SIGSTOP)
+        sent = io.io_counters().write_chars - before
+        assert sent < 4 * MESSAGE_FLOATS, sent  # frozen midway
+        store.set(protocol.cut_off_key(0), "node(s) [1] went silent")
+        deadline = time.monotonic() + 60
+        while not fenced.wait(0.05):  # the fence's wait (2 s), then the call's failure
+            assert receiver.is_alive(), receiver.exitcode  # stopped: 5 is EXIT_UNFENCED
+            assert time.monotonic() < deadline, "the broadcast was never given up on"
+        failed, took, stranded, _ = out[:]
+        assert failed == 1.0 and took < 10.0, (failed, took)  # given up on, far from the collective timeout (30 s)
+        assert stranded == 1.0  # the receive gloo left waiting on the closed connection
+        io.send_signal(signal.SIGCONT)  # the sender comes back and sends the rest of the message
+        sender.join(60)
+        assert sender.exitcode == 0
+        checked.set()
+        receiver.join(60)
+        assert receiver.exitcode == 0 and out[3] == 1.0  # nothing of the late message reached the tensor
+    finally:
+        for p in (receiver, sender):
+            if p.is_alive():
+                psutil.Process(p.pid).send_signal(signal.SIGCONT)
+                p.kill()
+                p.join()
 
 
 @pytest.mark.slow

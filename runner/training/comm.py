@@ -79,6 +79,7 @@ class Comm:
         self._sends: list = []  # work objects of launched pipeline sends not waited for yet
         self._failure: str | None = None  # why a launch failed, raised by the next wait_all
         self._stuck: list = []  # gloo work given up on (a peer cut off): fenced by the next abort
+        self.stranded = 0  # given-up work the fence left waiting on closed connections (``_fence``)
         self._sockets = store_counts.SocketsOpened()  # the generation's connections, when counting is on
         # NCCL's abort() ends in-flight work itself, and its waits are not sliced
         self._cut_off_check = None if backend == "nccl" else self._cut_off
@@ -301,9 +302,15 @@ class Comm:
         kept open, its connections would resume when a partition heals, and the stuck collective would write its
         peers' late data into tensors the next generation uses (a gradient bucket, a parameter). Every one of
         its groups, the side group included, is closed now, on this thread: a closed pair fails the work posted
-        on it, and the work is waited for (``_FENCE_WAIT_S``) before anything else runs. A worker whose given-up
-        work still runs then cannot keep its memory out of the old generation's reach: it stops at once
-        (``EXIT_UNFENCED``, no report, no destructor), and the controller replaces it as after a crash."""
+        on it, and the work is waited for (``_FENCE_WAIT_S``) before anything else runs.
+
+        Work can outlast that wait on a closed connection: gloo fails a closed pair's posted receives, but not
+        the one whose message it was reading when the connection closed, which waits out its own timeout
+        (docs/recovery.md, "Fencing a dropped generation"). Such work is left to end by itself (``stranded``)
+        once every peer the groups received from refuses a new receive, so nothing can reach it. A worker whose
+        given-up work still runs while a connection it used still takes a receive cannot keep its memory out of
+        the old generation's reach: it stops at once (``EXIT_UNFENCED``, no report, no destructor), and the
+        controller replaces it as after a crash."""
         stuck, self._stuck = self._stuck, []
         for group in groups:
             _close_connections(group)
@@ -311,11 +318,17 @@ class Comm:
         while not all(w.is_completed() for w in stuck) and time.monotonic() < deadline:
             time.sleep(0.001)
         running = sum(not w.is_completed() for w in stuck)
-        if running:
+        if running and not all(_connections_closed(group) for group in groups):
             print(f"worker {self.wid}: {running} collective(s) of gen {self.gen}, given up on, still ran "
-                  f"{_FENCE_WAIT_S:.0f}s after their connections were closed: stopping, as they could still "
-                  "write into this worker's tensors", file=sys.stderr, flush=True)
+                  f"{_FENCE_WAIT_S:.0f}s after their connections were closed, and a connection still takes a "
+                  "receive: stopping, as they could still write into this worker's tensors", file=sys.stderr,
+                  flush=True)
             os._exit(EXIT_UNFENCED)
+        if running:
+            self.stranded += running
+            print(f"worker {self.wid}: {running} collective(s) of gen {self.gen}, given up on, wait on closed "
+                  "connections (a message cut off midway): nothing can reach them, they end at their own timeout",
+                  file=sys.stderr, flush=True)
 
     # -- collectives: every failure surfaces as CollectiveFailure -------------------------------
     # Collectives are launched, then waited for together. After an error every launched one is
@@ -549,6 +562,7 @@ class GlooGroup(dist.ProcessGroupGloo):
         self.address_store = store
         self.devices = len(opts._devices)  # a gloo context each; a send or receive runs on context ``tag % devices``
         self.peers: list[dict[int, None]] = [{} for _ in range(self.devices)]  # per context, in order of first use
+        self.closed: list[dict[int, None]] = [{} for _ in range(self.devices)]  # the peers closed so far, per context
         self._ring = ((rank + 1) % size, (rank - 1) % size)  # the neighbours gloo's ring collectives use
         self._ring_recorded: set[int] = set()  # contexts it is recorded on: once, not at every collective of a step
         self._collectives = 0  # gloo tags each collective with this count and runs it on context ``tag % devices``
@@ -612,12 +626,25 @@ class GlooGroup(dist.ProcessGroupGloo):
         a connection here: a pair's first use waits until the peer uses it too, up to the rendezvous timeout
         (a side group's receive from a ring neighbour it never talked to stalled every recovery that way)."""
         for context, peers in enumerate(self.peers):
-            tag = _CLOSING_TAG - (_CLOSING_TAG - context) % self.devices  # the largest tag on this context
             for src in list(peers):  # a copy: an exchange's thread may still add to it
-                if _timed_out_receive(self, src, tag):
+                if _timed_out_receive(self, src, self._closing_tag(context)):
                     break
+        self.closed = [{**closed, **peers} for closed, peers in zip(self.closed, self.peers)]
         self.peers = [{} for _ in self.peers]  # closed: nothing left to close when the group goes
         self._ring_recorded = set()
+
+    def connections_closed(self) -> bool:
+        """Whether every peer the group's calls used (closed before or recorded since) refuses a receive now: its
+        connection is closed, so nothing it sends reaches this process. A peer that takes one has its context
+        closed by that receive (as in ``close_connections``), and the answer is False: it was open."""
+        for context, (closed, peers) in enumerate(zip(self.closed, self.peers)):
+            for src in {**closed, **peers}:
+                if _timed_out_receive(self, src, self._closing_tag(context)):
+                    return False
+        return True
+
+    def _closing_tag(self, context: int) -> int:
+        return _CLOSING_TAG - (_CLOSING_TAG - context) % self.devices  # the largest tag on this context
 
 
 _CLOSING_TAG = 2**31 - 1  # no message is ever sent with it (or the tags just below it, one per context)
@@ -641,6 +668,11 @@ def _close_connections(group) -> None:
     """``GlooGroup.close_connections`` for a gloo group; nothing for NCCL's."""
     if isinstance(group, GlooGroup):
         group.close_connections()
+
+
+def _connections_closed(group) -> bool:
+    """``GlooGroup.connections_closed`` for a gloo group; True for NCCL's (its abort ended its work) and None."""
+    return not isinstance(group, GlooGroup) or group.connections_closed()
 
 
 def _close_and_drop(groups: list) -> None:

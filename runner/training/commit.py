@@ -268,7 +268,7 @@ class StepCommit:
     def recover_from(self, err: CollectiveFailure) -> None:
         """A collective of this step failed: regroup (the run's recovery), or end the worker without one."""
         self.status.phase = "recovering"
-        self.events.emit("collective_failed", gen=self.comm.gen, error=str(err))
+        self.events.emit("collective_failed", gen=self.comm.gen, error=str(err), stranded=self.comm.stranded)
         if self.recover is None:
             raise err
         self.recover(self.state, str(err))
