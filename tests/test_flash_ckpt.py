@@ -44,6 +44,7 @@ from runner.recovery.flash_ckpt.segment import PAGE, read_header
 from runner.recovery.flash_ckpt.shm import ShmSpaceError, job_files, segment_name, slot_paths
 from runner.recovery.flash_ckpt.slots import SlotWriter
 from runner.recovery.flash_ckpt.snapshotter import Snapshotter
+from tests.local_hosts import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -406,6 +407,7 @@ import os, signal, sys
 sys.path[:0] = [{tests!r}, {repo!r}]
 from test_flash_ckpt import make_state
 from runner.recovery.flash_ckpt.snapshotter import Snapshotter
+from tests.local_hosts import wait_for
 snap = Snapshotter({job!r}, 0)
 for step in (1, 2, 3):
     snap.save(make_state(step), step)
@@ -449,7 +451,11 @@ def _ask_for_a_persist(address: str, segment: str, conn) -> None:
     conn.recv()
 
 
-def test_a_restart_lists_snapshots_only_once_the_node_persister_finished_for_dead_trainers(job, snap, tmp_path):
+@pytest.mark.parametrize("bound", ["met", "passed"])
+def test_a_restart_lists_snapshots_only_once_the_node_persister_finished_for_dead_trainers(bound, job, snap, tmp_path):
+    """A dead trainer's persist is still being written when a restart settles. Within the settle's bound
+    (``met``) the write and the persist at breakpoint after it land before the settle answers; past it
+    (``passed``) they are called off, and nothing of them lands afterwards, not even once the disk comes back."""
     out_dir, events = tmp_path / "checkpoints", tmp_path / "events.jsonl"
     out_dir.mkdir()
     snap.save(make_state(1), 1)
@@ -462,6 +468,7 @@ def test_a_restart_lists_snapshots_only_once_the_node_persister_finished_for_dea
     slow = out_dir / f".{checkpoint_path(out_dir, 0, 1).name}.tmp{persister.process.pid}"
     os.mkfifo(slow)
     live = connect_persister(address, segment_name(job, 1), 1)  # a trainer that is alive: nothing to wait for
+    reader = threading.Thread(target=lambda: slow.open("rb").read(), daemon=True)
     try:
         ours, theirs = Pipe()
         trainer = server.start(_ask_for_a_persist, (address, snap.segment), connections=(theirs,))
@@ -471,18 +478,28 @@ def test_a_restart_lists_snapshots_only_once_the_node_persister_finished_for_dea
         trainer.join(20)
         assert trainer.exitcode == -9
 
-        settled = settle_node_persister(address, timeout_s=0.5)
-        assert settled is not None and (settled.waited, settled.left) == (1, 1)  # the dead trainer's, still writing
-        reader = threading.Thread(target=lambda: slow.open("rb").read(), daemon=True)
-        reader.start()
-        settled = settle_node_persister(address, timeout_s=60)
-        assert settled is not None and settled.left == 0
-        # its request failed (the write went into the pipe) and was logged, as nobody could receive it; then the
-        # persist at breakpoint wrote step 1: all of it before the settle returned
-        assert_same(make_state(1), read_verified(checkpoint_path(out_dir, 0, 1)))
+        if bound == "met":
+            reader.start()
+            settled = settle_node_persister(address, timeout_s=60)
+            assert settled is not None and (settled.waited, settled.left) == (1, 0)
+            # its request failed (the write went into the pipe) and was logged, as nobody could receive it; then the
+            # persist at breakpoint wrote step 1: all of it before the settle returned
+            assert_same(make_state(1), read_verified(checkpoint_path(out_dir, 0, 1)))
+            last = ("snapshot_breakpoint_persisted", 1, None)
+        else:
+            settled = settle_node_persister(address, timeout_s=0.5)
+            assert settled is not None and (settled.waited, settled.left) == (1, 1)  # the dead trainer's, still writing
+            reader.start()  # the disk comes back: the request fails as above, the persist at breakpoint is written...
+            wait_for("the persist at breakpoint",
+                     lambda: events.exists() and "snapshot_breakpoint_failed" in events.read_text())
+            assert "PublishRefused" in events.read_text()  # ...and not put in place: the restart listed the disk
+            assert sorted(p.name for p in out_dir.iterdir()) == []  # no file, no sidecar, no temp file left
+            last = ("snapshot_breakpoint_failed", -1, None)
+            settled = settle_node_persister(address, timeout_s=60)
+            assert settled is not None and (settled.waited, settled.left) == (0, 0)  # called off: not owed again
         logged = [json.loads(line) for line in events.read_text().splitlines()]
-        assert [(e["kind"], e["snapshot_step"], e.get("ok")) for e in logged] == [
-            ("snapshot_persist_unreported", 1, False), ("snapshot_breakpoint_persisted", 1, None)]
+        assert [(e["kind"], e.get("snapshot_step", -1), e.get("ok")) for e in logged] == [
+            ("snapshot_persist_unreported", 1, False), last]
         reader.join(20)
     finally:
         assert live is not None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +46,20 @@ def list_checkpoints(out_dir: Path, rank: int) -> list[tuple[int, Path]]:
     return [(step, path) for step, path in every_ranks_checkpoints(out_dir) if path.name.endswith(f"-rank{rank}.ckpt")]
 
 
-def write_atomic(state: Any, path: Path, info: dict[str, Any]) -> None:
-    """torch.save to a temp file, fsync, write the sidecar, rename both, fsync the directory."""
+class PublishRefused(RuntimeError):
+    """A written file that its gate did not let into place (``write_atomic``): nothing of it was published."""
+
+
+def always_publish() -> AbstractContextManager[bool]:
+    """The gate of a writer nothing calls off."""
+    return nullcontext(True)
+
+
+def write_atomic(state: Any, path: Path, info: dict[str, Any],
+                 gate: Callable[[], AbstractContextManager[bool]] = always_publish) -> None:
+    """torch.save to a temp file, fsync, write the sidecar, rename both, fsync the directory. The renames happen
+    inside ``gate()``, and only if it yields True (else ``PublishRefused``): a node persister's settle calls off the
+    writes it stopped waiting for, which must then never land (``persister._NodeClients``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     side = sidecar_path(path)
     tmp, side_tmp = temp_name(path), temp_name(side)
@@ -56,8 +70,12 @@ def write_atomic(state: Any, path: Path, info: dict[str, Any]) -> None:
             json.dump(info, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(side_tmp, side)
-        os.replace(tmp, path)
+        with gate() as allowed:
+            if not allowed:
+                raise PublishRefused(f"{path.name} was written but not put in place: a restart stopped waiting for "
+                                     "it (launcher.start_timeout_s) and chose its step from the files there then")
+            os.replace(side_tmp, side)
+            os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)

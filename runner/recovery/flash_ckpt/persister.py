@@ -13,7 +13,8 @@ connection ends without its goodbye has died, and the persister then writes the 
 of its segment that verifies, unless that step is already on disk ("persist at breakpoint").
 A restarted trainer first asks it to settle (``settle_node_persister``): to finish what it was
 writing for trainers that have exited, so that the restart lists their files as they will stay
-(DLRover's agent likewise saves to storage before it restarts its workers).
+(DLRover's agent likewise saves to storage before it restarts its workers); what is not finished in
+time is called off, never put in place afterwards.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Client, Connection, Listener
@@ -35,7 +37,7 @@ import psutil
 
 from runner.recovery.actions import NodePersist
 
-from .disk import apply_retention, checkpoint_path, sidecar_path, write_atomic
+from .disk import always_publish, apply_retention, checkpoint_path, sidecar_path, write_atomic
 from .events import EventSink, emit
 from .shm import PREFIX, check_job_id
 from .slots import committed_steps, find_step, load_slot, newest_verified, pin_step
@@ -80,12 +82,15 @@ def _capture(segment: str, step: int | None) -> tuple[dict, Any]:
 class Persister:
     """Long-lived disk writer for snapshots; meant for a process other than the trainer."""
 
-    def __init__(self, out_dir: str | Path, keep: int = 3, *, on_event: EventSink = None) -> None:
+    def __init__(self, out_dir: str | Path, keep: int = 3, *, on_event: EventSink = None,
+                 gate: Callable[[], AbstractContextManager[bool]] = always_publish) -> None:
+        """``gate``: what lets a written file into place, and retention run (``write_atomic``)."""
         if keep < 1:
             raise ValueError("keep must be >= 1")
         self.out_dir = Path(out_dir)
         self.keep = keep
         self.on_event = on_event
+        self.gate = gate
 
     def persist(self, segment: str, step: int | None = None) -> Path:
         """Persist `step` of `segment` (None: its newest committed snapshot); raise PersistError."""
@@ -125,8 +130,11 @@ class Persister:
             meta, state = _capture(segment, step)
             on_captured()
             path = checkpoint_path(self.out_dir, meta["owner"], meta["step"])
-            write_atomic(state, path, {"job_id": meta["job_id"], "rank": meta["owner"], "step": meta["step"]})
-            apply_retention(self.out_dir, meta["owner"], meta["step"], self.keep)
+            write_atomic(state, path, {"job_id": meta["job_id"], "rank": meta["owner"], "step": meta["step"]},
+                         self.gate)
+            with self.gate() as allowed:  # called off since: a restart listed the older files, they stay
+                if allowed:
+                    apply_retention(self.out_dir, meta["owner"], meta["step"], self.keep)
             outcome = PersistOutcome(segment, meta["step"], str(path), None, perf_counter() - t0)
         except Exception as e:  # every failure is reported, never dropped
             outcome = PersistOutcome(segment, step, None, f"{type(e).__name__}: {e}", perf_counter() - t0)
@@ -305,11 +313,11 @@ def _node_main(spec: NodePersist, node: int, control: Connection) -> None:
     from runner.plumbing.events import EventLog  # the node persister reports breakpoint persists in the run's log
 
     log = EventLog(spec.events_path, rank=lambda: f"persister-n{node}", step=lambda: -1)
-    persister = Persister(spec.out_dir, spec.keep)
+    clients = _NodeClients()
+    persister = Persister(spec.out_dir, spec.keep, gate=clients.publishing)
     address, authkey = persister_address(spec.job_id, node), mp.current_process().authkey
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
     stopping = threading.Event()
-    clients = _NodeClients()
 
     def accept() -> None:
         while True:
@@ -378,7 +386,8 @@ def _serve_node_client(persister: Persister, conn: Connection, log, clients: _No
 @dataclass(frozen=True)
 class Settled:
     """What a settle waited for: the connections of exited trainers that were still at work (``waited``), how
-    many of them were still at work when its time ran out (``left``), and how long it took."""
+    many of them were still at work when its time ran out (``left``, their writes called off), and how long it
+    took."""
 
     waited: int
     left: int
@@ -388,7 +397,8 @@ class Settled:
 def settle_node_persister(address: str, timeout_s: float) -> Settled | None:
     """Wait (at most `timeout_s`) until the node persister at `address` has finished every request and breakpoint
     persist of the trainers that have exited, so that a restart lists their files as they will stay: a write that
-    lands after the restart chose its step would be missed, or outlive the step's invalidation. None if no
+    lands after the restart chose its step would be missed, or outlive the step's invalidation. The writes still at
+    work when the time runs out (``Settled.left``) are called off: none of their files lands afterwards. None if no
     persister listens there."""
     try:
         conn = Client(address, family="AF_UNIX", authkey=mp.current_process().authkey)
@@ -433,26 +443,42 @@ def _exited(peer: psutil.Process | None) -> bool:
 
 
 class _NodeClients:
-    """The node persister's connections, each served by a thread, and the process at the other end of each."""
+    """The node persister's connections, each served by a thread, and the process at the other end of each; and the
+    threads whose writes a settle called off (``publishing``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._served: list[tuple[threading.Thread, psutil.Process | None]] = []
+        self._called_off: set[threading.Thread] = set()
 
     def add(self, thread: threading.Thread, peer: psutil.Process | None) -> None:
         with self._lock:
             self._served = [(t, p) for t, p in self._served if t.is_alive() or not t.ident] + [(thread, peer)]
+            self._called_off = {t for t in self._called_off if t.is_alive()}
+
+    @contextmanager
+    def publishing(self) -> Iterator[bool]:
+        """Whether the calling thread may put a file in place (or prune older ones) now: held while it does, so that
+        a settle calling its writes off waits for a rename under way, and no rename follows."""
+        with self._lock:
+            yield threading.current_thread() not in self._called_off
 
     def settle(self, timeout_s: float) -> tuple[int, int]:
         """Wait for the threads still serving trainers that have exited (their last requests, their persist at
-        breakpoint); returns how many there were and how many are still at work after `timeout_s`."""
+        breakpoint); returns how many there were and how many are still at work after `timeout_s`. The writes of
+        those are called off: the restart lists the files there now, and none of theirs may land after it chose a
+        step from them (or outlive that step's invalidation)."""
         me = threading.current_thread()
         with self._lock:
-            owed = [t for t, peer in self._served if t is not me and t.is_alive() and _exited(peer)]
+            owed = [t for t, peer in self._served
+                    if t is not me and t.is_alive() and _exited(peer) and t not in self._called_off]
         deadline = monotonic() + timeout_s
         for t in owed:
             t.join(max(0.0, deadline - monotonic()))
-        return len(owed), sum(t.is_alive() for t in owed)
+        with self._lock:
+            late = {t for t in owed if t.is_alive()}
+            self._called_off |= late
+        return len(owed), len(late)
 
     def join(self, timeout_s: float) -> None:
         with self._lock:
