@@ -258,3 +258,15 @@ def test_bad_phase_timeout_health_and_hang_settings_are_refused(overrides, says)
 
 def test_flashrecovery_heartbeats_come_with_a_floor_they_can_resolve():
     validate(_compose("+recipe=gpt_tiny", "heartbeat=flashrecovery"))
+
+
+def test_a_phases_window_stays_sorted_as_its_oldest_dwells_leave():
+    from runner.control.phase_timeouts import WINDOW, Dwells
+
+    dwells, seen = Dwells(), []
+    for i in range(3 * WINDOW):
+        seconds = (i * 7919) % 1000 / 1000  # out of order, with repeats
+        dwells.add(seconds)
+        seen.append(seconds)
+    window = seen[-WINDOW:]
+    assert len(dwells) == WINDOW and dwells.ordered == sorted(window) and dwells.p99() == p99(window)

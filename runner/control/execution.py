@@ -56,7 +56,8 @@ class Executor:
                                  members.gen)
         for action in self.actions.values():
             action.on_nodes_lost(self.ctx, lost_nodes)
-        lost_ranks = [w.logical for w in members.live() if w.node in lost_nodes]
+        lost = set(lost_nodes)
+        lost_ranks = [w.logical for w in members.live() if w.node in lost]
         if not dead and not lost_ranks and not hung and lost_nodes:
             self.incidents.not_needed(f"node(s) {lost_nodes} held no rank")
             members.fence_written_off()  # its spares, say: no generation follows

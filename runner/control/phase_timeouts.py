@@ -30,6 +30,7 @@ truly stuck is still ended long before the fixed bound.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from typing import Optional
@@ -46,8 +47,32 @@ KEYED_SAMPLES = 3  # start-ups of one role, regroups of one action: one is no di
 
 def p99(values) -> float:
     """The nearest-rank 99th percentile."""
-    ordered = sorted(values)
+    return _p99_of_sorted(sorted(values))
+
+
+def _p99_of_sorted(ordered: list) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+class Dwells:
+    """A phase's newest ``WINDOW`` dwells, kept sorted as they come: the controller asks for the p99 of each judged
+    worker's phase on every heartbeat round (thousands of ranks), so it is read, not sorted, each time."""
+
+    def __init__(self) -> None:
+        self.window: deque = deque()
+        self.ordered: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        if len(self.window) == WINDOW:
+            del self.ordered[bisect.bisect_left(self.ordered, self.window.popleft())]
+        self.window.append(seconds)
+        bisect.insort(self.ordered, seconds)
+
+    def __len__(self) -> int:
+        return len(self.window)
+
+    def p99(self) -> float:
+        return _p99_of_sorted(self.ordered)
 
 
 class PhaseTimeouts:
@@ -64,7 +89,7 @@ class PhaseTimeouts:
                       "reduction": launcher.collective_timeout_s, "startup": launcher.start_timeout_s,
                       "recovery": launcher.recovery_timeout_s}
         self.events = events
-        self.dwells: dict[str, deque] = {p: deque(maxlen=WINDOW) for p in (*set(JUDGED.values()), "reduction")}
+        self.dwells: dict[str, Dwells] = {p: Dwells() for p in (*set(JUDGED.values()), "reduction")}
         self.steps: dict[str, set[int]] = {p: set() for p in self.dwells}
         self.slowest: dict[str, dict[str, tuple[float, int]]] = {"startup": {}, "recovery": {}}  # kind -> (s, n)
         self.calibrated_at: dict[str, float] = {}  # a start-up role -> when its KEYED_SAMPLES-th start-up was seen
@@ -77,7 +102,7 @@ class PhaseTimeouts:
         phase = JUDGED.get(worker_phase) or GROUP.get(worker_phase)
         if phase is None or not self.enabled:
             return
-        self.dwells[phase].append(dwell_s)
+        self.dwells[phase].add(dwell_s)
         self.steps[phase].add(step)
 
     def observe_startup(self, role: str, seconds: float, at: float = 0.0) -> None:
@@ -133,7 +158,7 @@ class PhaseTimeouts:
     def _pooled(self, phase: str) -> tuple[float, bool]:
         if not self.enabled or len(self.steps[phase]) < self.warmup_steps:
             return self.fixed[phase], False
-        return max(self.floor_s, self.k * p99(self.dwells[phase])), True
+        return max(self.floor_s, self.k * self.dwells[phase].p99()), True
 
     def _keyed(self, phase: str, kind: str) -> tuple[float, bool]:
         seen = self.slowest[phase].get(kind)
@@ -150,7 +175,7 @@ class PhaseTimeouts:
         for phase, dwells in sorted(self.dwells.items()):
             timeout_s, calibrated = self._pooled(phase)
             out[phase] = {"timeout_s": round(timeout_s, 4), "calibrated": calibrated,
-                          "p99_s": round(p99(dwells), 4) if dwells else None, "dwells": len(dwells),
+                          "p99_s": round(dwells.p99(), 4) if dwells else None, "dwells": len(dwells),
                           "steps": len(self.steps[phase])}
         reduction_s = self.reduction_limit()
         out["reduction"].update(timeout_s=round(reduction_s, 4) if reduction_s is not None else self.fixed["reduction"],
