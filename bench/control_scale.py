@@ -1,7 +1,7 @@
 """The control plane at scale: the real controller and store against N simulated hosts that speak its protocol.
 
     python bench/control_scale.py [--hosts 16,128,1024,2048] [--ranks-per-host 8] [--generators 2]
-                                  [--emit-calibration FILE]
+                                  [--route store|agent] [--step-s 0.1] [--emit-calibration FILE]
 
 For each N, node 0's side is the code a job runs, untouched: a process composes the config (``launcher.mode=
 per_host``, ``ft=[flashrecovery,deadpool]``, N training hosts of ``--ranks-per-host`` ranks and one spare host),
@@ -12,14 +12,18 @@ with a made-up pid; signal; shutdown) on a thread of its own, as a node agent do
 a worker's heartbeat thread does each ``heartbeat.interval_s`` (set ``hb/<wid>``, get ``gen``, check ``stop``: three
 operations; its fence it reads only in a new generation), its step advancing; a new replacement or spare writes
 ``ready/<wid>``; and each rank adopts every generation it is a member of (reads ``gen/<g>``, writes
-``pg/<g>/arrived/<rank>``). Faults, one after the other, each once the job is steady:
+``pg/<g>/arrived/<rank>``). With ``--route agent`` (``heartbeat.route=agent``) the workers beat to their agent,
+not the store: each agent writes its ranks' record (``agent/<n>/ranks``) when a rank's step moved or it went quiet
+(two intervals without a beat), beats ``<time> <record version>`` every half interval, reads its fence every quarter of
+``controller_lost_after_s``, and reads each notice the controller posts it (a fence, then each generation). A
+simulated step lasts ``--step-s``. Faults, one after the other, each once the job is steady:
 
 - crash: a worker's exit is reported by its agent (``agent/<n>/exit/<k>``), as after a SIGKILL;
 - silent host: a host's agent and workers stop writing anything (a host cut off or powered down);
 - hang: one worker stops beating (SIGSTOP), the controller kills it through its agent.
 
-Printed per N: the controller process's CPU per second at steady state (the store's server threads live in
-that process and are counted with it), the store operations per second (the generators count theirs; the
+Printed per N: the controller process's CPU per second at steady state (the store lives in that process and is
+counted with it) and its store server thread's share, the store operations per second (the generators count theirs; the
 controller's are counted at the source, ``runner.plumbing.store_counts``), the generators' own CPU (they share the
 machine's cores with the controller), and per fault detect -> decided -> generation published -> adopted by
 every simulated rank, with the store operations of the recovery that the protocol's model predicts from N
@@ -49,11 +53,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
-from tree_cpu import process_cpu_s
+from tree_cpu import process_cpu_s, threads_cpu_s
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+STORE_THREAD = "pt_tcpstore_uv"  # the TCPStore server's thread in the controller's process (libuv backend)
 STEP_S = 0.1  # a simulated step: the step a simulated worker's heartbeat reports advances this often
 STEADY_S = 4.0  # how long steady state is measured (--steady-s)
 FAULT_TIMEOUT_S = 60.0
@@ -64,16 +69,17 @@ RECOVERY_CLASSES = ("gen", "pg", "agent", "ready", "fenced")
 WRITES_AND_READS = frozenset({"set", "get", "add", "compare_set", "delete_key"})
 
 
-def overrides(hosts: int, ranks_per_host: int, misses: int) -> list[str]:
+def overrides(hosts: int, ranks_per_host: int, misses: int, route: str) -> list[str]:
     world = hosts * ranks_per_host
-    return [f"heartbeat.misses={misses}", "+recipe=gpt_tiny", "launcher.mode=per_host", f"parallel.nodes={hosts}",
+    return [f"heartbeat.misses={misses}", f"heartbeat.route={route}", "+recipe=gpt_tiny", "launcher.mode=per_host",
+            f"parallel.nodes={hosts}",
             f"parallel.procs_per_node={ranks_per_host}", f"parallel.spares={ranks_per_host}",
             "ft=[flashrecovery,deadpool]", f"trainer.global_batch_size={world}", "trainer.max_steps=1000000",
             "logger=none", "launcher.start_timeout_s=600"]
 
 
 # -- node 0: the real controller ----------------------------------------------------------------------------
-def serve_controller(hosts: int, ranks_per_host: int, misses: int, run_dir: Path) -> None:
+def serve_controller(hosts: int, ranks_per_host: int, misses: int, route: str, run_dir: Path) -> None:
     """Compose and validate the job's config, host the store, write its port, run the controller."""
     from hydra import compose, initialize_config_dir
 
@@ -85,7 +91,7 @@ def serve_controller(hosts: int, ranks_per_host: int, misses: int, run_dir: Path
 
     register_all([])
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides(hosts, ranks_per_host, misses))
+        cfg = compose(config_name="config", overrides=overrides(hosts, ranks_per_host, misses, route))
     validate(cfg, for_training=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     store = protocol.host_store("127.0.0.1", cfg.launcher.start_timeout_s)
@@ -113,6 +119,7 @@ class SimWorker:
         self.wid, self.node, self.role = wid, node, role
         self.seq, self.alive, self.beating = 0, True, True
         self.fence_read_at: Optional[int] = None  # the generation it last read its fence in
+        self.stopped_at = 0.0  # when it stopped beating (monotonic): its agent marks it quiet two intervals later
 
 
 class SimHost:
@@ -122,6 +129,9 @@ class SimHost:
         self.gen, self.node = gen, node
         self.silent = False
         self.exits = 0
+        self.version = 0  # route=agent: its ranks' record's version, and what the record last held
+        self.rows_held: tuple = ()
+        self.notices_read = 0
 
     def serve(self) -> None:
         from torch.distributed import DistError, DistStoreError
@@ -181,8 +191,10 @@ class SimHost:
 class Generator:
     """Hosts ``index``, ``index + count``, ... of the job: their agents, workers and generation adoption."""
 
-    def __init__(self, port: int, nodes: list[int], out: Path, interval_s: float, secret: bytes) -> None:
+    def __init__(self, port: int, nodes: list[int], out: Path, interval_s: float, secret: bytes, route: str,
+                 step_s: float) -> None:
         self.port, self.out, self.interval_s, self.secret = port, out, interval_s, secret
+        self.route, self.step_s = route, step_s
         self.ops = Ops()
         self.stop = threading.Event()
         self.hosts = {n: SimHost(self, n) for n in nodes}
@@ -198,8 +210,9 @@ class Generator:
         from runner.plumbing import protocol
 
         threads = [threading.Thread(target=h.serve, daemon=True) for h in self.hosts.values()]
-        threads += [threading.Thread(target=loop, daemon=True)
-                    for loop in (self.beat_agents, self.beat_workers, self.adopt)]
+        loops = (self.beat_agents, self.adopt) if self.route == "agent" else (self.beat_agents, self.beat_workers,
+                                                                                 self.adopt)
+        threads += [threading.Thread(target=loop, daemon=True) for loop in loops]
         for t in threads:
             t.start()
         control = protocol.connect("127.0.0.1", self.port, 60)
@@ -232,24 +245,56 @@ class Generator:
                 if w.node == host.node:
                     w.beating = False
         elif kind == "hang":
-            self.workers[order["wid"]].beating = False
+            worker = self.workers[order["wid"]]
+            worker.beating, worker.stopped_at = False, time.monotonic()
 
     def beat_agents(self) -> None:
-        """Every agent every half interval, as an agent's own heartbeat thread writes it."""
+        """Every agent every half interval, as an agent's own heartbeat thread writes it: its beat and whether the
+        controller fenced its host; with route=agent its ranks' record first when it changed, and the fence only every
+        quarter of ``controller_lost_after_s``."""
         from runner.config.schema import HeartbeatConfig
         from runner.plumbing import protocol
 
         store = protocol.connect("127.0.0.1", self.port, 60)
+        hb = HeartbeatConfig(interval_s=self.interval_s)
+        every = 1 if self.route == "store" else max(1, int(hb.controller_lost_after_s / 4 / hb.agent_beat_s))
+        beats = 0
         while not self.stop.is_set():
-            t_next = time.monotonic() + HeartbeatConfig(interval_s=self.interval_s).agent_beat_s
-            now = time.time()
+            t_next = time.monotonic() + hb.agent_beat_s
+            now, beats = time.time(), beats + 1
+            ranks: dict[int, list[SimWorker]] = {}
+            for w in list(self.workers.values()):
+                ranks.setdefault(w.node, []).append(w)
             for host in self.hosts.values():
-                if not host.silent:  # its beat, and whether the controller fenced the host
+                if host.silent:
+                    continue
+                if self.route == "store":
                     store.set(protocol.agent_key(host.node, "hb"), str(now))
+                else:
+                    self.write_record(store, host, ranks.get(host.node, []), now)
+                    store.set(protocol.agent_key(host.node, "hb"), f"{now!r} {host.version}")
+                self.ops.add("agent_hb")
+                if beats % every == 0:
                     store.check([protocol.node_fence_key(host.node)])
-                    self.ops.add("agent_hb")
                     self.ops.add("fenced", poll=True)
             self.stop.wait(max(0.0, t_next - time.monotonic()))
+
+    def write_record(self, store, host: SimHost, workers: list[SimWorker], wall: float) -> None:
+        """route=agent: the host's record of its live ranks (``runner.agents.beat_relay``), when a step moved or a rank
+        went quiet."""
+        from runner.plumbing import protocol
+
+        now, step = time.monotonic(), int((time.monotonic() - self.t0) / self.step_s)
+        quiet = {w.wid: not w.beating and now - w.stopped_at > 2 * self.interval_s for w in workers if w.alive}
+        held = (step, tuple(sorted(quiet.items())))
+        if held == host.rows_held:
+            return
+        host.rows_held, host.version = held, host.version + 1
+        rows = {str(wid): {"step": step, "phase": "compute", "gen": -1, "in_flight": 0, "t": wall, "quiet": q}
+                for wid, q in quiet.items()}
+        store.set(protocol.agent_key(host.node, "ranks"), json.dumps({"v": host.version, "rows": rows},
+                                                                     separators=(",", ":")))
+        self.ops.add("agent_ranks")
 
     def beat_workers(self) -> None:
         """Every worker every interval: what its heartbeat thread does (set ``hb/<wid>``, get ``gen``, check ``stop``;
@@ -261,7 +306,7 @@ class Generator:
         store = protocol.connect("127.0.0.1", self.port, 60)
         while not self.stop.is_set():
             t_next = time.monotonic() + self.interval_s
-            step = int((time.monotonic() - self.t0) / STEP_S)
+            step = int((time.monotonic() - self.t0) / self.step_s)
             for w in list(self.workers.values()):
                 if not w.beating:
                     continue
@@ -300,8 +345,26 @@ class Generator:
                 store.set(f"pg/{seen}/arrived/{rank}", "1")
             self.ops.add("gen", 2 * len(mine))
             self.ops.add("pg", len(mine))
+            if self.route == "agent":
+                self.read_notices(store, seen)
             with open(self.out / "adopted.jsonl", "a") as f:
                 f.write(json.dumps({"gen": seen, "t": time.time(), "ranks": len(mine)}) + "\n")
+
+    def read_notices(self, store, gen: int) -> None:
+        """route=agent: every host heard, its notices up to generation ``gen``'s (a fence of one of its workers
+        comes before it), as its agent's notice watcher reads them (``NodeAgent._watch_notices``)."""
+        from runner.plumbing import protocol
+
+        for host in self.hosts.values():
+            while not host.silent:
+                key = protocol.agent_key(host.node, "notice", host.notices_read + 1)
+                store.wait([key], timedelta(seconds=FAULT_TIMEOUT_S))
+                notice = json.loads(store.get(key))
+                host.notices_read += 1
+                self.ops.add("agent")
+                self.ops.add("agent", poll=True)
+                if notice.get("gen") == gen:
+                    break
 
     def dump(self) -> None:
         tmp = self.out / f"ops-{os.getpid()}.tmp"
@@ -309,14 +372,16 @@ class Generator:
         tmp.replace(self.out / f"ops-{os.getpid()}.json")
 
 
-def serve_hosts(port: int, nodes: list[int], out: Path, interval_s: float, secret_file: Path) -> None:
-    Generator(port, nodes, out, interval_s, secret_file.read_bytes()).run()
+def serve_hosts(port: int, nodes: list[int], out: Path, interval_s: float, secret_file: Path, route: str,
+                step_s: float) -> None:
+    Generator(port, nodes, out, interval_s, secret_file.read_bytes(), route, step_s).run()
 
 
 # -- the bench's side -------------------------------------------------------------------------------------
-def recovery_ops(world: int, ranks_per_host: int, fault: str) -> dict[str, int]:
+def recovery_ops(world: int, ranks_per_host: int, fault: str, route: str = "store",
+                 hosts_lost: int = 0) -> dict[str, int]:
     """A recovery's store writes and reads by key class (polls left out: their number follows the clock), from
-    the protocol, for a job of ``world`` ranks:
+    the protocol, for a job of ``world`` ranks, ``hosts_lost`` hosts lost before it:
 
     - ``gen``: a crash or a hang publishes two generations (survivors-only, then complete), a silent host whose
       ranks a warm spare host takes one; the controller sets ``gen/<g>`` and ``gen`` (2), each member reads both
@@ -330,13 +395,19 @@ def recovery_ops(world: int, ranks_per_host: int, fault: str) -> dict[str, int]:
       stack-dump signal to every live rank (``runner.control.diagnosis``: N commands, sent together); a silent
       host's exit list is ended by the controller (its counter read, the end record, its watcher's read: 3);
     - ``ready``: the replacement's ready key (the controller looks for it in a polling check);
-    - ``fenced``: one record per worker written off, and a silent host's own (``protocol.node_fence_key``).
+    - ``fenced``: one record per worker written off, and a silent host's own (``protocol.node_fence_key``);
+    - with ``route=agent``, ``agent`` also holds the controller's notices (``AgentFleet.post_notice``): each
+      generation to every agent not lost (posted and read: 2 each), each worker written off to its agent (2, only
+      posted when its host is silent), the silent host's fence (posted only).
     """
     members = [world] if fault == "silent" else [world - 1, world]
     commands = {"crash": 1, "hang": 2 + world, "silent": 0}[fault]
     exits = 1  # a crash's or hang's exit report, or the end of a silent host's list
     written_off = ranks_per_host if fault == "silent" else 1
-    return {"gen": sum(2 + 2 * m for m in members), "pg": sum(members), "agent": 3 * exits + 5 * commands,
+    agents_heard = world // ranks_per_host + 1 - hosts_lost - (fault == "silent")  # the spare host's agent too
+    notices = 0 if route == "store" else (2 * agents_heard * len(members)
+                                          + (written_off + 1 if fault == "silent" else 2 * written_off))
+    return {"gen": sum(2 + 2 * m for m in members), "pg": sum(members), "agent": 3 * exits + 5 * commands + notices,
             "ready": 1 if commands else 0, "fenced": written_off + (fault == "silent"), "pg_waits": sum(members),
             "gloo": 3 * sum(members)}
 
@@ -351,9 +422,12 @@ def complete_lines(path: Path) -> list[dict]:
 class Run:
     """One N: the controller process, the generators, the faults, the figures."""
 
-    def __init__(self, hosts: int, ranks_per_host: int, generators: int, steady_s: float, misses: int) -> None:
+    def __init__(self, hosts: int, ranks_per_host: int, generators: int, steady_s: float, misses: int, route: str,
+                 step_s: float) -> None:
         self.hosts, self.rph, self.world = hosts, ranks_per_host, hosts * ranks_per_host
         self.generators, self.steady_s, self.misses = generators, steady_s, misses
+        self.route, self.step_s = route, step_s
+        self.hosts_lost = 0  # by the faults so far: their agents get no notices
         self.dir = Path(tempfile.mkdtemp(prefix="rr-scale-"))
         self.run_dir, self.out = self.dir / "run", self.dir / "sim"
         self.out.mkdir()
@@ -372,7 +446,7 @@ class Run:
         env = {**os.environ, auth.SECRET_ENV: secret, "RUNNER_STORE_COUNTS": str(self.counts)}
         me = str(Path(__file__).resolve())
         argv = [sys.executable, me, "--serve-controller", str(self.hosts), str(self.rph), str(self.misses),
-                str(self.run_dir)]
+                self.route, str(self.run_dir)]
         self.controller = self.spawn(argv, env, "controller")
         port_file = self.run_dir / "port"
         self.wait_for("the store's port", lambda: port_file.exists())
@@ -383,7 +457,8 @@ class Run:
         n_gen = min(len(nodes), max(1, self.generators))
         for i in range(n_gen):
             self.gens.append(self.spawn([sys.executable, me, "--serve-hosts", port, ",".join(map(str, nodes[i::n_gen])),
-                                         str(self.out), str(secret_file)], env, f"generator{i}"))
+                                         str(self.out), str(secret_file), self.route, str(self.step_s)], env,
+                                        f"generator{i}"))
         self.wait_for("generation 0 adopted by every rank", lambda: self.adopted(0) >= self.world, timeout_s=600)
 
     def spawn(self, argv: list[str], env: dict, name: str) -> subprocess.Popen:
@@ -453,15 +528,24 @@ class Run:
         """Controller and generators' CPU per second and store operations per second, nothing happening."""
         assert self.controller is not None
         c0, g0, ops0, t0 = self.cpu([self.controller]), self.cpu(self.gens), self.ops(), time.monotonic()
+        s0 = threads_cpu_s(self.controller.pid, STORE_THREAD)
         time.sleep(self.steady_s)
         c1, g1, ops1, t1 = self.cpu([self.controller]), self.cpu(self.gens), self.ops(), time.monotonic()
+        s1 = threads_cpu_s(self.controller.pid, STORE_THREAD)
         span, spent = t1 - t0, ops1 - ops0
         interval = 0.1
-        # a worker's 3 operations per beat (the spare host's warm workers beat too); an agent's 2, every half interval
-        prescribed = (3 * (self.world + self.rph) + 4 * (self.hosts + 1)) / interval
-        achieved = (spent["op:hb"] + spent["poll:stop"] + spent["op:agent_hb"] + spent["poll:fenced"]) / span
-        return {"controller_cpu": (c1 - c0) / span, "generators_cpu": (g1 - g0) / span,
-                "store_ops_per_s": sum(spent.values()) / span, "beat_ops_per_s": achieved,
+        if self.route == "store":
+            # a worker's 3 operations per beat (the spare host's warm workers beat too); an agent's 2, every half
+            # interval
+            prescribed = (3 * (self.world + self.rph) + 4 * (self.hosts + 1)) / interval
+            achieved = (spent["op:hb"] + spent["poll:stop"] + spent["op:agent_hb"] + spent["poll:fenced"]) / span
+        else:  # an agent's beat every half interval (its records, when a step moved, come on top)
+            prescribed = 2 * (self.hosts + 1) / interval
+            achieved = spent["op:agent_hb"] / span
+        return {"controller_cpu": (c1 - c0) / span, "store_thread_cpu": (s1 - s0) / span,
+                "generators_cpu": (g1 - g0) / span,
+                "store_ops_per_s": sum(spent.values()) / span, "records_per_s": spent["op:agent_ranks"] / span,
+                "beat_ops_per_s": achieved,
                 "beat_ops_prescribed_per_s": prescribed}
 
     def fault(self, kind: str) -> dict:
@@ -486,15 +570,19 @@ class Run:
                             if e.get("recovery") == decided["recovery"] and not e.get("pending")]
         self.wait_for(f"{kind}: complete generation", lambda: bool(complete()))
         gen = complete()[0]
-        self.wait_for(f"{kind}: adopted", lambda: self.adopted(gen["gen"]) >= len(gen["members"]))
+        # by every member, and every generator done with it (with route=agent: each of its hosts read the notice)
+        self.wait_for(f"{kind}: adopted", lambda: self.adopted(gen["gen"]) >= len(gen["members"]) and
+                      sum(a["gen"] == gen["gen"] for a in self.adoptions()) == len(self.gens))
         t_adopted = max(a["t"] for a in self.adoptions() if a["gen"] == gen["gen"])
         self.settle()
         spent = self.ops() - ops0
+        model = recovery_ops(self.world, self.rph, kind, self.route, self.hosts_lost)
+        self.hosts_lost += kind == "silent"
         return {"fault": kind, "symptom": detected.get("symptom"), "action": decided["action"],
                 "detect_s": detected["t"] - t_fault,
                 "decide_s": decided["t"] - detected["t"], "publish_s": gen["t"] - decided["t"],
                 "adopt_s": t_adopted - gen["t"], "ops": {k: spent.get(f"op:{k}", 0) for k in RECOVERY_CLASSES},
-                "model": recovery_ops(self.world, self.rph, kind)}
+                "model": model}
 
     def settle(self) -> None:
         """Until every generator dumped its counts after the newest adoption (they dump every 50 ms)."""
@@ -519,12 +607,13 @@ class Run:
 
 
 def measure(hosts: int, ranks_per_host: int, generators: int, faults: list[str], steady_s: float, misses: int,
-            saturation: float) -> dict:
-    run = Run(hosts, ranks_per_host, generators, steady_s, misses)
+            saturation: float, route: str = "store", step_s: float = STEP_S) -> dict:
+    run = Run(hosts, ranks_per_host, generators, steady_s, misses, route, step_s)
     try:
         t0 = time.monotonic()
         run.start()
-        result = {"hosts": hosts, "ranks": run.world, "startup_s": time.monotonic() - t0, **run.steady()}
+        result = {"hosts": hosts, "ranks": run.world, "route": route, "startup_s": time.monotonic() - t0,
+                  **run.steady()}
         result["saturated"] = result["beat_ops_per_s"] < saturation * result["beat_ops_prescribed_per_s"]
         # a load this machine cannot generate: the controller would judge the generators' own lateness
         result["faults"] = [] if result["saturated"] else [run.fault(kind) for kind in faults]
@@ -558,10 +647,13 @@ def calibration(results: list[dict], ranks_per_host: int) -> dict:
 
 def report(r: dict, ranks_per_host: int) -> str:
     """One N's figures, as printed."""
-    lines = [f"N={r['hosts']} hosts x {ranks_per_host} = {r['ranks']} ranks: start-up {r['startup_s']:.1f}s; steady: "
-             f"controller+store {r['controller_cpu']:.2f} core, {r['store_ops_per_s']:.0f} store ops/s (heartbeats "
-             f"{r['beat_ops_per_s']:.0f}/s of the {r['beat_ops_prescribed_per_s']:.0f}/s the protocol prescribes), "
-             f"generators {r['generators_cpu']:.2f} core"]
+    records = f", {r['records_per_s']:.0f} host records written/s" if r["route"] == "agent" else ""
+    lines = [f"N={r['hosts']} hosts x {ranks_per_host} = {r['ranks']} ranks, heartbeat.route={r['route']}: start-up "
+             f"{r['startup_s']:.1f}s; steady: "
+             f"controller+store {r['controller_cpu']:.2f} core (the store's server thread "
+             f"{r['store_thread_cpu']:.2f}), {r['store_ops_per_s']:.0f} store ops/s (heartbeats "
+             f"{r['beat_ops_per_s']:.0f}/s of the {r['beat_ops_prescribed_per_s']:.0f}/s the protocol prescribes"
+             f"{records}), generators {r['generators_cpu']:.2f} core"]
     if r["saturated"]:
         per_op = r["controller_cpu"] / r["store_ops_per_s"]
         lines.append(
@@ -579,19 +671,22 @@ def report(r: dict, ranks_per_host: int) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-controller":
-        serve_controller(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
+        serve_controller(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], Path(sys.argv[6]))
         return
     from runner.config.schema import HeartbeatConfig
 
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-hosts":
         serve_hosts(int(sys.argv[2]), [int(n) for n in sys.argv[3].split(",")], Path(sys.argv[4]),
-                    HeartbeatConfig().interval_s, Path(sys.argv[5]))
+                    HeartbeatConfig().interval_s, Path(sys.argv[5]), sys.argv[6], float(sys.argv[7]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", default="16,128,1024,2048", help="comma-separated numbers of training hosts")
     parser.add_argument("--ranks-per-host", type=int, default=8)
     parser.add_argument("--generators", type=int, default=2, help="processes simulating the hosts")
     parser.add_argument("--faults", default="crash,silent,hang")
+    parser.add_argument("--route", choices=("store", "agent"), default="store",
+                        help="heartbeat.route: workers beat to the store, or to their host's agent")
+    parser.add_argument("--step-s", type=float, default=STEP_S, help="how long a simulated training step lasts")
     parser.add_argument("--steady-s", type=float, default=STEADY_S, help="how long steady state is measured")
     parser.add_argument("--heartbeat-misses", type=int, default=HeartbeatConfig().misses,
                         help="the job's heartbeat.misses (more: the generators' own lateness is never a fault)")
@@ -604,7 +699,7 @@ def main() -> None:
     results = []
     for n in [int(x) for x in args.hosts.split(",")]:
         r = measure(n, args.ranks_per_host, args.generators, args.faults.split(","), args.steady_s,
-                    args.heartbeat_misses, args.saturation)
+                    args.heartbeat_misses, args.saturation, args.route, args.step_s)
         results.append(r)
         print(report(r, args.ranks_per_host), flush=True)
     if args.json:

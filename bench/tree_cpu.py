@@ -23,7 +23,24 @@ DISCOVER_S = 1.0  # how often the process tree is walked for new processes (walk
 
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of all of ``pid``'s threads (its reaped children not included)."""
-    with open(f"/proc/{pid}/stat") as f:
+    return _stat_cpu_s(f"/proc/{pid}/stat")
+
+
+def threads_cpu_s(pid: int, name: str) -> float:
+    """User + system CPU seconds of ``pid``'s threads called ``name`` (``/proc/<pid>/task/<tid>/comm``)."""
+    total = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() == name:
+                    total += _stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
+        except FileNotFoundError:
+            continue  # the thread ended
+    return total
+
+
+def _stat_cpu_s(path: str) -> float:
+    with open(path) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICK
 

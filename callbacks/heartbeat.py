@@ -12,18 +12,26 @@ block), the worker exits (``EXIT_CONTROLLER_LOST``): no orphan keeps running (``
 controller wrote off (``protocol.worker_fence_key``) exits (``EXIT_FENCED``) at the first beat after a new
 generation or after it was out of touch: a worker heard again after its host's link healed never acts in the job
 again.
+
+Where the beat goes is ``heartbeat.route``: ``StoreLink`` writes the worker's own record in the store and reads the
+generation, a stop and the fence there; ``AgentLink`` sends the beat to the host's node agent, which answers with
+them (``runner.agents.beat_relay``): then the controller's contact is watched through the agent, which itself halts
+and kills its workers once it loses the controller.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from lightning.pytorch.callbacks import Callback
 
+from runner.agents.beat_relay import MAX_DATAGRAM, socket_address
 from runner.plumbing import protocol
 from runner.plumbing.contact import ControllerContact
 from runner.plumbing.events import EventLog
@@ -35,6 +43,62 @@ EXIT_FENCED = 71  # the controller wrote this worker off
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+@dataclass
+class News:
+    """What a beat's answer tells the worker: the newest generation (-1: none yet), whether the run is to stop, the
+    controller's record writing this worker off (None: it is not)."""
+
+    gen: int
+    stop: bool
+    fence: Optional[dict]
+
+
+class StoreLink:
+    """``heartbeat.route=store``: the worker's own record in the job's store, with a sequence number so the controller
+    sees it change; the generation and a stop read from the store every beat."""
+
+    def __init__(self, store, status: WorkerStatus, interval_s: float) -> None:
+        self.store, self.status, self.interval_s = store, status, interval_s
+        self.key, self.fence = f"hb/{status.wid}", protocol.worker_fence_key(status.wid)
+        self.seq = 0
+        self.fence_read_at: Optional[int] = None  # the generation this worker last read its fence in
+        self.answered = time.monotonic()
+
+    def exchange(self, payload: dict) -> News:
+        self.seq += 1
+        store = self.store
+        store.set(self.key, json.dumps({**payload, "seq": self.seq}))
+        gen = int(store.get("gen")) if self.status.latest_gen >= 0 or store.check(["gen"]) else -1
+        stop = not self.status.stop_requested and store.check([protocol.STOP])
+        # A fence is written before the generation that replaces its worker, so it is read only when a new generation
+        # appeared, or when this worker was out of touch (stopped, or behind a link that was down): not one more store
+        # operation on every beat of every worker.
+        fence = None
+        out_of_touch = time.monotonic() - self.answered > 2 * self.interval_s
+        if self.fence_read_at != gen or out_of_touch:
+            if store.check([self.fence]):
+                fence = protocol.get_json(store, self.fence)
+            self.fence_read_at = gen
+        self.answered = time.monotonic()
+        return News(gen, stop, fence)
+
+
+class AgentLink:
+    """``heartbeat.route=agent``: a datagram to the host's node agent (``runner.agents.beat_relay``), which answers
+    with what it read from the store."""
+
+    def __init__(self, name: str, interval_s: float) -> None:
+        self.address = socket_address(name)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("")  # an address of its own (autobound, abstract) for the agent's answers
+        self.sock.settimeout(interval_s)
+
+    def exchange(self, payload: dict) -> News:
+        self.sock.sendto(json.dumps(payload).encode(), self.address)
+        answer = json.loads(self.sock.recv(MAX_DATAGRAM))
+        return News(answer["gen"], answer["stop"], answer["fence"])
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * _PAGE
@@ -42,9 +106,11 @@ def rss_bytes() -> int:
 
 class Heartbeat(Callback):
     def __init__(self, host: str, port: int, namespace: str, status: WorkerStatus, interval_s: float,
-                 lost_after_s: float, events: EventLog, comm=None) -> None:
-        """``comm``: whose generation and collectives in flight each beat reports (where a hang is stuck)."""
+                 lost_after_s: float, events: EventLog, comm=None, beat_socket: Optional[str] = None) -> None:
+        """``comm``: whose generation and collectives in flight each beat reports (where a hang is stuck);
+        ``beat_socket``: the host agent's socket (``heartbeat.route=agent``), else the beats go to the store."""
         self.host, self.port, self.namespace, self.status = host, port, namespace, status
+        self.beat_socket = beat_socket
         self.interval_s, self.events, self.comm = interval_s, events, comm
         self.contact = ControllerContact(lost_after_s, self._controller_lost, name="controller-contact")
         self._stop = threading.Event()
@@ -67,40 +133,36 @@ class Heartbeat(Callback):
         self.stop()
 
     def _run(self) -> None:
-        store = protocol.connect(self.host, self.port, max(2.0, 2 * self.interval_s), self.namespace)
-        key, fence = f"hb/{self.status.wid}", protocol.worker_fence_key(self.status.wid)
-        seq = 0
-        fence_read_at: Optional[int] = None  # the generation this worker last read its fence in
-        answered = time.monotonic()
+        link = self._link()
         while not self._stop.is_set():
-            seq += 1
-            payload = {"seq": seq, "step": self.status.step, "phase": self.status.phase, "rss": rss_bytes(),
-                       "t": time.time()}
-            if self.status.timings:
-                payload["timing"] = self.status.timings
-            if self.comm is not None:  # read only: the count of launched collectives not waited for yet
-                payload["gen"] = self.comm.gen
-                payload["in_flight"] = len(getattr(self.comm, "_in_flight", ()))
             self.contact.asking()
             try:
-                store.set(key, json.dumps(payload))
-                if self.status.latest_gen >= 0 or store.check(["gen"]):  # planned membership changes reach
-                    self.status.latest_gen = int(store.get("gen"))  # the trainer without a per-step cost
-                if not self.status.stop_requested and store.check([protocol.STOP]):
-                    self.status.stop_requested = True
-                # A fence is written before the generation that replaces its worker, so it is read only when a
-                # new generation appeared, or when this worker was out of touch (stopped, or behind a link that
-                # was down): not one more store operation on every beat of every worker.
-                out_of_touch = time.monotonic() - answered > 2 * self.interval_s
-                if fence_read_at != self.status.latest_gen or out_of_touch:
-                    if store.check([fence]):
-                        self._fenced(protocol.get_json(store, fence))
-                    fence_read_at = self.status.latest_gen
+                news = link.exchange(self._payload())
+                if news.gen >= 0:  # planned membership changes reach the trainer without a per-step cost
+                    self.status.latest_gen = news.gen
+                self.status.stop_requested = self.status.stop_requested or news.stop
+                if news.fence is not None:
+                    self._fenced(news.fence)
                 self.contact.answered()
-                answered = time.monotonic()
             except Exception:
                 pass  # not answered: the contact's watchdog ends the worker once that lasts
             self._stop.wait(self.interval_s)
+
+    def _link(self) -> StoreLink | AgentLink:
+        if self.beat_socket is None:
+            return StoreLink(protocol.connect(self.host, self.port, max(2.0, 2 * self.interval_s), self.namespace),
+                             self.status, self.interval_s)
+        return AgentLink(self.beat_socket, self.interval_s)
+
+    def _payload(self) -> dict:
+        payload = {"wid": self.status.wid, "step": self.status.step, "phase": self.status.phase, "rss": rss_bytes(),
+                   "t": time.time()}
+        if self.status.timings:
+            payload["timing"] = self.status.timings
+        if self.comm is not None:  # read only: the count of launched collectives not waited for yet
+            payload["gen"] = self.comm.gen
+            payload["in_flight"] = len(getattr(self.comm, "_in_flight", ()))
+        return payload
 
     def _fenced(self, record: dict) -> None:
         """Written off by the controller (its host was declared lost, or it was replaced): leave at once."""

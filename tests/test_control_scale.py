@@ -9,15 +9,17 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from tests.conftest import ROOT
 
 
-def test_a_recoverys_store_operations_match_the_protocols_model_at_16_and_64_hosts(tmp_path):
+@pytest.mark.parametrize("route", ["store", "agent"])
+def test_a_recoverys_store_operations_match_the_protocols_model_at_16_and_64_hosts(tmp_path, route):
     out = tmp_path / "scale.json"
     before = {p.pid for p in psutil.process_iter()}
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "control_scale.py"), "--hosts", "16,64",
-                          "--ranks-per-host", "4", "--steady-s", "1", "--json", str(out),
+                          "--ranks-per-host", "4", "--steady-s", "1", "--json", str(out), "--route", route,
                           "--emit-calibration", str(tmp_path / "calibration.json"),
                           # counts, not times: a busy machine's late generators must not read as hangs or losses
                           "--heartbeat-misses", "50", "--saturation", "0"], cwd=ROOT,
@@ -33,12 +35,15 @@ def test_a_recoverys_store_operations_match_the_protocols_model_at_16_and_64_hos
             modelled = {k: f["model"][k] for k in counted}
             assert counted == modelled, (r["hosts"], f)
     # O(N): the generation traffic grows with the ranks; the agents' does not, but for a hang's stack-dump signals
+    # and, with route=agent, the notice of each generation to 48 more agents (posted and read)
     small, large = ([f["ops"] for f in r["faults"]] for r in results)
     assert all(b["gen"] > 3 * a["gen"] for a, b in zip(small, large))
     (crash, silent, hang), (crash_4x, silent_4x, hang_4x) = small, large
-    assert (crash_4x["agent"], silent_4x["agent"]) == (crash["agent"], silent["agent"])
-    assert hang_4x["agent"] - hang["agent"] == 5 * (256 - 64)
-    assert "N=16 hosts x 4 = 64 ranks" in run.stdout
+    notices = 0 if route == "store" else 2 * (64 - 16)  # per generation published
+    assert crash_4x["agent"] - crash["agent"] == 2 * notices  # two generations: survivors, then complete
+    assert silent_4x["agent"] - silent["agent"] == notices  # one: the spare host's
+    assert hang_4x["agent"] - hang["agent"] == 5 * (256 - 64) + 2 * notices
+    assert f"N=16 hosts x 4 = 64 ranks, heartbeat.route={route}" in run.stdout
     _the_simulator_takes_the_measured_phases_with_their_source(tmp_path / "calibration.json", results[-1])
     left = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
             and "control_scale.py" in " ".join(p.info["cmdline"] or [])]

@@ -58,6 +58,9 @@ class RecordedFleet:
     def fence(self, node: int, reason: str, gen: int) -> None:
         self.fenced[node] = (reason, gen)
 
+    def post_notice(self, notice: dict, nodes: list[int] | None = None) -> None:
+        """heartbeat.route=store, the default: no agent waits for notices."""
+
     def shutdown(self, status: str) -> None:
         self.status = status
 
@@ -372,7 +375,7 @@ def test_a_run_whose_replicas_differ_fails_everywhere_with_one_verdict(tmp_path)
     ctl.store.add("done_count", 1)
     _round(ctl)
     assert ctl.record.status == "completed"  # every rank finished; their parameters are compared at the end
-    ctl.end(StopOnSignal(ctl.store, ctl.events))
+    ctl.end(StopOnSignal(ctl.store, ctl.events, fleet.post_notice))
     assert fleet.status == "failed"  # every host's agent exits non-zero
     [end] = _events(tmp_path, "run_end")
     summary = write_summary(ctl.cfg, tmp_path, ctl.record)

@@ -183,14 +183,15 @@ def test_a_host_cut_off_silently_is_detected_by_heartbeat_and_replaced_by_the_sp
 
 
 @pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason()))  # default tier: about 1 minute
-def test_when_the_controllers_host_is_cut_off_silently_every_other_host_exits_non_zero_within_30s(make_job):
+@pytest.mark.parametrize("route", ["store", "agent"])  # agent: the agents' own round trips, every quarter of the bound
+def test_when_the_controllers_host_is_cut_off_silently_every_other_host_exits_non_zero_within_30s(make_job, route):
     """Host 0 (the controller, the control-plane store, torchrun's rendezvous store) loses its link, its processes
     running on: the other hosts' store calls neither answer nor fail, yet their agents and workers stop within the
     bound (``controller_lost_after_s``) and every process of their trees is gone within 30 s, with a non-zero code."""
     job = make_job()
     with netns.Hosts(3) as hosts:
         try:
-            trees = start_hosts(job, hosts, *LAYOUT)
+            trees = start_hosts(job, hosts, *LAYOUT, f"heartbeat.route={route}")
             host0 = _tree_pids(trees[0].pid)
             hosts.cut_off(0)
             cut = time.monotonic()

@@ -63,8 +63,9 @@ needs_netns = pytest.mark.skipif(netns.skip_reason() is not None, reason=str(net
 
 
 @needs_netns  # default tier: two runs (the reference and the partitioned one) of about 1,000 steps, about 2 minutes
-def test_a_partition_healed_after_3s_never_touches_the_training(make_job, fault_free):
-    _partition_and_heal(make_job(), fault_free(steps_outlasting(fault_free, 3.0)), 3.0)
+@pytest.mark.parametrize("route", ["store", "agent"])  # heartbeat.route=agent: the fence reaches host 1 as a notice
+def test_a_partition_healed_after_3s_never_touches_the_training(make_job, fault_free, route):
+    _partition_and_heal(make_job(), fault_free(steps_outlasting(fault_free, 3.0)), 3.0, f"heartbeat.route={route}")
 
 
 @needs_netns  # default tier (#28's acceptance runs in CI): about 2 and 6 minutes here, half as long again on CI's hosts
@@ -74,18 +75,18 @@ def test_a_partition_healed_at_once_or_late_never_touches_the_training(make_job,
     _partition_and_heal(make_job(), fault_free(steps_outlasting(fault_free, outage_s)), outage_s)
 
 
-def _partition_and_heal(job: Job, fault_free: Run, outage_s: float) -> None:
+def _partition_and_heal(job: Job, fault_free: Run, outage_s: float, *overrides: str) -> None:
     cut_step = random.randint(50, CUT_BY_STEP)
     with netns.Hosts(3) as hosts:
         try:
-            _run(job, hosts, fault_free, outage_s, cut_step)
+            _run(job, hosts, fault_free, outage_s, cut_step, *overrides)
         finally:
             job.close()
 
 
-def _run(job: Job, hosts: netns.Hosts, fault_free: Run, outage_s: float, cut_step: int) -> None:
+def _run(job: Job, hosts: netns.Hosts, fault_free: Run, outage_s: float, cut_step: int, *overrides: str) -> None:
     steps = len(_loss_curve(fault_free.dir))
-    trees = start_hosts(job, hosts, *LAYOUT, f"trainer.max_steps={steps}")
+    trees = start_hosts(job, hosts, *LAYOUT, f"trainer.max_steps={steps}", *overrides)
     wait_for(f"step {cut_step}", lambda: max_step(job.run_dir) >= cut_step, procs=trees)
     cut_pids = _tree_pids(trees[1].pid)
     hosts.partition(1)  # host 1's processes keep running: only its link is gone

@@ -35,7 +35,8 @@ def fault_free(one_by_two) -> str:
 # -- configuration ------------------------------------------------------------------------------------
 def _cfg(**keys):
     cfg = OmegaConf.create({"launcher": {"mode": "auto", "secret_file": None, "control_host": None},
-                            "parallel": {"procs_per_node": 2}, "fault": {"kind": "none", "rank": 0, "extra": []}})
+                            "parallel": {"procs_per_node": 2}, "fault": {"kind": "none", "rank": 0, "extra": []},
+                            "heartbeat": {"route": "store"}})
     for key, value in keys.items():
         OmegaConf.update(cfg, key, value)
     return cfg

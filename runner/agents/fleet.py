@@ -23,6 +23,7 @@ started later joins the same way once the controller granted it a node index (``
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import subprocess
@@ -92,6 +93,11 @@ class AgentHandle:
         self.lost = False
         self.registered = True  # False: a late host granted this index never registered (it holds no node)
         self.hb_value: Optional[bytes] = None
+        self.beats = 0  # beats read so far (each a new value)
+        self.record_version = 0  # heartbeat.route=agent: the version of its ranks' record its newest beat names
+        # heartbeat.route=agent: the numbers of the notices posted to it (``AgentFleet.post_notice``); ``next`` is one
+        # call, so a stop's notice, posted from the signal handler, cannot take a number the interrupted code took
+        self.notice_seq = itertools.count(1)
         self.last_beat = time.monotonic()
         self.lock = threading.Lock()
         self.watcher: Optional[threading.Thread] = None
@@ -130,6 +136,7 @@ class AgentFleet:
         here = set(range(nodes) if started_here is None else started_here)
         gpus = _gpu_shares(nodes, cfg.parallel.procs_per_node) if started_here is None else []
         self.silence_s = silence_s = HeartbeatConfig.of(cfg.heartbeat).silence_s
+        self.notices = cfg.heartbeat.route == "agent"  # the agents wait for the controller's notices
         self.zygote = ForkServer.exec_preloaded(ZYGOTE_PRELOAD + preload)
         self.agents: list[AgentHandle] = []
         try:
@@ -195,6 +202,18 @@ class AgentFleet:
         for agent, seq in sent:
             self._await_ack(agent, seq, ACK_TIMEOUT_S)
 
+    def post_notice(self, notice: dict, nodes: Optional[list[int]] = None) -> None:
+        """``heartbeat.route=agent``: a notice to the agent of each of ``nodes`` (default: every agent not lost), which
+        waits for its next one (``NodeAgent._watch_notices``): a new generation, a stop, a worker or its host written
+        off. One set per agent, nothing polled; under ``route=store`` the workers read these from the store
+        themselves, and nothing is posted."""
+        if not self.notices:
+            return
+        for agent in self.agents if nodes is None else [self.agents[n] for n in nodes]:
+            if not agent.registered or (nodes is None and agent.lost):
+                continue
+            self.store.set(protocol.agent_key(agent.node, "notice", next(agent.notice_seq)), json.dumps(notice))
+
     def lose_node(self, node: int) -> list[int]:
         """Simulate the host going down: its agent SIGKILLed, its workers and persister dying with it.
         Returns the workers it took (once they are gone)."""
@@ -224,8 +243,11 @@ class AgentFleet:
         values = self.store.multi_get([protocol.agent_key(a.node, "hb") for a in agents])
         now, wall = time.monotonic(), time.time()
         for agent, value in zip(agents, values):
-            if value != agent.hb_value:
-                agent.hb_value, agent.last_beat = value, now - max(0.0, wall - float(value))
+            if value != agent.hb_value:  # "<wall time>", or under heartbeat.route=agent "<wall time> <record version>"
+                beat_wall, _, version = value.partition(b" ")
+                agent.hb_value, agent.last_beat = value, now - max(0.0, wall - float(beat_wall))
+                agent.beats += 1
+                agent.record_version = int(version) if version else agent.record_version
             agent.silent = now - agent.last_beat > agent.silence_s
         return {a.node: a.last_beat for a in agents}
 
@@ -240,6 +262,7 @@ class AgentFleet:
             agent.lost = True
         self.store.set(protocol.node_fence_key(node),
                        auth.sign(self.secret, {"node": node, "reason": reason, "gen": gen}))
+        self.post_notice({"host_fenced": True}, [node])  # read at once when its link is back
         self._end_exits(agent)
 
     def shutdown(self, status: str) -> None:

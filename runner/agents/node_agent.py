@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import os
 import signal
@@ -45,6 +46,7 @@ from typing import NoReturn, Optional
 from torch.distributed import DistError, DistStoreError
 
 from runner.agents import auth, spawned
+from runner.agents.beat_relay import BEAT_SOCKET_ENV, BeatRelay
 from runner.agents.fork_server import ForkedProcess, ForkServer
 from runner.config.schema import HeartbeatConfig
 from runner.plumbing import protocol
@@ -152,6 +154,8 @@ class NodeAgent:
         self._stop_beat = threading.Event()
         self._halting = threading.Lock()  # one halt (the watchdog's, the fence's or a lost store's); never released
         self._fence_refused = False
+        self.relay: Optional[BeatRelay] = None  # heartbeat.route=agent: this host's workers beat to it
+        self._notice = 0  # route=agent: the controller's notice the watcher waits for (``_watch_notices``)
 
     def _await_refusal_read(self) -> None:
         """Stay until the controller has read the refusal (it acknowledges, or ends and its store closes):
@@ -176,6 +180,11 @@ class NodeAgent:
         self.reports = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
         self.watch = WorkerWatch(self._report_exit)
         self.contact = ControllerContact(self.lost_after_s, self._controller_silent, name="controller-contact")
+        if self.heartbeat.route == "agent":  # after the fork server forked: its processes hold no copy of the socket
+            self.relay = BeatRelay(self.node, self.interval_s)
+            self.relay.start()
+            notices = threading.Thread(target=self._watch_notices, args=(self.relay,), name="notices", daemon=True)
+            notices.start()
         beat = threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True)
         beat.start()
         self.contact.start()
@@ -187,6 +196,9 @@ class NodeAgent:
             self.contact.stop()
             self._stop_beat.set()
             beat.join(timeout=self.interval_s)
+            if self.relay is not None:
+                self._end_notices(notices)
+                self.relay.close()
 
     def _load_config(self) -> Optional[str]:
         """Read the config file, check it against the controller's signed digest, import the worker's
@@ -240,6 +252,8 @@ class NodeAgent:
 
     def _spawn(self, spec_fields: dict) -> int:
         env = {"LOCAL_RANK": str(spec_fields["local_rank"])}
+        if self.relay is not None:
+            env[BEAT_SOCKET_ENV] = self.relay.name
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[spec_fields["local_rank"] % len(self.gpus)])
         assert self.fork_server is not None  # started before the first command is read
@@ -252,6 +266,8 @@ class NodeAgent:
         return sig
 
     def _report_exit(self, wid: int, code: Optional[int]) -> None:
+        if self.relay is not None:
+            self.relay.forget(wid)
         self.exits += 1
         try:
             protocol.set_json(self.reports, protocol.agent_key(self.node, "exit", self.exits),
@@ -262,18 +278,68 @@ class NodeAgent:
 
     def _beat(self) -> None:
         """Beat every half interval, and read whether the controller fenced this host: one round trip, which
-        also tells the contact's watchdog that the controller answers."""
+        also tells the contact's watchdog that the controller answers. With ``heartbeat.route=agent`` the host's
+        record goes first when it changed and the beat carries its version; the fence, a new generation and a stop
+        come as notices (``_watch_notices``), so the round trip is made only every quarter of the contact's bound."""
         beats = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
         key, fence = protocol.agent_key(self.node, "hb"), protocol.node_fence_key(self.node)
+        records = protocol.agent_key(self.node, "ranks")
+        every = 1 if self.relay is None else max(1, int(self.lost_after_s / 4 / self.heartbeat.agent_beat_s))
         try:
-            while not self._stop_beat.wait(self.heartbeat.agent_beat_s):
-                self.contact.asking()
-                beats.set(key, repr(time.time()))  # when: a beat seen late still proves life only until then
-                if beats.check([fence]):
-                    self._read_fence(beats.get(fence))
-                self.contact.answered()
+            for n in itertools.count():
+                if self._stop_beat.wait(self.heartbeat.agent_beat_s):
+                    return
+                now = repr(time.time())  # when: a beat seen late still proves life only until then
+                if self.relay is None:
+                    beats.set(key, now)
+                else:
+                    record = self.relay.record()
+                    if record is not None:  # written before the beat that names its version
+                        beats.set(records, record)
+                    beats.set(key, f"{now} {self.relay.version}")
+                if n % every == 0:
+                    self.contact.asking()
+                    if beats.check([fence]):
+                        self._read_fence(beats.get(fence))
+                    self.contact.answered()
         except DistError:
             return  # the controller is gone; the command loop notices too
+
+    def _watch_notices(self, relay: BeatRelay) -> None:
+        """route=agent: the controller's notices to this host (``AgentFleet.post_notice``: a new generation, a stop, a
+        worker or this host written off), one blocking wait each, nothing polled; what the workers' heartbeats answer
+        with (``runner.agents.beat_relay``). The agent's own ``end`` notice ends it (``_end_notices``)."""
+        store = protocol.connect(*self.address, CONNECT_TIMEOUT_S)
+        try:
+            relay.gen = int(store.get("gen")) if store.check(["gen"]) else -1  # published before its first notice
+            relay.stop_requested = store.check([protocol.STOP])
+            while True:
+                self._notice += 1
+                key = protocol.agent_key(self.node, "notice", self._notice)
+                await_key(store, key)
+                notice = json.loads(store.get(key))
+                if notice.get("end"):
+                    return
+                if "fence" in notice:  # a fence comes before the generation that replaces its worker
+                    relay.fences[int(notice["fence"]["wid"])] = notice["fence"]
+                relay.gen = max(relay.gen, notice.get("gen", -1))
+                relay.stop_requested = relay.stop_requested or notice.get("stop", False)
+                if notice.get("host_fenced"):
+                    self._read_fence(store.get(protocol.node_fence_key(self.node)))
+        except DistError:
+            return  # the controller is gone; the command loop notices too
+
+    def _end_notices(self, watcher: threading.Thread) -> None:
+        """Wake the notice watcher with an ``end`` notice of the agent's own and wait for it: a thread still waiting in
+        a store call when the process ends is woken by the store's close and aborts the process."""
+        for _ in range(3):  # a notice of the controller's may take the key first: then the next one
+            try:
+                self.store.set(protocol.agent_key(self.node, "notice", self._notice), json.dumps({"end": True}))
+            except DistError:
+                pass  # the store is gone: so is the watcher's wait
+            watcher.join(timeout=1.0)
+            if not watcher.is_alive():
+                return
 
     def _read_fence(self, raw: bytes) -> None:
         """The controller declared this host lost: halt. A fence without the job's MAC is logged once and ignored

@@ -31,6 +31,7 @@ LoggerKind = Annotated[str, Literal["wandb", "csv", "none"]]
 WandbMode = Annotated[str, Literal["offline", "online", "disabled"]]
 LauncherKind = Annotated[str, Literal["auto", "local", "torchrun", "slurm"]]
 LauncherMode = Annotated[str, Literal["auto", "per_host", "per_rank"]]
+HeartbeatRoute = Annotated[str, Literal["store", "agent"]]
 DataKind = Annotated[str, Literal["synthetic", "memmap"]]
 Device = Annotated[str, Literal["auto", "cpu", "cuda"]]
 PrecisionName = Annotated[str, Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "32",
@@ -150,6 +151,12 @@ class HeartbeatConfig:
     """Decide a recovery as soon as its evidence is conclusive (an exit an agent saw, every other member beating);
     false = always wait decide_window_s, e.g. when the hosts' clocks may disagree by more than interval_s (the
     early decision compares workers' heartbeat times across hosts)."""
+    route: HeartbeatRoute = "store"
+    """Where a worker's heartbeat goes. store: every worker writes its own record in the job's store and reads the
+    generation and a stop from it every interval (host 0's load grows with the ranks: docs/recovery.md, "What a
+    heartbeat costs host 0"). agent: every worker beats to its own host's node agent over a local socket; the agent
+    judges its ranks' silence, writes one record for the host only when a rank's step or phase changed, and learns a
+    new generation, a stop or a fence from blocking waits. Needs node agents (not launcher.mode=per_rank)."""
 
     @classmethod
     def of(cls, group: Mapping[str, Any]) -> HeartbeatConfig:

@@ -94,7 +94,7 @@ class Controller:
             return self._refused(str(err))
         self.run_logger.start()
         summary: Optional[dict] = None
-        stop = StopOnSignal(self.store, self.events)
+        stop = StopOnSignal(self.store, self.events, self.fleet.post_notice)
         try:
             try:
                 with stop:
@@ -168,8 +168,8 @@ class Controller:
                                   self.fleet, self.events, (self.host, self.port), self.namespace)
         self.incidents = Incidents(self.record, self.events, cfg.heartbeat.decide_window_s)
         self.detector = Detector(cfg, self.members, self.incidents, self.fleet, self.store, self.events, self._fail)
-        self.detector.diagnose = Diagnoser(self.run_dir, self.members, self.fleet, self.store, cfg.heartbeat.interval_s,
-                                           self.events).collect
+        self.detector.diagnose = Diagnoser(self.run_dir, self.members, self.fleet, self.detector.beats,
+                                           cfg.heartbeat.interval_s, self.events).collect
         self.ctx = RunContext(cfg, self.ft, self.topo, self.members, self.detector, self.incidents, self.events,
                               self.store, self.fleet, tuple(self.actions.values()))
         self.executor = Executor(self.ctx, self.actions, self._fail)

@@ -13,7 +13,6 @@ alive since the first symptom, which nodes are silent, and who did not reach a r
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Optional
 from torch.distributed import PrefixStore
 
 from runner.config.schema import HeartbeatConfig
+from runner.control.beats import beat_source
 from runner.control.incidents import Incidents, short
 from runner.control.membership import Membership
 from runner.control.phase_timeouts import GROUP, PhaseTimeouts
@@ -55,6 +55,7 @@ class Detector:
         self.cfg, self.hb = cfg, HeartbeatConfig.of(cfg.heartbeat)
         self.members, self.incidents = members, incidents
         self.fleet, self.store, self.events, self.fail = fleet, store, events, fail
+        self.beats = beat_source(cfg, store, fleet)  # the workers' heartbeats, by heartbeat.route
         self.reports_seen = 0
         self.silent_reported: set[int] = set()  # nodes whose silence was already raised as a symptom
         self.nodes_lost: set[int] = set()  # nodes whose loss was decided: their silence is old news
@@ -107,11 +108,12 @@ class Detector:
             if judging and node not in self.silent_reported and now - last_beat > self.hb.silence_s:
                 self.silent_reported.add(node)
                 self.incidents.symptom("node_silent", node=node, t=time.time())
+        self.beats.refresh()
         beating = []
         for w in self.members.live():
             if w.done or w.node in self.silent_reported:
                 continue
-            if w.hb_seq >= 0 or self.store.check([f"hb/{w.wid}"]):
+            if w.hb_seq >= 0 or self.beats.started(w):
                 beating.append(w)
                 continue
             timeout_s, calibrated = self.timeouts.startup_limit(w.role, w.t_spawn)
@@ -121,9 +123,7 @@ class Detector:
                                {"phase": "startup", "timeout_s": round(timeout_s, 4), "calibrated": calibrated})
                 if calibrated:
                     self.timeouts.acted("startup")
-        payloads = self.store.multi_get([f"hb/{w.wid}" for w in beating]) if beating else []
-        for w, raw in zip(beating, payloads):  # one round trip for every beating worker
-            hb = json.loads(raw)
+        for w, hb in zip(beating, self.beats.read(beating)):
             for reader in self.beat_readers:
                 reader(w, hb)
             if w.hb_seq < 0:  # its first beat, as this loop saw it
@@ -300,11 +300,7 @@ class Detector:
                   if w.ready and not w.done and w.wid not in exited and w.wid not in reported]
         if not others:
             return True
-        keys = [f"hb/{w.wid}" for w in others]
-        if not self.store.check(keys):
-            return False  # one has not beaten at all yet
-        wall = time.time()
-        return all(wall - json.loads(raw)["t"] <= 2 * interval for raw in self.store.multi_get(keys))
+        return self.beats.all_heard(others, 2 * interval, time.time())
 
     def silent_nodes_now(self) -> set[int]:
         limit = self.hb.silence_s

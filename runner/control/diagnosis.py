@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from runner.control.beats import AgentBeats, StoreBeats
 from runner.control.membership import Membership
 from runner.control.records import Recovery, Worker
 from runner.plumbing.events import EventLog
@@ -103,8 +104,10 @@ def _ranks(ranks: list[int]) -> str:
 class Diagnoser:
     """Collects the diagnosis of a hang into the recovery's directory and record (``collect``)."""
 
-    def __init__(self, run_dir: Path, members: Membership, fleet, store, interval_s: float, events: EventLog) -> None:
-        self.run_dir, self.members, self.fleet, self.store = Path(run_dir), members, fleet, store
+    def __init__(self, run_dir: Path, members: Membership, fleet, beats: StoreBeats | AgentBeats, interval_s: float,
+                 events: EventLog) -> None:
+        """``beats``: the workers' heartbeats (``Detector.beats``): each rank's last phase, step and collectives."""
+        self.run_dir, self.members, self.fleet, self.beats = Path(run_dir), members, fleet, beats
         self.interval_s, self.events = interval_s, events
 
     def collect(self, rec: Recovery, hung: Optional[Worker]) -> None:
@@ -113,7 +116,7 @@ class Diagnoser:
         if hung is not None and hung not in live:
             return
         now = time.monotonic()
-        beats = dict(zip([w.wid for w in live], self.store.multi_get([f"hb/{w.wid}" for w in live])))
+        beats = dict(zip([w.wid for w in live], self.beats.read(live)))
         starts = {w.wid: _size(stack_file(self.run_dir, w.wid)) for w in live}
         try:  # all at once: one signal command per rank in turn would take N acknowledgements' time
             self.fleet.notify([(w.wid, w.node) for w in live], DUMP_SIGNAL)
@@ -125,7 +128,7 @@ class Diagnoser:
         out.mkdir(parents=True, exist_ok=True)
         states = {}
         for w in live:
-            hb = json.loads(beats[w.wid])
+            hb = beats[w.wid]
             dump = dumps.get(w.wid)
             if dump:
                 (out / f"rank{w.logical}.stacks.txt").write_text(dump)

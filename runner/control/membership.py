@@ -80,9 +80,10 @@ class Membership:
         for w in self.workers.values():
             if w.dead and w.wid not in self._fenced:
                 self._fenced.add(w.wid)
-                protocol.set_json(self.store, protocol.worker_fence_key(w.wid), {
-                    "wid": w.wid, "logical": w.logical, "gen": self.gen,
-                    "reason": f"worker {w.wid} (logical rank {w.logical}) was written off after generation {self.gen}"})
+                why = f"worker {w.wid} (logical rank {w.logical}) was written off after generation {self.gen}"
+                fence = {"wid": w.wid, "logical": w.logical, "gen": self.gen, "reason": why}
+                protocol.set_json(self.store, protocol.worker_fence_key(w.wid), fence)
+                self.fleet.post_notice({"fence": fence}, [w.node])  # heartbeat.route=agent: its agent answers it
 
     def release(self, workers: list[Worker], recovery: int, reason: str) -> None:
         """A planned hand-over writes these workers off without killing them: each is told in the store before the
@@ -162,6 +163,7 @@ class Membership:
         self.published_at[self.gen] = time.monotonic()
         self.store.set(f"gen/{self.gen}", layout.to_json())
         self.store.set("gen", str(self.gen))
+        self.fleet.post_notice({"gen": self.gen})
         self.events.emit("generation", gen=self.gen, members=layout.members, pending=layout.pending,
                          recovery=layout.recovery, extra=layout.extra)
         return layout

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
@@ -29,8 +30,9 @@ class StopOnSignal:
     """A context: while inside, SIGINT, SIGTERM and SIGUSR2 ask the workers to checkpoint and stop (only in the main
     thread, where Python delivers signals; elsewhere it changes nothing)."""
 
-    def __init__(self, store: Any, events: EventLog) -> None:
-        self.store, self.events = store, events
+    def __init__(self, store: Any, events: EventLog, notify: Callable[[dict], None]) -> None:
+        """``notify``: posts a notice to every node agent (``AgentFleet.post_notice``: ``heartbeat.route=agent``)."""
+        self.store, self.events, self.notify = store, events, notify
         self.requested: Optional[str] = None  # the signal's name, once one came
         self._previous: dict[int, Any] = {}
 
@@ -49,6 +51,7 @@ class StopOnSignal:
             raise KeyboardInterrupt  # the second one: end now
         self.requested = signal.Signals(signum).name
         self.store.set(protocol.STOP, self.requested)
+        self.notify({"stop": True})
         self.events.emit("stop_requested", signal=self.requested)
 
     def stopped_early(self, done: dict[int, dict], max_steps: int) -> bool:

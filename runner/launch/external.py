@@ -98,6 +98,9 @@ class ExternalFleet:
         for wid, node in targets:
             self.signal(wid, node, sig)
 
+    def post_notice(self, notice: dict, nodes: Optional[list[int]] = None) -> None:
+        """No agents here to notify (``heartbeat.route=agent`` is refused under per_rank): workers read the store."""
+
     def lose_node(self, node: int) -> list[int]:
         raise ConfigError("kill_node cannot be simulated under torchrun/SLURM; use the local launcher.")
 

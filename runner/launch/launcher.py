@@ -96,6 +96,10 @@ def check_mode(cfg: DictConfig, kind: str) -> None:
                                   "memory or the agents themselves; kill the host's processes from outside, or "
                                   "simulate it with the local launcher.")
         return
+    if cfg.heartbeat.route == "agent":
+        raise ConfigError(f"heartbeat.route=agent sends each worker's heartbeat to its host's node agent, and "
+                          f"launcher.mode=per_rank starts none (under {kind} the launcher owns the processes): set "
+                          "heartbeat.route=store, or launcher.mode=per_host.")
     if cfg.launcher.secret_file:
         raise ConfigError(f"launcher.secret_file={cfg.launcher.secret_file} signs the commands to node agents, and "
                           "launcher.mode=per_rank starts none (the launcher owns the processes): drop "

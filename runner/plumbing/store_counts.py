@@ -59,12 +59,13 @@ def counted(store: StoreT) -> StoreT:
 
 def _key_class(key: str) -> str:
     """``pg``: a member's arrival at a generation's group rendezvous (``Comm._arrive``); ``gloo``: gloo's own
-    rendezvous keys under it; ``agent_hb``: an agent's heartbeat (time-driven, unlike the rest of an agent's
-    keys: its commands, acknowledgements and exit reports); else the key's first path component."""
+    rendezvous keys under it; ``agent_hb``: an agent's heartbeat, and under ``heartbeat.route=agent`` the record of its
+    ranks (driven by the clock and the steps, unlike the rest of an agent's keys: its commands, acknowledgements, exit
+    reports and notices); else the key's first path component."""
     parts = key.lstrip("/").split("/")
     if parts[0] == "pg":
         return "pg" if "arrived" in parts else "gloo"
-    if parts[0] == "agent" and parts[-1] == "hb":
+    if parts[0] == "agent" and parts[-1] in ("hb", "ranks"):
         return "agent_hb"
     return parts[0]
 

@@ -25,6 +25,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from runner.agents.beat_relay import BEAT_SOCKET_ENV
 from runner.callbacks.evaluation import EvaluationHooks
 from runner.callbacks.fault_injection import FaultTrigger
 from runner.callbacks.heartbeat import Heartbeat
@@ -150,7 +151,8 @@ def run(spec: WorkerSpec, cfg: DictConfig) -> None:
             raise Unhealthy("; ".join(failures))
     stack_dumps.arm(run_dir, spec.wid)  # where everyone was, should a rank hang (runner.control.diagnosis)
     heartbeat = Heartbeat(spec.host, spec.port, spec.namespace, status, cfg.heartbeat.interval_s,
-                          HeartbeatConfig.of(cfg.heartbeat).controller_lost_after_s, events, comm=comm)
+                          HeartbeatConfig.of(cfg.heartbeat).controller_lost_after_s, events, comm=comm,
+                          beat_socket=beat_socket(cfg))
     heartbeat.start()
     events.emit("worker_started", wid=spec.wid, node=spec.node, role=spec.role, pid=os.getpid())
     # Workers never decide a run's fate: even without fault tolerance a failed collective is reported
@@ -314,6 +316,18 @@ def select_device(cfg: DictConfig, logical_rank: int) -> tuple[torch.device, str
         torch.cuda.set_device(device)
     backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
     return device, backend
+
+
+def beat_socket(cfg: DictConfig) -> str | None:
+    """The socket of this host's node agent that the heartbeats go to under ``heartbeat.route=agent`` (the agent
+    that started this worker names it), else None: they go to the store."""
+    if cfg.heartbeat.route != "agent":
+        return None
+    name = os.environ.get(BEAT_SOCKET_ENV)
+    if name is None:
+        raise RuntimeError(f"heartbeat.route=agent, but {BEAT_SOCKET_ENV} is not set: this worker was not started by "
+                           "a node agent (launcher.mode=per_rank starts none); set heartbeat.route=store.")
+    return name
 
 
 def deterministic_kernels() -> None:

@@ -1,0 +1,97 @@
+"""The workers' heartbeats as the controller reads them, by ``heartbeat.route``: one source per route, one shape of
+beat for detection, diagnosis and the straggler watch.
+
+A beat is a dict with ``seq`` (changes while the worker proves alive), ``step``, ``phase``, ``gen``, ``in_flight``
+and the newest ``timing`` records. ``StoreBeats`` reads each worker's own record from the store (``route=store``):
+one ``multi_get`` and one decode per worker per read. ``AgentBeats`` reads the records the node agents write
+(``route=agent``, ``runner.agents.beat_relay``): only the hosts whose beat names a record version not read yet, one
+``multi_get`` for all of them; a worker's ``seq`` is its agent's beat count while the agent heard it within two
+intervals (its row is not ``quiet``), and stays put once it is quiet, so detection's silence rule runs on the agent's
+judgement as it runs on a worker's own sequence number under ``route=store``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from runner.control.records import Worker
+from runner.plumbing import protocol
+
+
+class StoreBeats:
+    """``heartbeat.route=store``: every worker's record under ``hb/<wid>``."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def refresh(self) -> None:
+        """Nothing to fetch ahead: every read goes to the store."""
+
+    def started(self, w: Worker) -> bool:
+        return self.store.check([f"hb/{w.wid}"])
+
+    def read(self, workers: list[Worker]) -> list[dict]:
+        """Each worker's beat (every one has ``started``): one round trip for all."""
+        return [json.loads(raw) for raw in self.store.multi_get([f"hb/{w.wid}" for w in workers])] if workers else []
+
+    def all_heard(self, workers: list[Worker], within_s: float, wall: float) -> bool:
+        """Whether every worker wrote a heartbeat within ``within_s`` of ``wall`` (their clocks against this host's)."""
+        keys = [f"hb/{w.wid}" for w in workers]
+        if not self.store.check(keys):
+            return False  # one has not beaten at all yet
+        return all(wall - json.loads(raw)["t"] <= within_s for raw in self.store.multi_get(keys))
+
+
+class AgentBeats:
+    """``heartbeat.route=agent``: the node agents' records of their ranks, read when their version moved."""
+
+    def __init__(self, store, fleet) -> None:
+        self.store, self.fleet = store, fleet
+        self.rows: dict[int, dict[str, dict]] = {}  # node -> wid (as a string) -> its row
+        self.versions: dict[int, int] = {}  # node -> the version of its record read last
+        self.last: dict[int, dict] = {}  # wid -> the beat it was last given
+        self.records_read = 0  # how many records were fetched and decoded (the cost the route keeps low)
+
+    def refresh(self) -> None:
+        """Read the records whose version moved since the last call, in one round trip: the versions are those of the
+        beats the caller just read (``fleet.node_beats``)."""
+        moved = [a for a in self.fleet.agents
+                 if a.registered and not a.lost and a.record_version > self.versions.get(a.node, 0)]
+        if not moved:
+            return
+        raws = self.store.multi_get([protocol.agent_key(a.node, "ranks") for a in moved])
+        self.records_read += len(moved)
+        for agent, raw in zip(moved, raws):
+            record = json.loads(raw)  # the newest: at least the version the beat named
+            self.versions[agent.node], self.rows[agent.node] = record["v"], record["rows"]
+
+    def _row(self, w: Worker) -> Optional[dict]:
+        return self.rows.get(w.node, {}).get(str(w.wid))
+
+    def started(self, w: Worker) -> bool:
+        return self._row(w) is not None
+
+    def read(self, workers: list[Worker]) -> list[dict]:
+        """Each worker's beat (every one has ``started``). A worker whose row left its host's record (it exited: its
+        agent dropped it) keeps its last beat, whose ``seq`` no longer moves."""
+        out = []
+        for w in workers:
+            row = self._row(w)
+            if row is not None:
+                last = self.last.get(w.wid)
+                seq = self.fleet.agents[w.node].beats if not row["quiet"] else last["seq"] if last else 0
+                self.last[w.wid] = {**row, "seq": seq}
+            out.append(self.last[w.wid])
+        return out
+
+    def all_heard(self, workers: list[Worker], within_s: float, wall: float) -> bool:
+        """Whether every worker's agent heard it within two intervals as of the agent's newest beat (the caller checked
+        those beats are fresh, reading them). The agent judges on its own clock, so no two hosts' clocks are compared:
+        ``within_s`` and ``wall`` are for ``StoreBeats``, which compares the workers' times with this host's."""
+        self.refresh()
+        return all((row := self._row(w)) is not None and not row["quiet"] for w in workers)
+
+
+def beat_source(cfg, store, fleet) -> StoreBeats | AgentBeats:
+    return AgentBeats(store, fleet) if cfg.heartbeat.route == "agent" else StoreBeats(store)
