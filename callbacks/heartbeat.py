@@ -31,8 +31,8 @@ from typing import Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from runner.agents.beat_relay import MAX_DATAGRAM, socket_address
 from runner.plumbing import protocol
+from runner.plumbing.beat_socket import MAX_DATAGRAM, socket_address
 from runner.plumbing.contact import ControllerContact
 from runner.plumbing.events import EventLog
 from runner.training.status import WorkerStatus

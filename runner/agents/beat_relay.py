@@ -12,8 +12,7 @@ rank went quiet or was heard again, a rank's collectives in flight changed while
 where a hang is stuck, ``runner.control.diagnosis``); the agent's beat carries that version, so the controller
 reads and decodes only the records that moved (``runner.control.beats``).
 
-The socket's name is abstract (no file to leave behind) and holds the agent's pid: in the simulation every host's
-agent shares one network namespace. A worker finds it in ``BEAT_SOCKET_ENV``.
+The socket's name and how a worker finds it: ``runner.plumbing.beat_socket``.
 """
 
 from __future__ import annotations
@@ -25,15 +24,10 @@ import threading
 import time
 from typing import Optional
 
-BEAT_SOCKET_ENV = "RUNNER_BEAT_SOCKET"  # the agent's socket name, without the abstract namespace's leading NUL
+from runner.plumbing.beat_socket import MAX_DATAGRAM, socket_address
+
 QUIET_INTERVALS = 2  # a rank not heard for this many intervals is quiet
 SETTLED_INTERVALS = 2  # a rank whose step held this long reports a change of its collectives in flight
-MAX_DATAGRAM = 65536
-
-
-def socket_address(name: str) -> str:
-    """The abstract-namespace address of a socket ``name`` (Linux: no file, gone with its process)."""
-    return "\0" + name
 
 
 class BeatRelay:

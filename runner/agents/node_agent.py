@@ -46,10 +46,11 @@ from typing import NoReturn, Optional
 from torch.distributed import DistError, DistStoreError
 
 from runner.agents import auth, spawned
-from runner.agents.beat_relay import BEAT_SOCKET_ENV, BeatRelay
+from runner.agents.beat_relay import BeatRelay
 from runner.agents.fork_server import ForkedProcess, ForkServer
 from runner.config.schema import HeartbeatConfig
 from runner.plumbing import protocol
+from runner.plumbing.beat_socket import BEAT_SOCKET_ENV
 from runner.plumbing.contact import ControllerContact
 from runner.plumbing.events import EventLog
 from runner.recovery.actions import NodePersist, NodeService

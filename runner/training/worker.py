@@ -25,7 +25,6 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from runner.agents.beat_relay import BEAT_SOCKET_ENV
 from runner.callbacks.evaluation import EvaluationHooks
 from runner.callbacks.fault_injection import FaultTrigger
 from runner.callbacks.heartbeat import Heartbeat
@@ -43,6 +42,7 @@ from runner.parallel.tensor import shard_gpt_for_tp
 from runner.planning.plan import gpt_config
 from runner.planning.topology import Topology
 from runner.plumbing import protocol
+from runner.plumbing.beat_socket import BEAT_SOCKET_ENV
 from runner.plumbing.events import EventLog, JsonLines
 from runner.recovery.common.hooks import WorkerContext
 from runner.recovery.common.rejoin import ReplicaRecovery
