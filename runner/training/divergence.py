@@ -12,7 +12,9 @@ same decision at the same step without another message:
   optimizer state no other member holds whole): ``RunFailedError`` on every member, so the run ends
   ``failed`` with the reason and never ``completed``.
 
-Both log ``replica_diverged`` (once per group, by its lowest member).
+Both log ``replica_diverged`` (once per group, by its lowest member). Failing, the members first meet in one
+collective over the group, so that the finding is logged before any of them reports the failure: the controller
+ends the run at a member's fatal report, and the lowest member could be stopped before it logged.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class ReplicaDivergence:
             return False
         source = found.source if self._restorable() else None
         self._report(step, found, source)
-        if source is None:
+        if source is None:  # the finding is logged before any member fails the run (a fatal report ends it at once)
+            self.comm.allgather_replicas(torch.zeros(1))
             raise RunFailedError(self._reason(step, found))
         src_pg = next(pg for pg, logical in enumerate(self.comm.joined.logical)
                       if self.comm.coords_of(logical)[0] == source)
