@@ -18,7 +18,7 @@ From those it projects host 0's CPU per second (the store and the controller's h
 ``heartbeat.interval_s``) for two protocols at each N, against the 0.25-core target:
 
 - ``per_worker`` (the runner's protocol): each worker sets ``hb/<wid>`` and reads ``gen`` and ``stop`` every
-  interval (1 set, 2 round trips); each agent sets its beat and checks its fence every half interval; the
+  interval (1 set, 2 round trips); each agent sets its beat and checks its fence every ``heartbeat.agent_beat_s``; the
   controller reads and decodes every worker's payload every interval;
 - ``per_host`` (workers beat to their agent on their own host): each agent sets one record per interval with its
   ranks' payloads; it learns a new generation, a stop or its fence from blocking waits (answered when the key is

@@ -33,7 +33,7 @@ def test_each_protocols_store_traffic_follows_from_the_protocol_at_every_size(tm
         agents, world = p["hosts"] + 1, (p["hosts"] + 1) * 4  # the spare host beats too
         reads = result["reads"][str(p["hosts"])]
         assert (reads["per_worker"]["keys"], reads["per_host"]["keys"]) == (world, agents)
-        # a worker: its beat set, gen and stop read; an agent: a set and a fence check every half interval
+        # a worker: its beat set, gen and stop read; an agent: a set and a fence check every agent_beat_s
         assert p["per_worker"]["sets_per_s"] == approx(world * beats + agents / hb.agent_beat_s)
         assert p["per_worker"]["round_trips_per_s"] == approx(2 * world * beats + agents / hb.agent_beat_s)
         assert p["per_host"]["sets_per_s"] == approx(agents * beats)

@@ -278,8 +278,8 @@ class NodeAgent:
             pass  # the controller is gone: nobody to report to
 
     def _beat(self) -> None:
-        """Beat every half interval, and read whether the controller fenced this host: one round trip, which
-        also tells the contact's watchdog that the controller answers. With ``heartbeat.route=agent`` the host's
+        """Beat every ``agent_beat_s``, and read whether the controller fenced this host: one round trip, which also
+        tells the contact's watchdog that the controller answers. With ``heartbeat.route=agent`` the host's
         record goes first when it changed and the beat carries its version; the fence, a new generation and a stop
         come as notices (``_watch_notices``), so the round trip is made only every quarter of the contact's bound."""
         beats = protocol.connect(*self.address, CONNECT_TIMEOUT_S)

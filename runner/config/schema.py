@@ -183,9 +183,10 @@ class HeartbeatConfig:
 
     @property
     def agent_beat_s(self) -> float:
-        """How often a node agent beats: twice an interval, so a beat read by the controller is at most half an
-        interval old."""
-        return self.interval_s / 2
+        """How often a node agent beats: once an interval, as a worker does. Host 0's store handles one message per
+        beat, so this is its largest steady load under ``route=agent`` (docs/recovery.md); a host is found silent after
+        ``silence_s``, ``misses`` beats, and the decide-at-once check accepts a beat up to two of these old."""
+        return self.interval_s
 
     @property
     def controller_wait_s(self) -> float:

@@ -144,7 +144,7 @@ class Detector:
                 continue
             if now - w.hb_change > self.hb.silence_s:
                 node_beat = self.fleet.node_beats().get(w.node)
-                if node_beat is not None and now - node_beat > 2 * interval:  # its node went silent with it
+                if node_beat is not None and now - node_beat > 2 * self.hb.agent_beat_s:  # its node went silent too
                     self.silent_reported.add(w.node)
                     self.incidents.symptom("node_silent", node=w.node, t=time.time())
                 else:
@@ -276,7 +276,7 @@ class Detector:
         That is: no hang, silence or partition is in play (their evidence is an absence, which takes the
         window and the heartbeat rules); every victim of a fault the controller carried out has its exit in
         hand (a step's faults, a node loss beside a kill: they are decided together); every agent not lost
-        beat within one heartbeat interval (it beats every half interval); and every other live, ready,
+        beat within two of its beat periods (``agent_beat_s``: it missed none); and every other live, ready,
         unfinished worker reported a failure of the current generation or wrote a heartbeat within two
         intervals (read now, one round trip). A fault that strikes some other member at the same moment is
         therefore not yet visible; the window could not see it either, as its evidence would be that
@@ -291,8 +291,9 @@ class Detector:
             wid = assigned.get(rank)
             if wid is not None and wid not in exited and not workers[wid].dead:
                 return False  # an injected fault's exit is still on its way (or never comes: a lost node)
-        now, interval = time.monotonic(), self.hb.interval_s
-        if any(now - beat > interval for node, beat in self.fleet.node_beats().items() if node not in self.nodes_lost):
+        now, interval, agents_within = time.monotonic(), self.hb.interval_s, 2 * self.hb.agent_beat_s
+        if any(now - beat > agents_within for node, beat in self.fleet.node_beats().items()
+               if node not in self.nodes_lost):
             return False
         # a report about the current generation: alive since it failed (an older one proves nothing now)
         reported = {s["wid"] for s in rec.symptoms if s["kind"] == "report" and s.get("gen", -1) >= self.members.gen}
