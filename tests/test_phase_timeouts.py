@@ -153,9 +153,8 @@ STALL_TIMEOUT_S = 10.0  # heartbeat.stall_timeout_s, the default
 def test_a_stalls_reason_gives_the_timeout_it_records():
     """The reason says the recorded (rounded) timeout: 0.82249 records 0.8225, and both read 0.823 to 3 figures (the
     unrounded value reads 0.822, which a CI run once found in the reason beside a recorded 0.8225)."""
-    detector = SimpleNamespace(timeouts=SimpleNamespace(limit=lambda phase: (0.82249, True)))
     worker = SimpleNamespace(hb_phase="compute", hb_step=25, hb_step_change=0.0)
-    why, kind, rule = Detector.stall(detector, worker, now=5.0)  # type: ignore[arg-type]
+    why, kind, rule = Detector.stall(SimpleNamespace(), worker, now=5.0, limit=(0.82249, True))  # type: ignore[arg-type]
     assert (kind, rule) == ("hang", {"phase": "compute", "timeout_s": 0.8225, "calibrated": True})
     assert f"for {rule['timeout_s']:.3g}s (calibrated from this run)" in why
 

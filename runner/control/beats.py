@@ -1,12 +1,14 @@
 """The workers' heartbeats as the controller reads them, by ``heartbeat.route``: one source per route, one shape of
 beat for detection, diagnosis and the straggler watch.
 
-A beat is a dict with ``seq`` (changes while the worker proves alive), ``step``, ``phase``, ``gen``, ``in_flight``
-and the newest ``timing`` records. ``StoreBeats`` reads each worker's own record from the store (``route=store``):
-one ``multi_get`` and one decode per worker per read. ``AgentBeats`` reads the records the node agents write
-(``route=agent``, ``runner.agents.beat_relay``): only the hosts whose beat names a record version not read yet, one
-``multi_get`` for all of them; a worker's ``seq`` is its agent's beat count while the agent heard it within two
-intervals (its row is not ``quiet``), and stays put once it is quiet, so detection's silence rule runs on the agent's
+``read`` gives each worker's ``(seq, beat)``: ``seq`` changes while the worker proves alive; the beat is a dict with
+``step``, ``phase``, ``gen``, ``in_flight`` and the newest ``timing`` records, and is the same object as long as its
+content is (detection handles a beat's content once: ``Detector.poll_heartbeats``). ``StoreBeats`` reads each
+worker's own record from the store (``route=store``): one ``multi_get`` and one decode per worker per read, so every
+beat is new. ``AgentBeats`` reads the records the node agents write (``route=agent``, ``runner.agents.beat_relay``):
+only the hosts whose beat names a record version not read yet, one ``multi_get`` for all of them; a worker's beat
+is its row of its host's record, and its ``seq`` is its agent's beat count while the agent heard it within two
+intervals (its row is not ``quiet``) and stays put once it is quiet, so detection's silence rule runs on the agent's
 judgement as it runs on a worker's own sequence number under ``route=store``.
 """
 
@@ -17,6 +19,8 @@ from typing import Optional
 
 from runner.control.records import Worker
 from runner.plumbing import protocol
+
+NO_ROWS: dict[int, dict] = {}  # a host whose record was not read yet
 
 
 class StoreBeats:
@@ -31,9 +35,12 @@ class StoreBeats:
     def started(self, w: Worker) -> bool:
         return self.store.check([f"hb/{w.wid}"])
 
-    def read(self, workers: list[Worker]) -> list[dict]:
-        """Each worker's beat (every one has ``started``): one round trip for all."""
-        return [json.loads(raw) for raw in self.store.multi_get([f"hb/{w.wid}" for w in workers])] if workers else []
+    def read(self, workers: list[Worker]) -> list[tuple[int, dict]]:
+        """Each worker's ``(seq, beat)`` (every one has ``started``): one round trip for all."""
+        if not workers:
+            return []
+        beats = [json.loads(raw) for raw in self.store.multi_get([f"hb/{w.wid}" for w in workers])]
+        return [(beat["seq"], beat) for beat in beats]
 
     def all_heard(self, workers: list[Worker], within_s: float, wall: float) -> bool:
         """Whether every worker wrote a heartbeat within ``within_s`` of ``wall`` (their clocks against this host's)."""
@@ -48,9 +55,9 @@ class AgentBeats:
 
     def __init__(self, store, fleet) -> None:
         self.store, self.fleet = store, fleet
-        self.rows: dict[int, dict[str, dict]] = {}  # node -> wid (as a string) -> its row
+        self.rows: dict[int, dict[int, dict]] = {}  # node -> wid -> its row
         self.versions: dict[int, int] = {}  # node -> the version of its record read last
-        self.last: dict[int, dict] = {}  # wid -> the beat it was last given
+        self.last: dict[int, tuple[int, dict]] = {}  # wid -> the (seq, beat) it was last given
         self.records_read = 0  # how many records were fetched and decoded (the cost the route keeps low)
 
     def refresh(self) -> None:
@@ -64,25 +71,27 @@ class AgentBeats:
         self.records_read += len(moved)
         for agent, raw in zip(moved, raws):
             record = json.loads(raw)  # the newest: at least the version the beat named
-            self.versions[agent.node], self.rows[agent.node] = record["v"], record["rows"]
+            self.versions[agent.node] = record["v"]
+            self.rows[agent.node] = {int(wid): row for wid, row in record["rows"].items()}
 
     def _row(self, w: Worker) -> Optional[dict]:
-        return self.rows.get(w.node, {}).get(str(w.wid))
+        return self.rows.get(w.node, NO_ROWS).get(w.wid)
 
     def started(self, w: Worker) -> bool:
         return self._row(w) is not None
 
-    def read(self, workers: list[Worker]) -> list[dict]:
-        """Each worker's beat (every one has ``started``). A worker whose row left its host's record (it exited: its
-        agent dropped it) keeps its last beat, whose ``seq`` no longer moves."""
+    def read(self, workers: list[Worker]) -> list[tuple[int, dict]]:
+        """Each worker's ``(seq, beat)`` (every one has ``started``): its row, the same object until its host's record
+        is read again. A worker whose row left its host's record (it exited: its agent dropped it) keeps its last
+        beat, whose ``seq`` no longer moves."""
         out = []
+        agents, rows, last = self.fleet.agents, self.rows, self.last
         for w in workers:
-            row = self._row(w)
+            row = rows.get(w.node, NO_ROWS).get(w.wid)
             if row is not None:
-                last = self.last.get(w.wid)
-                seq = self.fleet.agents[w.node].beats if not row["quiet"] else last["seq"] if last else 0
-                self.last[w.wid] = {**row, "seq": seq}
-            out.append(self.last[w.wid])
+                seq = agents[w.node].beats if not row["quiet"] else last[w.wid][0] if w.wid in last else 0
+                last[w.wid] = (seq, row)
+            out.append(last[w.wid])
         return out
 
     def all_heard(self, workers: list[Worker], within_s: float, wall: float) -> bool:

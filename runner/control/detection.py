@@ -25,7 +25,7 @@ from runner.config.schema import HeartbeatConfig
 from runner.control.beats import beat_source
 from runner.control.incidents import Incidents, short
 from runner.control.membership import Membership
-from runner.control.phase_timeouts import GROUP, PhaseTimeouts
+from runner.control.phase_timeouts import GROUP, JUDGED, PhaseTimeouts
 from runner.control.records import Recovery, Worker
 from runner.plumbing import protocol
 from runner.plumbing.events import EventLog
@@ -123,39 +123,49 @@ class Detector:
                                {"phase": "startup", "timeout_s": round(timeout_s, 4), "calibrated": calibrated})
                 if calibrated:
                     self.timeouts.acted("startup")
-        for w, hb in zip(beating, self.beats.read(beating)):
-            for reader in self.beat_readers:
-                reader(w, hb)
-            if w.hb_seq < 0:  # its first beat, as this loop saw it
-                self.timeouts.observe_startup(w.role, now - w.t_spawn, at=now)
-            if hb["seq"] != w.hb_seq:
-                w.hb_seq, w.hb_change = hb["seq"], now
-            if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:
-                if w.hb_phase and self._sample(w):  # the dwell in the (step, phase) it left, as this loop saw it
-                    self.timeouts.observe(w.hb_phase, w.hb_step, now - w.hb_step_change)
-                w.hb_step, w.hb_phase, w.hb_step_change = hb["step"], hb["phase"], now
-            w.hb_gen = hb.get("gen", -1)
-            if w.hb_gen >= 0 and w.hb_phase not in REGROUP_PHASES:
-                self.first_step[w.hb_gen] = min(w.hb_step, self.first_step.get(w.hb_gen, w.hb_step))
-            w.synced = w.synced or hb["phase"] in TRAINING_PHASES
-            if w.first_step < 0 and hb["phase"] in TRAINING_PHASES:
-                w.first_step = hb["step"]
+        limits = {phase: self.timeouts.limit(phase) for phase in JUDGED}  # this round's, looked up per worker
+        silence_s = self.hb.silence_s
+        for w, (seq, hb) in zip(beating, self.beats.read(beating)):
+            if seq != w.hb_seq:
+                if w.hb_seq < 0:  # its first beat, as this loop saw it
+                    self.timeouts.observe_startup(w.role, now - w.t_spawn, at=now)
+                w.hb_seq, w.hb_change = seq, now
+            if hb is not w.hb_beat:  # content not handled yet (under route=agent most rounds bring none)
+                w.hb_beat = hb
+                self._handle(w, hb, now)
             if not judging:
                 continue
-            if now - w.hb_change > self.hb.silence_s:
+            if now - w.hb_change > silence_s:
                 node_beat = self.fleet.node_beats().get(w.node)
                 if node_beat is not None and now - node_beat > 2 * self.hb.agent_beat_s:  # its node went silent too
                     self.silent_reported.add(w.node)
                     self.incidents.symptom("node_silent", node=w.node, t=time.time())
                 else:
                     self.kill_hung(w, f"{misses} heartbeats missed ({interval}s interval; last phase {w.hb_phase})")
-            elif now - w.hb_change <= 2 * interval and (stall := self.stall(w, now)) is not None:
+            elif (now - w.hb_change <= 2 * interval and (limit := limits.get(w.hb_phase)) is not None
+                  and now - w.hb_step_change > limit[0] and (stall := self.stall(w, now, limit)) is not None):
                 # it beats, but its step does not advance (a stopped process is the rule above's: its last phase
                 # as seen may be stale)
                 self.kill_hung(w, *stall)
         if judging and self.incidents.active is None:
             self.judge_generation(now)
         self.timeouts.publish()
+
+    def _handle(self, w: Worker, hb: dict, now: float) -> None:
+        """What a beat's content tells: its readers' share, a step or phase left (a dwell sampled), the generation
+        joined, whether the worker trains."""
+        for reader in self.beat_readers:
+            reader(w, hb)
+        if hb["step"] != w.hb_step or hb["phase"] != w.hb_phase:
+            if w.hb_phase and self._sample(w):  # the dwell in the (step, phase) it left, as this loop saw it
+                self.timeouts.observe(w.hb_phase, w.hb_step, now - w.hb_step_change)
+            w.hb_step, w.hb_phase, w.hb_step_change = hb["step"], hb["phase"], now
+        w.hb_gen = hb.get("gen", -1)
+        if w.hb_gen >= 0 and w.hb_phase not in REGROUP_PHASES:
+            self.first_step[w.hb_gen] = min(w.hb_step, self.first_step.get(w.hb_gen, w.hb_step))
+        w.synced = w.synced or hb["phase"] in TRAINING_PHASES
+        if w.first_step < 0 and hb["phase"] in TRAINING_PHASES:
+            w.first_step = hb["step"]
 
     def _sample(self, w: Worker) -> bool:
         """Whether ``w``'s dwell in the (step, phase) it leaves is a sample of the phase: not in a generation found
@@ -166,10 +176,9 @@ class Detector:
             return False
         return w.hb_phase not in GROUP or w.hb_step > self.first_step.get(w.hb_gen, w.hb_step)
 
-    def stall(self, w: Worker, now: float) -> Optional[tuple[str, str, dict]]:
+    def stall(self, w: Worker, now: float, limit: Optional[tuple[float, bool]]) -> Optional[tuple[str, str, dict]]:
         """Whether ``w`` stayed in one step of a phase of its own work past that phase's timeout: the ``kill_hung``
-        arguments saying so, with the timeout in effect, or None."""
-        limit = self.timeouts.limit(w.hb_phase)
+        arguments saying so, with the timeout in effect (``limit``: ``PhaseTimeouts.limit`` of its phase), or None."""
         if limit is None or now - w.hb_step_change <= limit[0]:
             return None
         timeout_s, calibrated = round(limit[0], 4), limit[1]  # the one value the reason and the record both give

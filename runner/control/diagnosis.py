@@ -116,7 +116,7 @@ class Diagnoser:
         if hung is not None and hung not in live:
             return
         now = time.monotonic()
-        beats = dict(zip([w.wid for w in live], self.beats.read(live)))
+        beats = {w.wid: beat for w, (_, beat) in zip(live, self.beats.read(live))}
         starts = {w.wid: _size(stack_file(self.run_dir, w.wid)) for w in live}
         try:  # all at once: one signal command per rank in turn would take N acknowledgements' time
             self.fleet.notify([(w.wid, w.node) for w in live], DUMP_SIGNAL)

@@ -34,6 +34,7 @@ class Membership:
         self.layouts: dict[int, Layout] = {}
         self.published_at: dict[int, float] = {}
         self._done_seen = 0
+        self._unready: set[int] = set()  # workers spawned that have not said they are ready (polled each round)
         self._fenced: set[int] = set()  # workers told they were written off (protocol.worker_fence_key)
 
     # -- processes ------------------------------------------------------------------------------
@@ -46,6 +47,7 @@ class Membership:
         self.fleet.spawn(main, (spec, self.cfg_dict), wid, node)
         worker = Worker(wid, node, local, lrank, role, t_spawn=time.monotonic())
         self.workers[wid] = worker
+        self._unready.add(wid)
         if lrank >= 0:
             self.assigned[lrank] = wid
         return worker
@@ -108,8 +110,12 @@ class Membership:
     def poll_ready(self) -> bool:
         """Note workers that became ready or finished; True when one became ready."""
         changed = False
-        for w in self.live():
-            if not w.ready and self.store.check([f"ready/{w.wid}"]):
+        for wid in sorted(self._unready):  # not a walk over every worker: a round comes 20 times a second
+            w = self.workers[wid]
+            if w.dead or w.ready:  # written off, or made ready by whoever started it (the first wave, a warm spare)
+                self._unready.discard(wid)
+            elif self.assigned.get(w.logical) == wid and self.store.check([f"ready/{wid}"]):
+                self._unready.discard(wid)
                 w.ready = True
                 changed = True
                 self.events.emit("replacement_ready", wid=w.wid, logical=w.logical,
@@ -128,6 +134,8 @@ class Membership:
         finished by the neighbour that computed it (NDB): a repaired rank's process published to rejoin while
         the training ended never joins (its neighbour's last generation still covered the rank) and is not
         waited for (the run's end releases it)."""
+        if not self._done_seen:
+            return False  # no worker finished yet (poll_ready reads their count): not a walk over every worker
         live = [w for w in self.live() if not w.dead and w.ready]  # a rejoining process still starting is no member
         covered = {w.logical for w in live} | set(self.covered_by)
         finished = {rank for w in live if w.done for rank in w.finished_ranks}

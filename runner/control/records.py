@@ -37,6 +37,7 @@ class Worker:
     killed_for: str = ""  # set when the controller itself killed it (hang)
     hb_seq: int = -1
     hb_change: float = 0.0
+    hb_beat: Optional[dict] = field(default=None, repr=False)  # the beat whose content was handled last
     hb_step: int = -1
     hb_step_change: float = 0.0
     hb_phase: str = ""
