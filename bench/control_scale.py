@@ -1,22 +1,22 @@
 """The control plane at scale: the real controller and store against N simulated hosts that speak its protocol.
 
     python bench/control_scale.py [--hosts 16,128,1024,2048] [--ranks-per-host 8] [--generators 2]
-                                  [--route store|agent] [--step-s 0.1] [--emit-calibration FILE]
+                                  [--route store|agent|store,agent] [--step-s 0.1] [--emit-calibration FILE]
 
-For each N, node 0's side is the code a job runs, untouched: a process composes the config (``launcher.mode=
-per_host``, ``ft=[flashrecovery,deadpool]``, N training hosts of ``--ranks-per-host`` ranks and one spare host),
-hosts the store and runs ``runner.control.controller.Controller`` with every agent remote. ``--generators``
-processes stand in for the N + 1 hosts, without training: each host registers its agent, beats ``agent/<n>/hb``
-every half interval (and reads its fence), and serves its signed command queue (spawn: a simulated worker, acked
-with a made-up pid; signal; shutdown) on a thread of its own, as a node agent does; every simulated worker does what
-a worker's heartbeat thread does each ``heartbeat.interval_s`` (set ``hb/<wid>``, get ``gen``, check ``stop``: three
-operations; its fence it reads only in a new generation), its step advancing; a new replacement or spare writes
-``ready/<wid>``; and each rank adopts every generation it is a member of (reads ``gen/<g>``, writes
-``pg/<g>/arrived/<rank>``). With ``--route agent`` (``heartbeat.route=agent``) the workers beat to their agent,
-not the store: each agent writes its ranks' record (``agent/<n>/ranks``) when a rank's step moved or it went quiet
-(two intervals without a beat), beats ``<time> <record version>`` every half interval, reads its fence every quarter of
-``controller_lost_after_s``, and reads each notice the controller posts it (a fence, then each generation). A
-simulated step lasts ``--step-s``. Faults, one after the other, each once the job is steady:
+For each N, node 0's side is the code a job runs, untouched: a process composes the config (``launcher.mode=per_host``,
+``ft=[flashrecovery,deadpool]``, N training hosts of ``--ranks-per-host`` ranks and one spare host), hosts the store and
+runs ``runner.control.controller.Controller`` with every agent remote. ``--generators`` processes stand in for the N + 1
+hosts, without training: each host registers its agent, beats ``agent/<n>/hb`` every ``heartbeat.agent_beat_s`` (and
+reads its fence), and serves its signed command queue (spawn: a simulated worker, acked with a made-up pid; signal;
+shutdown) on a thread of its own, as a node agent does; every simulated worker does what a worker's heartbeat thread
+does each ``heartbeat.interval_s`` (set ``hb/<wid>``, get ``gen``, check ``stop``: three operations; its fence it reads
+only in a new generation), its step advancing; a new replacement or spare writes ``ready/<wid>``; and each rank adopts
+every generation it is a member of (reads ``gen/<g>``, writes ``pg/<g>/arrived/<rank>``). With ``--route agent``
+(``heartbeat.route=agent``) the workers beat to their agent, not the store: each agent writes its ranks' record
+(``agent/<n>/ranks``) when a rank's step moved or it went quiet (two intervals without a beat), beats ``<time> <record
+version>`` every ``agent_beat_s``, reads its fence every quarter of ``controller_lost_after_s``, and reads each notice
+the controller posts it (a fence, then each generation). A simulated step lasts ``--step-s``. Faults, one after the
+other, each once the job is steady:
 
 - crash: a worker's exit is reported by its agent (``agent/<n>/exit/<k>``), as after a SIGKILL;
 - silent host: a host's agent and workers stop writing anything (a host cut off or powered down);
@@ -249,7 +249,7 @@ class Generator:
             worker.beating, worker.stopped_at = False, time.monotonic()
 
     def beat_agents(self) -> None:
-        """Every agent every half interval, as an agent's own heartbeat thread writes it: its beat and whether the
+        """Every agent every ``agent_beat_s``, as an agent's own heartbeat thread writes it: its beat and whether the
         controller fenced its host; with route=agent its ranks' record first when it changed, and the fence only every
         quarter of ``controller_lost_after_s``."""
         from runner.config.schema import HeartbeatConfig
@@ -533,14 +533,15 @@ class Run:
         c1, g1, ops1, t1 = self.cpu([self.controller]), self.cpu(self.gens), self.ops(), time.monotonic()
         s1 = threads_cpu_s(self.controller.pid, STORE_THREAD)
         span, spent = t1 - t0, ops1 - ops0
-        interval = 0.1
+        from runner.config.schema import HeartbeatConfig
+
+        hb = HeartbeatConfig()
         if self.route == "store":
-            # a worker's 3 operations per beat (the spare host's warm workers beat too); an agent's 2, every half
-            # interval
-            prescribed = (3 * (self.world + self.rph) + 4 * (self.hosts + 1)) / interval
+            # a worker's 3 operations per beat (the spare host's warm workers beat too); an agent's 2 per beat
+            prescribed = 3 * (self.world + self.rph) / hb.interval_s + 2 * (self.hosts + 1) / hb.agent_beat_s
             achieved = (spent["op:hb"] + spent["poll:stop"] + spent["op:agent_hb"] + spent["poll:fenced"]) / span
-        else:  # an agent's beat every half interval (its records, when a step moved, come on top)
-            prescribed = 2 * (self.hosts + 1) / interval
+        else:  # an agent's beat (its records, when a step moved, come on top)
+            prescribed = (self.hosts + 1) / hb.agent_beat_s
             achieved = spent["op:agent_hb"] / span
         return {"controller_cpu": (c1 - c0) / span, "store_thread_cpu": (s1 - s0) / span,
                 "generators_cpu": (g1 - g0) / span,
@@ -669,6 +670,19 @@ def report(r: dict, ranks_per_host: int) -> str:
     return "\n".join(lines)
 
 
+def route_ratio(store: dict, agent: dict) -> str:
+    """The agent route's steady cost against the store route's at one N, measured in the same invocation (the
+    machine's load drifts between invocations)."""
+    def ratio(key: str) -> str:
+        return f"{agent[key] / store[key]:.2f}x" if store[key] > 0 else "n/a"
+
+    return (f"N={store['hosts']}: route=agent / route=store, same run: controller+store "
+            f"{agent['controller_cpu']:.2f} / {store['controller_cpu']:.2f} core = {ratio('controller_cpu')}; "
+            f"store ops/s {agent['store_ops_per_s']:.0f} / {store['store_ops_per_s']:.0f} = "
+            f"{ratio('store_ops_per_s')}; generators {agent['generators_cpu']:.2f} / "
+            f"{store['generators_cpu']:.2f} core")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-controller":
         serve_controller(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], Path(sys.argv[6]))
@@ -684,8 +698,9 @@ def main() -> None:
     parser.add_argument("--ranks-per-host", type=int, default=8)
     parser.add_argument("--generators", type=int, default=2, help="processes simulating the hosts")
     parser.add_argument("--faults", default="crash,silent,hang")
-    parser.add_argument("--route", choices=("store", "agent"), default="store",
-                        help="heartbeat.route: workers beat to the store, or to their host's agent")
+    parser.add_argument("--route", default="store",
+                        help="heartbeat.route (store: workers beat to the store; agent: to their host's agent), or "
+                             "store,agent: each N under both, one after the other, with the ratio printed")
     parser.add_argument("--step-s", type=float, default=STEP_S, help="how long a simulated training step lasts")
     parser.add_argument("--steady-s", type=float, default=STEADY_S, help="how long steady state is measured")
     parser.add_argument("--heartbeat-misses", type=int, default=HeartbeatConfig().misses,
@@ -696,12 +711,20 @@ def main() -> None:
     parser.add_argument("--emit-calibration", type=Path, metavar="FILE",
                         help="write the simulator's calibration file (python -m runner.sim calibration=FILE)")
     args = parser.parse_args()
+    routes = args.route.split(",")
+    if not set(routes) <= {"store", "agent"} or len(set(routes)) != len(routes):
+        parser.error(f"--route {args.route}: give store, agent or store,agent")
     results = []
     for n in [int(x) for x in args.hosts.split(",")]:
-        r = measure(n, args.ranks_per_host, args.generators, args.faults.split(","), args.steady_s,
-                    args.heartbeat_misses, args.saturation, args.route, args.step_s)
-        results.append(r)
-        print(report(r, args.ranks_per_host), flush=True)
+        by_route = {}
+        for route in routes:
+            r = measure(n, args.ranks_per_host, args.generators, args.faults.split(","), args.steady_s,
+                        args.heartbeat_misses, args.saturation, route, args.step_s)
+            results.append(r)
+            by_route[route] = r
+            print(report(r, args.ranks_per_host), flush=True)
+        if len(by_route) == 2:
+            print(route_ratio(by_route["store"], by_route["agent"]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     if args.emit_calibration:

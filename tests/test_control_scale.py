@@ -5,6 +5,7 @@ O(N) model says, counted at its source, at two sizes, and that the bench ends le
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -23,6 +24,9 @@ def test_a_recoverys_store_operations_match_the_protocols_model_at_16_and_64_hos
                           "--emit-calibration", str(tmp_path / "calibration.json"),
                           # counts, not times: a busy machine's late generators must not read as hangs or losses
                           "--heartbeat-misses", "50", "--saturation", "0"], cwd=ROOT,
+                         # its directory, named on its processes' command lines, is this test's own: under
+                         # pytest -n 2 the other route's bench may be running beside it
+                         env={**os.environ, "TMPDIR": str(tmp_path)},
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -46,7 +50,7 @@ def test_a_recoverys_store_operations_match_the_protocols_model_at_16_and_64_hos
     assert f"N=16 hosts x 4 = 64 ranks, heartbeat.route={route}" in run.stdout
     _the_simulator_takes_the_measured_phases_with_their_source(tmp_path / "calibration.json", results[-1])
     left = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
-            and "control_scale.py" in " ".join(p.info["cmdline"] or [])]
+            and str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert not left, left
 
 
@@ -61,3 +65,16 @@ def _the_simulator_takes_the_measured_phases_with_their_source(path, largest: di
                          "deadpool": {"detect": silent["detect_s"], "decide": silent["decide_s"]}}
     source = report.constants(cfg, overrides)["phases.flashrecovery.detect_s"]["source"]
     assert source.startswith("measured: ") and "bench/control_scale.py, control plane at 64 hosts x 4 ranks" in source
+
+
+def test_both_routes_at_one_size_print_their_ratio():
+    """``--route store,agent`` measures each N under both routes in one invocation and prints agent over store."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from control_scale import route_ratio
+
+    store = {"hosts": 16, "controller_cpu": 0.2, "store_ops_per_s": 4000.0, "generators_cpu": 0.5}
+    agent = {"hosts": 16, "controller_cpu": 0.05, "store_ops_per_s": 500.0, "generators_cpu": 0.1}
+    line = route_ratio(store, agent)
+    assert line.startswith("N=16: route=agent / route=store, same run")
+    assert "0.05 / 0.20 core = 0.25x" in line and "500 / 4000 = 0.12x" in line
+    assert "= n/a" in route_ratio({**store, "controller_cpu": 0.0}, agent)
