@@ -101,6 +101,7 @@ class AgentHandle:
         self.last_beat = time.monotonic()
         self.lock = threading.Lock()
         self.watcher: Optional[threading.Thread] = None
+        self.watching = threading.Event()  # its exit watcher's connection is up (``AgentFleet._start_watchers``)
 
     def exit_reported(self, wid: int) -> bool:
         """The worker is gone and the controller has its exit in the queue (a lost node reports none)."""
@@ -136,6 +137,7 @@ class AgentFleet:
         here = set(range(nodes) if started_here is None else started_here)
         gpus = _gpu_shares(nodes, cfg.parallel.procs_per_node) if started_here is None else []
         self.silence_s = silence_s = HeartbeatConfig.of(cfg.heartbeat).silence_s
+        self.start_timeout_s = cfg.launcher.start_timeout_s
         self.notices = cfg.heartbeat.route == "agent"  # the agents wait for the controller's notices
         self.zygote = ForkServer.exec_preloaded(ZYGOTE_PRELOAD + preload)
         self.agents: list[AgentHandle] = []
@@ -148,6 +150,7 @@ class AgentFleet:
                     proc = AgentProcess(self.zygote.start(node_agent.main, (argv, self.secret)))
                 self.agents.append(AgentHandle(n, proc, silence_s))
             self._await_registration(cfg.launcher.start_timeout_s)
+            self._start_watchers(self.agents)
         except BaseException:
             for a in self.agents:
                 if a.proc is not None:
@@ -155,9 +158,6 @@ class AgentFleet:
                     a.proc.wait()
             self.zygote.close()
             raise
-        for a in self.agents:
-            a.watcher = threading.Thread(target=self._watch_exits, args=(a,), name=f"exits-{a.node}", daemon=True)
-            a.watcher.start()
 
     def adopt(self, node: int, registered: bool = True) -> None:
         """A host that joined the running job registered its agent as node ``node``, the next index (a remote
@@ -168,8 +168,7 @@ class AgentFleet:
         if not registered:
             agent.registered, agent.lost = False, True
             return
-        agent.watcher = threading.Thread(target=self._watch_exits, args=(agent,), name=f"exits-{node}", daemon=True)
-        agent.watcher.start()
+        self._start_watchers([agent])
 
     def spawn(self, target, args: tuple, wid: int, node: int) -> None:
         """Node ``node``'s agent starts worker ``wid`` from its fork server. Only the spec travels: the agent
@@ -348,9 +347,25 @@ class AgentFleet:
                                    f"launcher.start_timeout_s={timeout_s}{hint}")
             time.sleep(0.01)
 
+    def _start_watchers(self, agents: list[AgentHandle]) -> None:
+        """Start each agent's exit watcher and return once every one is connected. An exit reported before its
+        watcher's connection is up reaches the controller only when it is: a connection can take seconds (torch's
+        store server looks up each new peer's name, on its one event-loop thread, where reverse DNS is slow), and
+        meanwhile the heartbeat rules would take the exited worker for a hung one."""
+        for a in agents:
+            a.watcher = threading.Thread(target=self._watch_exits, args=(a,), name=f"exits-{a.node}", daemon=True)
+            a.watcher.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        for a in agents:
+            if not a.watching.wait(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"the controller's watcher of node {a.node}'s exits did not connect to the store "
+                                   f"within launcher.start_timeout_s={self.start_timeout_s}s: see the error above it "
+                                   f"in this output, or raise the timeout where connections are slow")
+
     def _watch_exits(self, agent: AgentHandle) -> None:
         """Turn the agent's exit records into the controller's queue items, at once, until the list ends."""
-        store = protocol.connect(*self.address, timeout_s=60)
+        store = protocol.connect(*self.address, timeout_s=self.start_timeout_s)
+        agent.watching.set()
         seen = 0
         try:
             while True:
