@@ -515,6 +515,15 @@ class Run:
                     total[f"{'op' if what in WRITES_AND_READS else 'poll'}:{key_class}"] += 1
         return total
 
+    def controller_read(self, thread: str, since: float) -> bool:
+        """Whether the controller process's thread ``thread`` read a key (a ``get``) after ``since`` (wall time)."""
+        for f in self.counts.glob("*.tsv"):
+            for line in f.read_text().split("\n")[:-1]:
+                t, what, _, _, name = line.split("\t")
+                if name == thread and what == "get" and float(t) > since:
+                    return True
+        return False
+
     def cpu(self, procs: list[subprocess.Popen]) -> float:
         total = 0.0
         for p in procs:
@@ -575,6 +584,9 @@ class Run:
         self.wait_for(f"{kind}: adopted", lambda: self.adopted(gen["gen"]) >= len(gen["members"]) and
                       sum(a["gen"] == gen["gen"] for a in self.adoptions()) == len(self.gens))
         t_adopted = max(a["t"] for a in self.adoptions() if a["gen"] == gen["gen"])
+        if kind == "silent":  # the lost host's exit list ends (the controller writes that): its watcher's last read
+            self.wait_for(f"{kind}: the lost host's exit list read to its end",
+                          lambda: self.controller_read(f"exits-{order['node']}", since=t_fault))
         self.settle()
         spent = self.ops() - ops0
         model = recovery_ops(self.world, self.rph, kind, self.route, self.hosts_lost)
