@@ -259,3 +259,23 @@ def test_runner_deterministic_turns_on_deterministic_kernels_in_a_worker(monkeyp
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_a_text_written_atomically_replaces_the_old_whole_or_not_at_all(tmp_path, monkeypatch):
+    """summary.json's writer: a reader that sees the file sees all of it, and a write that fails leaves the old
+    text and no temporary file."""
+    from runner.plumbing import durable
+
+    path = tmp_path / "summary.json"
+    durable.write_text_atomic(path, json.dumps({"status": "running"}))
+    durable.write_text_atomic(path, json.dumps({"status": "completed"}))
+    assert json.loads(path.read_text()) == {"status": "completed"}
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(durable.os, "fsync", no_space)
+    with pytest.raises(OSError, match="No space"):
+        durable.write_text_atomic(path, json.dumps({"status": "failed"}))
+    assert json.loads(path.read_text()) == {"status": "completed"}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]

@@ -2,7 +2,8 @@
 
 Both the Lightning checkpoint (``runner/checkpoint/writer.py``) and flash_ckpt's persisted snapshots
 (``runner/recovery/flash_ckpt/disk.py``) write to a temporary name, fsync it, rename it over the target
-and fsync the directory, so a crash leaves either the old file or the new one, never half of one.
+and fsync the directory, so a crash leaves either the old file or the new one, never half of one. The run's
+summary.json is written the same way: a reader that sees the file sees all of it.
 """
 
 from __future__ import annotations
@@ -34,3 +35,17 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole, or what it held before: written under a temporary name, fsynced, renamed."""
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)

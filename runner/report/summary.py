@@ -16,6 +16,7 @@ from typing import Optional
 from runner.control.records import Attempt, Recovery, RunRecord, last_step
 from runner.planning.model_cost import mfu
 from runner.planning.module_facts import ModuleFacts, module_facts
+from runner.plumbing.durable import write_text_atomic
 from runner.plumbing.events import committed_steps, read_jsonl
 from runner.report.loggers import run_name
 
@@ -80,7 +81,8 @@ def write_summary(cfg, run_dir: Path, record: RunRecord) -> dict:
         **_after_fit(records),
     }
     summary["effective_training_time_ratio"] = _ettr(train_s, recoveries)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    # whole or absent: a run's end is awaited by watching for this file (tests, sweeps, a user's tools)
+    write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
