@@ -508,21 +508,22 @@ class Run:
         total: Counter = Counter()
         for f in self.out.glob("ops-*.json"):
             total.update(json.loads(f.read_text()))
-        for f in self.counts.glob("*.tsv"):
-            for line in f.read_text().split("\n")[:-1]:  # a line still being written is read next time
-                _, what, key_class, _, _ = line.split("\t")
-                if what not in ("connect", "sockets"):
-                    total[f"{'op' if what in WRITES_AND_READS else 'poll'}:{key_class}"] += 1
+        for _, what, key_class, _ in self.controller_records():
+            if what not in ("connect", "sockets"):
+                total[f"{'op' if what in WRITES_AND_READS else 'poll'}:{key_class}"] += 1
         return total
+
+    def controller_records(self):
+        """The controller process's store records (``runner.plumbing.store_counts``), each ``(wall time, what, key
+        class, thread)``; a line still being written is read next time."""
+        for f in self.counts.glob("*.tsv"):
+            for line in f.read_text().split("\n")[:-1]:
+                t, what, key_class, _, thread = line.split("\t")
+                yield float(t), what, key_class, thread
 
     def controller_read(self, thread: str, since: float) -> bool:
         """Whether the controller process's thread ``thread`` read a key (a ``get``) after ``since`` (wall time)."""
-        for f in self.counts.glob("*.tsv"):
-            for line in f.read_text().split("\n")[:-1]:
-                t, what, _, _, name = line.split("\t")
-                if name == thread and what == "get" and float(t) > since:
-                    return True
-        return False
+        return any(name == thread and what == "get" and t > since for t, what, _, name in self.controller_records())
 
     def cpu(self, procs: list[subprocess.Popen]) -> float:
         total = 0.0
