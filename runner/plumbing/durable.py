@@ -12,8 +12,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def temp_name(path: Path) -> Path:
     """A hidden name beside ``path``, private to this process."""
@@ -21,7 +19,11 @@ def temp_name(path: Path) -> Path:
 
 
 def save_synced(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` and fsync it (``path`` is a temporary name; ``replace_synced`` publishes it)."""
+    """``torch.save`` to ``path`` and fsync it (``path`` is a temporary name the caller renames over its target).
+    torch is imported here, not at the top: summary.json's writer imports this module, and a refused config must
+    stay free of torch (its import took more than half of a refusal's time)."""
+    import torch
+
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
