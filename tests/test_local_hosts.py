@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.local_hosts import Job, c10d_rendezvous, events, max_step, processes_of
+from tests.local_hosts import Job, c10d_rendezvous, events, max_step, processes_of, wait_for
 
 
 def test_a_jobs_processes_carry_its_token_and_end_with_it(tmp_path):
     job = Job(tmp_path / "run")
     proc = job.start([sys.executable, "-c", "import time; time.sleep(120)"])
-    assert proc.pid in processes_of(job.token) and not processes_of("another job")
+    # read from /proc the moment Popen returned, the child's environment once lacked the token (CI, a loaded 2-core
+    # host): it is the started process's, so wait for it there, bounded
+    wait_for("the token in the started process's environment", lambda: proc.pid in processes_of(job.token),
+             timeout_s=30, procs=[proc])
+    assert not processes_of("another job")
     job.close()
     assert proc.poll() is not None and not processes_of(job.token)
 
