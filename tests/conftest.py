@@ -206,7 +206,11 @@ def job():
 @pytest.fixture
 def make_job(tmp_path):
     """Jobs under torchrun or SLURM's variables (``tests/local_hosts.py``); every process of each is gone at the
-    end of the test."""
+    end of the test, and so are its flash-checkpoint segments. A job whose every process tree ended by itself with
+    exit status 0 must have dropped them itself (the test fails if not); one whose hosts the test powered off or
+    killed leaves them by design (a relaunch resumes from memory, and a real host's memory goes with its power)."""
+    from runner.recovery.flash_ckpt.hygiene import cleanup
+    from runner.recovery.flash_names import flash_job_id
     from tests.local_hosts import Job
 
     jobs: list[Job] = []
@@ -217,4 +221,7 @@ def make_job(tmp_path):
 
     yield make
     for j in jobs:
+        ended_cleanly = bool(j.procs) and all(p.poll() == 0 for p in j.procs)
         j.close()
+        left = cleanup(flash_job_id(j.run_dir))
+        assert not (left and ended_cleanly), f"a job whose hosts all ended with 0 left segments in /dev/shm: {left}"
