@@ -208,10 +208,11 @@ class AgentFleet:
         themselves, and nothing is posted."""
         if not self.notices:
             return
+        body = json.dumps(notice)
         for agent in self.agents if nodes is None else [self.agents[n] for n in nodes]:
             if not agent.registered or (nodes is None and agent.lost):
                 continue
-            self.store.set(protocol.agent_key(agent.node, "notice", next(agent.notice_seq)), json.dumps(notice))
+            self.store.set(protocol.agent_key(agent.node, "notice", next(agent.notice_seq)), body)
 
     def lose_node(self, node: int) -> list[int]:
         """Simulate the host going down: its agent SIGKILLed, its workers and persister dying with it.

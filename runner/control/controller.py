@@ -215,13 +215,21 @@ class Controller:
         """One pass over everything but the exits: reports, faults, heartbeats (when due), replacements
         that became ready, the actions' own pacing, a due decision, and the end of the run. A worker's fatal report
         ends the run here: nothing after it may decide a recovery (the worker's exit opened one) or publish a
-        generation."""
+        generation. An exit makes the decision due at once, before its window closes: that early look comes before
+        the heartbeat poll, which walks every worker (tens of milliseconds at 16,384 ranks,
+        bench/control_scale.py), as it decides only on evidence it reads itself (``Detector.conclusive_exit``);
+        every other decision waits for the poll, whose heartbeats may be its proof of life."""
         self.detector.poll_reports()
         if self.record.status != "running":
             return
         self.injector.poll()
         if self.chaos is not None:
             self.chaos.poll(now)
+        decide_at = self.incidents.decide_at
+        if decide_at is not None and decide_at <= now < self.incidents.window_ends:  # an exit's early look
+            self.executor.decide_due(now)
+            if self.record.status != "running":
+                return  # the decision was to fail the run
         if heartbeats:
             self.detector.poll_heartbeats()
             training = [w for w in self.members.live() if w.synced and not w.done]

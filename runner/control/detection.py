@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Optional
 
@@ -68,6 +69,21 @@ class Detector:
         self.cut_off_gens: set[int] = set()  # generations the controller found stuck and cut off
         self.regrouped: set[int] = set()  # complete generations of recoveries whose regroup was timed (or judged)
         self.first_step: dict[int, int] = {}  # generation -> the first step a member was seen training in it
+        self._look: Optional[dict[int, float]] = None  # the agents' beats as a decision in progress read them
+
+    def node_beats(self) -> dict[int, float]:
+        """When each agent last beat: read now, or as the decision in progress read them (``one_look``)."""
+        return self._look if self._look is not None else self.fleet.node_beats()
+
+    @contextmanager
+    def one_look(self) -> Iterator[None]:
+        """The agents' beats read once for a whole decision: one picture for every rule it asks, and one read
+        instead of several (each a ``multi_get`` of every agent's key: ~6 ms at 2,048 hosts)."""
+        self._look = self.fleet.node_beats()
+        try:
+            yield
+        finally:
+            self._look = None
 
     # -- symptoms ---------------------------------------------------------------------------------
     def is_news(self, wid: int, code: int) -> bool:
@@ -104,7 +120,8 @@ class Detector:
         # If this loop itself was late, what looks like silence may be ours: refresh, judge next round.
         judging = now - self._last_hb_poll < 2 * interval
         self._last_hb_poll = now
-        for node, last_beat in self.fleet.node_beats().items():
+        node_beats = self.node_beats()
+        for node, last_beat in node_beats.items():
             if judging and node not in self.silent_reported and now - last_beat > self.hb.silence_s:
                 self.silent_reported.add(node)
                 self.incidents.symptom("node_silent", node=node, t=time.time())
@@ -136,7 +153,7 @@ class Detector:
             if not judging:
                 continue
             if now - w.hb_change > silence_s:
-                node_beat = self.fleet.node_beats().get(w.node)
+                node_beat = node_beats.get(w.node)
                 if node_beat is not None and now - node_beat > 2 * self.hb.agent_beat_s:  # its node went silent too
                     self.silent_reported.add(w.node)
                     self.incidents.symptom("node_silent", node=w.node, t=time.time())
@@ -301,7 +318,7 @@ class Detector:
             if wid is not None and wid not in exited and not workers[wid].dead:
                 return False  # an injected fault's exit is still on its way (or never comes: a lost node)
         now, interval, agents_within = time.monotonic(), self.hb.interval_s, 2 * self.hb.agent_beat_s
-        if any(now - beat > agents_within for node, beat in self.fleet.node_beats().items()
+        if any(now - beat > agents_within for node, beat in self.node_beats().items()
                if node not in self.nodes_lost):
             return False
         # a report about the current generation: alive since it failed (an older one proves nothing now)
@@ -314,19 +331,19 @@ class Detector:
 
     def silent_nodes_now(self) -> set[int]:
         limit = self.hb.silence_s
-        return {node for node, beat in self.fleet.node_beats().items() if time.monotonic() - beat > limit}
+        return {node for node, beat in self.node_beats().items() if time.monotonic() - beat > limit}
 
     def silent_nodes(self, rec: Recovery, now: float) -> list[int]:
         """Nodes silent now or named silent by the recovery, whose loss is not decided yet."""
         limit = self.hb.silence_s
-        silent = {node for node, beat in self.fleet.node_beats().items() if now - beat > limit}
+        silent = {node for node, beat in self.node_beats().items() if now - beat > limit}
         silent |= {s["node"] for s in rec.symptoms if s["kind"] == "node_silent"}
         return sorted(silent - self.nodes_lost)
 
     def all_proved_alive(self, since: float) -> bool:
         """Every live worker and agent has beaten since the first symptom (a silent one is caught by the
         heartbeat rules within the miss window, and the decision then sees it as dead)."""
-        agents_ok = all(beat > since for node, beat in self.fleet.node_beats().items() if node not in self.nodes_lost)
+        agents_ok = all(beat > since for node, beat in self.node_beats().items() if node not in self.nodes_lost)
         return agents_ok and all(w.hb_change > since for w in self.members.live() if w.ready and not w.done)
 
     def isolate_unreachable(self, rec: Recovery, now: float) -> bool:

@@ -30,7 +30,11 @@ class Executor:
 
     def decide_due(self, now: float) -> None:
         """The open recovery is due: decide now if its evidence is conclusive or its window closed, or look
-        again shortly while the picture is incomplete."""
+        again shortly while the picture is incomplete. Every rule it asks sees one read of the agents' beats."""
+        with self.detector.one_look():
+            self._decide_due(now)
+
+    def _decide_due(self, now: float) -> None:
         rec, members, detector, incidents = self.incidents.active, self.members, self.detector, self.incidents
         assert rec is not None  # a decision is due only while a recovery is open (decide_at is set with it)
         if now < incidents.window_ends and not detector.conclusive_exit(rec):

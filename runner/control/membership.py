@@ -158,7 +158,10 @@ class Membership:
         self.gen += 1
         members = sorted((w for w in self.live() if w.ready and w.logical not in self.covered_by),
                          key=lambda w: w.logical)
-        extra = [sorted(rank for rank, wid in self.covered_by.items() if wid == w.wid) for w in members]
+        covering: dict[int, list[int]] = {}  # wid -> the ranks it computes besides its own
+        for rank, wid in sorted(self.covered_by.items()):
+            covering.setdefault(wid, []).append(rank)
+        extra = [covering.get(w.wid, []) for w in members]
         covered = {w.logical for w in members} | set(self.covered_by)
         layout = Layout(
             gen=self.gen, members=[w.wid for w in members], logical=[w.logical for w in members], dp=self.dp,
