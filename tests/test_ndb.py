@@ -113,7 +113,6 @@ def test_a_repaired_split_replica_rejoins_whole_from_its_coordinates_peers(split
     assert all(0 < t["steps_taken_over"] < REPAIR_STEPS - 8 for t in s["takeovers"])
 
 
-
 @pytest.fixture(scope="module")
 def tp2_dp2_repair_reference(tmp_path_factory) -> Run:
     """The fault-free run at TP2_DP2 as long as a repaired run (``REPAIR_STEPS``): the exact repair's reference."""
