@@ -25,6 +25,7 @@ from tests.test_checkpoint import _run_until
 from tests.test_deadpool import FOUR as SPARE_NODE
 from tests.test_deadpool import assert_exact as assert_deadpool_exact
 from tests.test_flashrecovery import FR, HANG, assert_exact, assert_hang_recovered
+from tests.test_phase_timeouts import CALIBRATED
 from tests.test_torchrun_per_host import (
     LAYOUT,
     _complete_after_losing_host_1,
@@ -112,7 +113,16 @@ class _Fleet:
         return {}
 
 
+def _kept(workers: list[Worker], read: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+    """What detection keeps of a read (``Detector.poll_heartbeats``): each worker's ``seq`` and beat."""
+    for w, (seq, beat) in zip(workers, read):
+        w.hb_seq, w.hb_beat = seq, beat
+    return read
+
+
 def test_the_controller_decodes_only_the_records_whose_version_moved():
+    """Only moved records are fetched and decoded; a host whose agent beat again with its record unchanged (and no
+    quiet row) is settled: its ranks proved alive with nothing to read."""
     store = TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=10))
     relays = [BeatRelay(node=n, interval_s=INTERVAL_S) for n in range(3)]
     try:
@@ -132,25 +142,38 @@ def test_the_controller_decodes_only_the_records_whose_version_moved():
         fleet.node_beats()
         reader.refresh()
         assert reader.records_read == 3 and all(reader.started(w) for w in workers)
-        first = reader.read(workers)
+        assert reader.settled() == {}  # every record is new to the caller
+        first = _kept(workers, reader.read(workers))
         relays[1].heard(_beat(1, 2))  # only host 1's rank moved
         publish()
         fleet.node_beats()
         reader.refresh()
         assert reader.records_read == 4
-        second = reader.read(workers)
+        assert sorted(reader.settled()) == [0, 2]
+        second = _kept(workers, reader.read(workers))
         assert [beat["step"] for _, beat in second] == [1, 2, 1]
         assert all(a[0] != b[0] for a, b in zip(first, second))  # every agent beat: each rank proved alive
         # a row not re-read is the same beat (its content handled once); the moved one is new
         assert [a[1] is b[1] for a, b in zip(first, second)] == [True, False, True]
         assert reader.all_heard(workers, 2 * INTERVAL_S, time.time())
+        assert reader.settled() == {}  # no agent beat since the last call: nobody proved alive again
         relays[2].forget(2)  # rank 2 exited: its agent drops its row before the controller handled the exit
         publish()
         fleet.node_beats()
         reader.refresh()
+        settled = reader.settled()
+        assert sorted(settled) == [0, 1] and settled[0] == (reader.rows[0], fleet.agents[0].beats)
         third = reader.read(workers)
-        assert third[2][0] == second[2][0] and third[0][0] != second[0][0]
+        assert third[2] == second[2] and third[0][0] != second[0][0]  # rank 2 keeps its last beat and seq
         assert not reader.all_heard(workers, 2 * INTERVAL_S, time.time())
+        # a quiet row: its host is never settled (the silence rule must see that rank each round)
+        store.set(protocol.agent_key(0, "ranks"), json.dumps({"v": 9, "rows": {"0": {**third[0][1], "quiet": True}}}))
+        store.set(protocol.agent_key(0, "hb"), f"{time.time()!r} 9")
+        for _ in range(2):
+            fleet.node_beats()
+            reader.refresh()
+            assert 0 not in reader.settled()
+        assert reader.read(workers[:1]) == [(workers[0].hb_seq, reader.rows[0][0])]  # a quiet rank's seq holds
     finally:
         for relay in relays:
             relay.close()
@@ -182,6 +205,21 @@ def test_a_stopped_rank_is_found_silent_by_its_agent_diagnosed_and_recovered(fau
     assert_hang_recovered(run, fault_free, hung=1)
     (killed,) = run.events("worker_killed")
     assert "heartbeats missed" in killed["reason"]  # the agent marked it quiet: the silence rule, not a stall
+
+
+def test_a_rank_that_beats_but_holds_its_step_is_found_by_its_phase_timeout(fault_free, run_dir):
+    """fault.hang=stall: rank 1's training thread blocks while its heartbeats go on. Its agent keeps hearing it, so
+    its row never goes quiet and its host's record stops moving: no heartbeat rule can find it, only the step that
+    does not advance, judged from the row the controller read last, within the calibrated timeout."""
+    run = run_cli(*TWO_BY_TWO, *FR, *AGENT, *CALIBRATED, "fault=hang_rank", "fault.hang=stall", "fault.rank=1",
+                  "fault.step=25", run_dir=run_dir)
+    rec = assert_exact(run, fault_free, recoveries=1)["recoveries"][0]
+    assert (rec["fault"], rec["victims"]) == ("hang", [1])
+    stall = rec["stall"]
+    assert stall["phase"] == "compute" and stall["calibrated"], rec
+    assert rec["detect_s"] <= stall["timeout_s"] + 1.0, rec
+    (killed,) = run.events("worker_killed")
+    assert "not advancing in phase compute" in killed["reason"], killed
 
 
 @pytest.mark.slow

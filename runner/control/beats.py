@@ -9,7 +9,9 @@ beat is new. ``AgentBeats`` reads the records the node agents write (``route=age
 only the hosts whose beat names a record version not read yet, one ``multi_get`` for all of them; a worker's beat
 is its row of its host's record, and its ``seq`` is its agent's beat count while the agent heard it within two
 intervals (its row is not ``quiet``) and stays put once it is quiet, so detection's silence rule runs on the agent's
-judgement as it runs on a worker's own sequence number under ``route=store``.
+judgement as it runs on a worker's own sequence number under ``route=store``. ``settled`` names the hosts with nothing
+to read: their agent beat again and their record did not move and holds no quiet row, so each of their workers just
+proved alive; detection gives those workers their new ``seq`` without reading them, and walks only the rest.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class StoreBeats:
 
     def refresh(self) -> None:
         """Nothing to fetch ahead: every read goes to the store."""
+
+    def settled(self) -> dict[int, tuple[dict, int]]:
+        """No host is: every beat is the worker's own, read each time."""
+        return {}
 
     def started(self, w: Worker) -> bool:
         return self.store.check([f"hb/{w.wid}"])
@@ -57,7 +63,8 @@ class AgentBeats:
         self.store, self.fleet = store, fleet
         self.rows: dict[int, dict[int, dict]] = {}  # node -> wid -> its row
         self.versions: dict[int, int] = {}  # node -> the version of its record read last
-        self.last: dict[int, tuple[int, dict]] = {}  # wid -> the (seq, beat) it was last given
+        self.quiet: set[int] = set()  # nodes whose record read last has a quiet row
+        self._seen: dict[int, tuple[dict, int]] = {}  # node -> (its rows, its agent's beats) at the last ``settled``
         self.records_read = 0  # how many records were fetched and decoded (the cost the route keeps low)
 
     def refresh(self) -> None:
@@ -72,7 +79,30 @@ class AgentBeats:
         for agent, raw in zip(moved, raws):
             record = json.loads(raw)  # the newest: at least the version the beat named
             self.versions[agent.node] = record["v"]
-            self.rows[agent.node] = {int(wid): row for wid, row in record["rows"].items()}
+            rows = self.rows[agent.node] = {int(wid): row for wid, row in record["rows"].items()}
+            if any(row["quiet"] for row in rows.values()):
+                self.quiet.add(agent.node)
+            else:
+                self.quiet.discard(agent.node)
+
+    def settled(self) -> dict[int, tuple[dict, int]]:
+        """The hosts whose workers each proved alive since the last call with nothing new to tell: the agent beat
+        again, and its record is the one it had at the last call (the caller handled its rows since) and has no quiet
+        row. node -> (its rows, its agent's beat count: the ``seq`` ``read`` would give each of its rows)."""
+        out: dict[int, tuple[dict, int]] = {}
+        seen, rows, quiet = self._seen, self.rows, self.quiet
+        for agent in self.fleet.agents:
+            node = agent.node
+            host_rows, beats = rows.get(node), agent.beats
+            if host_rows is None:
+                continue  # no record read yet
+            before = seen.get(node)
+            seen[node] = (host_rows, beats)
+            if before is None or agent.lost or node in quiet:
+                continue
+            if before[1] != beats and before[0] is host_rows:  # it beat again; its record is the one handled
+                out[node] = (host_rows, beats)
+        return out
 
     def _row(self, w: Worker) -> Optional[dict]:
         return self.rows.get(w.node, NO_ROWS).get(w.wid)
@@ -82,16 +112,17 @@ class AgentBeats:
 
     def read(self, workers: list[Worker]) -> list[tuple[int, dict]]:
         """Each worker's ``(seq, beat)`` (every one has ``started``): its row, the same object until its host's record
-        is read again. A worker whose row left its host's record (it exited: its agent dropped it) keeps its last
-        beat, whose ``seq`` no longer moves."""
+        is read again. A quiet row's ``seq`` is the one the worker holds (``hb_seq``, as detection last gave it); a
+        worker whose row left its host's record (it exited: its agent dropped it) keeps its last beat and ``seq``."""
         out = []
-        agents, rows, last = self.fleet.agents, self.rows, self.last
+        agents, rows = self.fleet.agents, self.rows
         for w in workers:
             row = rows.get(w.node, NO_ROWS).get(w.wid)
-            if row is not None:
-                seq = agents[w.node].beats if not row["quiet"] else last[w.wid][0] if w.wid in last else 0
-                last[w.wid] = (seq, row)
-            out.append(last[w.wid])
+            if row is None:
+                assert w.hb_beat is not None  # a started worker's beat was handled: its row was read before
+                out.append((w.hb_seq, w.hb_beat))
+            else:
+                out.append((agents[w.node].beats if not row["quiet"] else max(w.hb_seq, 0), row))
         return out
 
     def all_heard(self, workers: list[Worker], within_s: float, wall: float) -> bool:

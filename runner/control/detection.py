@@ -13,6 +13,7 @@ alive since the first symptom, which nodes are silent, and who did not reach a r
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -70,6 +71,7 @@ class Detector:
         self.regrouped: set[int] = set()  # complete generations of recoveries whose regroup was timed (or judged)
         self.first_step: dict[int, int] = {}  # generation -> the first step a member was seen training in it
         self._look: Optional[dict[int, float]] = None  # the agents' beats as a decision in progress read them
+        self.step_floors: dict[int, dict[str, float]] = {}  # node -> phase -> earliest step change (``_stall_due``)
 
     def node_beats(self) -> dict[int, float]:
         """When each agent last beat: read now, or as the decision in progress read them (``one_look``)."""
@@ -126,9 +128,18 @@ class Detector:
                 self.silent_reported.add(node)
                 self.incidents.symptom("node_silent", node=node, t=time.time())
         self.beats.refresh()
+        limits = {phase: self.timeouts.limit(phase) for phase in JUDGED}  # this round's, looked up per worker
+        settled = {node: host for node, host in self.beats.settled().items()
+                   if not self._stall_due(node, now, limits)}
         beating = []
         for w in self.members.live():
             if w.done or w.node in self.silent_reported:
+                continue
+            host = settled.get(w.node)
+            if host is not None and host[0].get(w.wid) is w.hb_beat:
+                # its agent heard it again and nothing else moved: it proved alive, and no rule can apply (its beat's
+                # content was handled, it is not silent, its host has no step held past its phase's limit)
+                w.hb_seq, w.hb_change = host[1], now
                 continue
             if w.hb_seq >= 0 or self.beats.started(w):
                 beating.append(w)
@@ -140,8 +151,8 @@ class Detector:
                                {"phase": "startup", "timeout_s": round(timeout_s, 4), "calibrated": calibrated})
                 if calibrated:
                     self.timeouts.acted("startup")
-        limits = {phase: self.timeouts.limit(phase) for phase in JUDGED}  # this round's, looked up per worker
         silence_s = self.hb.silence_s
+        floors: dict[int, dict[str, float]] = {}  # node -> phase -> the earliest step change of its ranks read here
         for w, (seq, hb) in zip(beating, self.beats.read(beating)):
             if seq != w.hb_seq:
                 if w.hb_seq < 0:  # its first beat, as this loop saw it
@@ -150,6 +161,9 @@ class Detector:
             if hb is not w.hb_beat:  # content not handled yet (under route=agent most rounds bring none)
                 w.hb_beat = hb
                 self._handle(w, hb, now)
+            floor = floors.setdefault(w.node, {})
+            if w.hb_phase in limits and w.hb_step_change < floor.get(w.hb_phase, math.inf):
+                floor[w.hb_phase] = w.hb_step_change
             if not judging:
                 continue
             if now - w.hb_change > silence_s:
@@ -164,9 +178,22 @@ class Detector:
                 # it beats, but its step does not advance (a stopped process is the rule above's: its last phase
                 # as seen may be stale)
                 self.kill_hung(w, *stall)
+        for node, floor in floors.items():
+            if node in settled:  # some of its ranks were not walked: theirs still hold
+                for phase, t in self.step_floors[node].items():
+                    floor[phase] = min(t, floor.get(phase, t))
+            self.step_floors[node] = floor
         if judging and self.incidents.active is None:
             self.judge_generation(now)
         self.timeouts.publish()
+
+    def _stall_due(self, node: int, now: float, limits: dict[str, Optional[tuple[float, bool]]]) -> bool:
+        """Whether a rank of ``node`` may have held its step past its phase's limit (``stall``), judged from the
+        earliest step change per phase among its ranks as last walked: a step changes only in a beat's content, so
+        between two records of the host these floors hold. A host never walked is due."""
+        floor = self.step_floors.get(node)
+        return floor is None or any((limit := limits[phase]) is not None and now - t > limit[0]
+                                    for phase, t in floor.items())
 
     def _handle(self, w: Worker, hb: dict, now: float) -> None:
         """What a beat's content tells: its readers' share, a step or phase left (a dwell sampled), the generation
