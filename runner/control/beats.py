@@ -28,6 +28,8 @@ NO_ROWS: dict[int, dict] = {}  # a host whose record was not read yet
 class StoreBeats:
     """``heartbeat.route=store``: every worker's record under ``hb/<wid>``."""
 
+    settles = False  # ``settled`` never names a host: detection keeps no floors for it
+
     def __init__(self, store) -> None:
         self.store = store
 
@@ -58,6 +60,8 @@ class StoreBeats:
 
 class AgentBeats:
     """``heartbeat.route=agent``: the node agents' records of their ranks, read when their version moved."""
+
+    settles = True
 
     def __init__(self, store, fleet) -> None:
         self.store, self.fleet = store, fleet

@@ -151,7 +151,7 @@ class Detector:
                                {"phase": "startup", "timeout_s": round(timeout_s, 4), "calibrated": calibrated})
                 if calibrated:
                     self.timeouts.acted("startup")
-        silence_s = self.hb.silence_s
+        silence_s, settles = self.hb.silence_s, self.beats.settles
         floors: dict[int, dict[str, float]] = {}  # node -> phase -> the earliest step change of its ranks read here
         for w, (seq, hb) in zip(beating, self.beats.read(beating)):
             if seq != w.hb_seq:
@@ -161,9 +161,10 @@ class Detector:
             if hb is not w.hb_beat:  # content not handled yet (under route=agent most rounds bring none)
                 w.hb_beat = hb
                 self._handle(w, hb, now)
-            floor = floors.setdefault(w.node, {})
-            if w.hb_phase in limits and w.hb_step_change < floor.get(w.hb_phase, math.inf):
-                floor[w.hb_phase] = w.hb_step_change
+            if settles:  # only a source that settles hosts needs their floors (``_stall_due``)
+                floor = floors.setdefault(w.node, {})
+                if w.hb_phase in limits and w.hb_step_change < floor.get(w.hb_phase, math.inf):
+                    floor[w.hb_phase] = w.hb_step_change
             if not judging:
                 continue
             if now - w.hb_change > silence_s:
